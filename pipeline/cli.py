@@ -1,0 +1,42 @@
+"""The `lpx` command line: one module per command under pipeline/commands/."""
+
+from __future__ import annotations
+
+import click
+
+from pipeline import __version__
+from pipeline.commands.compare import compare
+from pipeline.commands.fixture import fixture
+from pipeline.commands.ingest import ingest
+from pipeline.commands.inject import inject
+from pipeline.commands.make_model import make_model
+from pipeline.commands.replay import replay
+from pipeline.commands.rollout import rollout
+from pipeline.commands.smoke import smoke
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "LPX"})
+@click.version_option(__version__, prog_name="lpx")
+def cli() -> None:
+    """lpx: do your rollout and training engines assign the same logprobs to the same tokens?
+
+    Stages read and write files: rollout -> fixture -> replay -> compare -> report.
+    Every option can also come from an environment variable LPX_<COMMAND>_<OPTION>.
+    Exit codes: 0 pass, 1 threshold violated, 2 bad input or infrastructure error.
+
+    \b
+    Example (the whole pipeline on CPU with a tiny model built offline):
+      lpx make-model models/tiny
+      lpx rollout --model models/tiny --prompts prompts.txt --out run/fixture.parquet
+      lpx replay run/fixture.parquet --dtype bf16 --out run/replay.parquet
+      lpx compare run/fixture.parquet run/replay.parquet --out run/compare
+    or just:  lpx smoke --out run/smoke
+    """
+
+
+for command in (make_model, rollout, replay, compare, fixture, ingest, inject, smoke):
+    cli.add_command(command)
+
+
+def main() -> None:
+    cli(prog_name="lpx")

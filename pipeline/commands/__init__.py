@@ -1,0 +1,1 @@
+"""One module per `lpx` command: parse options, call the library, print, exit."""

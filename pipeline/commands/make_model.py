@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from pipeline.tinymodel.build import ARCHITECTURES
+
+
+@click.command("make-model")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--arch", type=click.Choice(ARCHITECTURES), default="llama", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def make_model(out_dir: Path, arch: str, seed: int) -> None:
+    """Build a tiny deterministic causal LM + tokenizer in OUT_DIR, offline.
+
+    It is trained for a few seconds on text shipped with lpx, so its next-token
+    distributions are peaked like a real LM's. Same arch and seed give the same bytes.
+    Hugging Face `AutoModelForCausalLM`/`AutoTokenizer` and vLLM load the directory.
+
+    \b
+    Example:
+      lpx make-model models/tiny-qwen2 --arch qwen2 --seed 1
+    """
+    from pipeline.tinymodel.build import build_tiny_model
+
+    build_tiny_model(out_dir, arch=arch, seed=seed)
+    click.echo(f"wrote tiny {arch} model (seed {seed}) to {out_dir}")

@@ -1,0 +1,28 @@
+"""Options shared by several commands."""
+
+from __future__ import annotations
+
+import click
+
+from pipeline.errors import BadInput
+
+
+def knob_options(function):
+    """`--set key=value` (repeatable): engine-specific knobs, passed through to the adapter."""
+    return click.option(
+        "--set",
+        "knob_pairs",
+        multiple=True,
+        metavar="KNOB=VALUE",
+        help="Engine knob, repeatable (e.g. --set padding_side=left --set packing=true).",
+    )(function)
+
+
+def parse_knobs(pairs: tuple[str, ...]) -> dict[str, str]:
+    knobs = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise BadInput(f"--set {pair!r}: expected KNOB=VALUE, e.g. --set padding_side=left.")
+        knobs[key.strip()] = value.strip()
+    return knobs

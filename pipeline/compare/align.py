@@ -1,0 +1,133 @@
+"""Line up a fixture and a replay token by token, refusing anything that is not the same tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.errors import BadInput
+from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable, offsets_from_lengths, positions_within
+
+KL_CHANNELS = ("old", "ref", "current")
+
+
+@dataclass
+class Region:
+    """Compared tokens of one region (completion or prompt), flat, grouped by sequence."""
+
+    offsets: np.ndarray
+    positions: np.ndarray
+    token_ids: np.ndarray
+    rollout: np.ndarray
+    train: np.ndarray
+
+
+@dataclass
+class Aligned:
+    sequence_ids: list[str]
+    completion: Region
+    prompt: Region | None
+    kl_channels: dict[str, np.ndarray]
+    weight_versions: np.ndarray | None
+
+
+def align(
+    fixture: TokenTable, replay: TokenTable, channel: str, fixture_path: Path, replay_path: Path
+) -> Aligned:
+    if channel not in fixture.channels:
+        have = ", ".join(fixture.channels) or "none"
+        raise BadInput(f"{fixture_path}: no logprob channel {channel!r} (it has: {have}).")
+    if REPLAY_CHANNEL not in replay.channels:
+        raise BadInput(f"{replay_path}: no `replay` logprobs; it is not a replay output.")
+    order = _replay_order(fixture, replay, fixture_path, replay_path)
+    completion_index, completion_offsets = _gather_index(replay.completion_offsets, order)
+    prompt_index, prompt_offsets = _gather_index(replay.prompt_offsets, order)
+    for name, ours, theirs in (
+        ("prompt", fixture.prompt_offsets, prompt_offsets),
+        ("completion", fixture.completion_offsets, completion_offsets),
+    ):
+        lengths_differ = np.flatnonzero(np.diff(ours) != np.diff(theirs))
+        if len(lengths_differ):
+            i = int(lengths_differ[0])
+            raise BadInput(
+                f"{replay_path}: sequence {fixture.sequence_ids[i]!r} has a {name} of "
+                f"{int(np.diff(theirs)[i])} tokens, the fixture {int(np.diff(ours)[i])}; the replay "
+                f"was not made from {fixture_path}."
+            )
+    _same_tokens(fixture, "prompt", replay.prompt_ids[prompt_index], replay_path)
+    _same_tokens(fixture, "completion", replay.completion_ids[completion_index], replay_path)
+    active = fixture.completion_mask
+    active_offsets = offsets_from_lengths(_segment_count(active, fixture.completion_offsets))
+    completion = Region(
+        offsets=active_offsets,
+        positions=fixture.completion_positions()[active],
+        token_ids=fixture.completion_ids[active],
+        rollout=fixture.channels[channel][active],
+        train=replay.channels[REPLAY_CHANNEL][completion_index][active],
+    )
+    prompt = None
+    if fixture.prompt_logprobs is not None and replay.prompt_logprobs is not None:
+        # The first prompt token has no logprob on either side.
+        scored = positions_within(fixture.prompt_offsets) > 0
+        prompt = Region(
+            offsets=offsets_from_lengths(_segment_count(scored, fixture.prompt_offsets)),
+            positions=positions_within(fixture.prompt_offsets)[scored],
+            token_ids=fixture.prompt_ids[scored],
+            rollout=fixture.prompt_logprobs[scored],
+            train=replay.prompt_logprobs[prompt_index][scored],
+        )
+    return Aligned(
+        sequence_ids=fixture.sequence_ids,
+        completion=completion,
+        prompt=prompt,
+        kl_channels={c: fixture.channels[c][active] for c in KL_CHANNELS if c in fixture.channels},
+        weight_versions=None if fixture.weight_versions is None else fixture.weight_versions[active],
+    )
+
+
+def _replay_order(fixture, replay, fixture_path, replay_path) -> np.ndarray:
+    """For each fixture sequence, the index of the same sequence id in the replay."""
+    if replay.sequence_ids == fixture.sequence_ids:
+        return np.arange(fixture.num_sequences)
+    position = replay.index_of()
+    missing = [s for s in fixture.sequence_ids if s not in position]
+    extra = sorted(set(position) - set(fixture.sequence_ids))
+    if missing or extra:
+        side, ids, other = (
+            (replay_path, missing, fixture_path) if missing else (fixture_path, extra, replay_path)
+        )
+        shown = ", ".join(repr(s) for s in ids[:5]) + (" ..." if len(ids) > 5 else "")
+        raise BadInput(
+            f"{side}: {len(ids)} sequence id(s) of {other} are missing here ({shown}); "
+            "compare a replay with the fixture it was made from."
+        )
+    return np.array([position[s] for s in fixture.sequence_ids], dtype=np.int64)
+
+
+def _gather_index(offsets: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flat element index that reorders ragged rows into ``order``, and the new offsets."""
+    lengths = np.diff(offsets)[order]
+    new_offsets = offsets_from_lengths(lengths)
+    index = positions_within(new_offsets) + np.repeat(offsets[:-1][order], lengths)
+    return index, new_offsets
+
+
+def _same_tokens(fixture: TokenTable, region: str, theirs: np.ndarray, replay_path) -> None:
+    ours = fixture.prompt_ids if region == "prompt" else fixture.completion_ids
+    offsets = fixture.prompt_offsets if region == "prompt" else fixture.completion_offsets
+    differ = np.flatnonzero(ours != theirs)
+    if len(differ):
+        flat = int(differ[0])
+        seq = int(np.searchsorted(offsets, flat, side="right") - 1)
+        raise BadInput(
+            f"{replay_path}: sequence {fixture.sequence_ids[seq]!r} {region} position "
+            f"{flat - int(offsets[seq])} holds token {int(theirs[flat])} where the fixture has "
+            f"{int(ours[flat])}; a replay must score the fixture's exact tokens."
+        )
+
+
+def _segment_count(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    cumulative = np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])
+    return cumulative[offsets[1:]] - cumulative[offsets[:-1]]

@@ -1,0 +1,130 @@
+"""Write a comparison's outputs: report.json, the token-level drift table and summary.md."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.compare.run import Comparison
+
+REPORT = "report.json"
+TOKENS = "tokens.parquet"
+SUMMARY = "summary.md"
+SUMMARY_METRICS = (
+    "tokens", "max_abs_diff", "mean_abs_diff", "p99_abs_diff", "p999_abs_diff", "frac_over_tau",
+    "k1", "k3", "is_ratio_mean", "ess", "clip_frac", "max_seq_mean_abs_diff",
+)
+
+
+def write_outputs(comparison: Comparison, out_dir: Path) -> dict[str, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"report": out_dir / REPORT, "tokens": out_dir / TOKENS, "summary": out_dir / SUMMARY}
+    _write_tokens(comparison, paths["tokens"])
+    _atomic_write(paths["summary"], render_summary(comparison.report))
+    # The report goes last: its presence means the comparison finished.
+    _atomic_write(paths["report"], json.dumps(_json_safe(comparison.report), indent=1) + "\n")
+    return paths
+
+
+def render_summary(report: dict) -> str:
+    policy, metrics = report["policy"], report["metrics"]
+    fixture, replay = report["metadata"]["fixture"], report["metadata"]["replay"]
+    lines = [
+        f"# lpx compare: {report['verdict'].upper()}",
+        "",
+        f"- rollout: {_engine(fixture)} ({fixture['path']}, channel `{fixture['channel']}`)",
+        f"- replay: {_engine(replay)} ({replay['path']})",
+        f"- policy: {policy['source']}, profile `{policy['profile']}`, tau {policy['tau']:g}",
+        f"- sign: {report['sign_convention']}",
+        "",
+        "| metric | value | limit |",
+        "|---|---|---|",
+    ]
+    for name in SUMMARY_METRICS:
+        if name in metrics:
+            limit = policy["limits"].get(name)
+            lines.append(f"| {name} | {_fmt(metrics[name])} | {'' if limit is None else _fmt(limit)} |")
+    if policy["violations"]:
+        lines += ["", "## Violations", ""]
+        lines += [f"- {v['metric']} = {_fmt(v['value'])} > {_fmt(v['limit'])}" for v in policy["violations"]]
+    lines += ["", "## Diagnosis", ""]
+    if not report["diagnosis"]:
+        lines.append("- no drift above tau; nothing to explain")
+    for finding in report["diagnosis"]:
+        lines.append(f"- **{finding['cause']}** ({finding['severity']}): {finding['evidence']}")
+    lines += ["", "## Worst tokens", "", "| sequence | position | region | token | rollout | train | abs diff |", "|---|---|---|---|---|---|---|"]
+    for row in report["worst"][:10]:
+        lines.append(
+            f"| {row['sequence_id']} | {row['position']} | {row['region']} | {row['token_id']} | "
+            f"{row['logprob_rollout']:.6g} | {row['logprob_train']:.6g} | {row['abs_diff']:.3g} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _write_tokens(comparison: Comparison, path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    aligned, tables = comparison.aligned, []
+    regions = [("completion", aligned.completion)] + ([("prompt", aligned.prompt)] if aligned.prompt else [])
+    ids = np.asarray(aligned.sequence_ids, dtype=object)
+    for name, region in regions:
+        lengths = np.diff(region.offsets)
+        diff = region.train.astype(np.float64) - region.rollout.astype(np.float64)
+        tables.append(
+            pa.table(
+                {
+                    "sequence_id": pa.DictionaryArray.from_arrays(
+                        np.repeat(np.arange(len(ids), dtype=np.int32), lengths), pa.array(ids, pa.string())
+                    ),
+                    "position": region.positions.astype(np.int32),
+                    "region": pa.array([name] * len(diff)).dictionary_encode(),
+                    "token_id": region.token_ids,
+                    "logprob_rollout": region.rollout,
+                    "logprob_train": region.train,
+                    "diff": diff,
+                    "over_tau": np.abs(diff) > comparison.tau,
+                }
+            )
+        )
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(pa.concat_tables(tables), tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _engine(side: dict) -> str:
+    engine = side.get("engine") or {}
+    versions = engine.get("versions") or {}
+    version = versions.get(engine.get("name", ""), versions.get("transformers", "?"))
+    return f"{engine.get('name', '?')} {version} {side.get('dtype', '?')}"
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _json_safe(value):
+    """JSON has no NaN/inf: write them as strings a reader can still recognise."""
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (np.floating, float)):
+        value = float(value)
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return value

@@ -1,0 +1,166 @@
+"""Compare one replay against one fixture: metrics, worst tokens, diagnosis and verdict."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.compare.align import Aligned, Region, align
+from pipeline.compare.diagnosis import SequenceView, diagnose
+from pipeline.compare.metrics import (
+    SIGN_CONVENTION,
+    batch_metrics,
+    kl_input_drift,
+    sequence_metrics,
+)
+from pipeline.compare.policy import Policy, judge, load_policy, profile_for
+from pipeline.errors import BadInput
+from pipeline.fixture.io import read_table, validate_table
+from pipeline.fixture.table import REPLAY_CHANNEL
+
+WORST_TOKENS = 20
+
+
+@dataclass
+class Comparison:
+    report: dict
+    aligned: Aligned
+    tau: float
+
+
+def compare_files(
+    fixture_path: Path,
+    replay_path: Path,
+    policy: Policy | None = None,
+    profile: str | None = None,
+    channel: str = "rollout",
+    allow_weight_mismatch: bool = False,
+    command_line: str = "",
+) -> Comparison:
+    fixture = read_table(fixture_path, expect_kind="fixture")
+    replay = read_table(replay_path, expect_kind="replay")
+    vocab_size = (fixture.metadata.get("model") or {}).get("vocab_size")
+    validate_table(fixture, fixture_path, vocab_size)
+    validate_table(replay, replay_path, vocab_size)
+    fixture_weights = (fixture.metadata.get("model") or {}).get("weights_fingerprint")
+    replay_weights = (replay.metadata.get("model") or {}).get("weights_fingerprint")
+    if fixture_weights and replay_weights and fixture_weights != replay_weights and not allow_weight_mismatch:
+        raise BadInput(
+            f"{replay_path}: made from weights {replay_weights[:23]}... but {fixture_path} from "
+            f"{fixture_weights[:23]}...; replay the fixture's model, or pass "
+            "--allow-weight-mismatch to measure and diagnose the stale weights."
+        )
+    aligned = align(fixture, replay, channel, fixture_path, replay_path)
+    policy = policy or load_policy()
+    dtypes = [fixture.metadata.get("dtype", "float32"), replay.metadata.get("dtype", "float32")]
+    profile = profile or profile_for(dtypes)
+    tau = float(policy.profile(profile)["tau"])
+
+    completion = aligned.completion
+    metrics = batch_metrics(completion.train, completion.rollout, tau)
+    per_sequence = sequence_metrics(completion.train, completion.rollout, completion.offsets)
+    metrics["max_seq_mean_abs_diff"] = float(per_sequence["mean_abs_diff"].max(initial=0.0))
+    by_region = {"completion": metrics}
+    if aligned.prompt is not None:
+        by_region["prompt"] = batch_metrics(aligned.prompt.train, aligned.prompt.rollout, tau)
+    context = _diagnosis_context(fixture.metadata, replay.metadata, aligned, dtypes)
+    context.update(fixture_weights=fixture_weights, replay_weights=replay_weights)
+    findings = [f.as_dict() for f in diagnose(_views(aligned, per_sequence, tau), context)]
+    judgement = judge(policy, profile, metrics, findings)
+    report = {
+        "verdict": judgement["verdict"],
+        "sign_convention": SIGN_CONVENTION,
+        "metrics": {
+            **metrics,
+            "by_region": by_region,
+            "kl_input_drift": kl_input_drift(completion.train, completion.rollout, aligned.kl_channels),
+        },
+        "sequences": _sequence_rows(aligned, per_sequence, tau),
+        "worst": worst_tokens(aligned, WORST_TOKENS),
+        "diagnosis": findings,
+        "policy": judgement,
+        "metadata": {
+            "fixture": {"path": str(fixture_path), "channel": channel, **fixture.metadata},
+            "replay": {"path": str(replay_path), "channel": REPLAY_CHANNEL, **replay.metadata},
+            "command_line": command_line,
+        },
+    }
+    return Comparison(report, aligned, tau)
+
+
+def worst_tokens(aligned: Aligned, k: int) -> list[dict]:
+    """The k tokens with the largest |d| across the compared regions."""
+    rows = []
+    for region_name, region in _regions(aligned):
+        diff = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
+        top = np.argpartition(-diff, min(k, len(diff)) - 1)[:k] if len(diff) else []
+        sequence_of = np.searchsorted(region.offsets, top, side="right") - 1
+        for flat, seq in zip(top, sequence_of):
+            rows.append(
+                {
+                    "sequence_id": aligned.sequence_ids[int(seq)],
+                    "position": int(region.positions[flat]),
+                    "token_id": int(region.token_ids[flat]),
+                    "region": region_name,
+                    "logprob_rollout": float(region.rollout[flat]),
+                    "logprob_train": float(region.train[flat]),
+                    "abs_diff": float(diff[flat]),
+                }
+            )
+    return sorted(rows, key=lambda row: -row["abs_diff"])[:k]
+
+
+def _regions(aligned: Aligned) -> list[tuple[str, Region]]:
+    regions = [("completion", aligned.completion)]
+    return regions + ([("prompt", aligned.prompt)] if aligned.prompt is not None else [])
+
+
+def _views(aligned: Aligned, per_sequence: dict, tau: float) -> list[SequenceView]:
+    region, views = aligned.completion, []
+    for i in np.flatnonzero(per_sequence["max_abs_diff"] > tau):
+        span = slice(int(region.offsets[i]), int(region.offsets[i + 1]))
+        versions = aligned.weight_versions
+        views.append(
+            SequenceView(
+                aligned.sequence_ids[i],
+                region.positions[span],
+                region.rollout[span],
+                region.train[span],
+                None if versions is None else versions[span],
+                tau,
+            )
+        )
+    return views
+
+
+def _diagnosis_context(fixture_meta: dict, replay_meta: dict, aligned: Aligned, dtypes) -> dict:
+    context = {"low_precision_dtype": profile_for(dtypes)}
+    reference = replay_meta.get("weight_version")
+    if reference is None and aligned.weight_versions is not None and len(aligned.weight_versions):
+        reference = Counter(aligned.weight_versions.tolist()).most_common(1)[0][0]
+    context["reference_weight_version"] = reference
+    sampling = fixture_meta.get("sampling") or {}
+    holds = str((fixture_meta.get("logprob_channels") or {}).get("rollout", ""))
+    replay_temperature = (replay_meta.get("knobs") or {}).get("temperature", 1.0)
+    rollout_temperature = sampling.get("temperature", 1.0) if holds.startswith("processed") else 1.0
+    if sampling and rollout_temperature != replay_temperature:
+        context["temperature_hint"] = (
+            f"the fixture's rollout channel holds {holds or 'unknown'} (sampling temperature "
+            f"{sampling.get('temperature')}) and the replay applied temperature {replay_temperature}"
+        )
+    return context
+
+
+def _sequence_rows(aligned: Aligned, per_sequence: dict, tau: float) -> list[dict]:
+    names = ("tokens", "max_abs_diff", "mean_abs_diff", "sum_abs_diff", "sum_diff", "log_ppl_diff", "chi2_seq")
+    columns = {name: per_sequence[name].tolist() for name in names}
+    rows = []
+    for i, sequence_id in enumerate(aligned.sequence_ids):
+        row = {"sequence_id": sequence_id}
+        row.update({name: columns[name][i] for name in names})
+        row["over_tau"] = columns["max_abs_diff"][i] > tau
+        rows.append(row)
+    return rows

@@ -1,0 +1,96 @@
+"""Loading a Hugging Face checkpoint and the logit processing shared by HF rollout and replay."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+from pipeline.errors import BadInput
+from pipeline.fingerprint import tokenizer_fingerprint, weights_fingerprint
+
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_model(model_dir: Path, dtype: str = "float32", attn_implementation: str = "sdpa"):
+    """Load a causal LM for inference from a local directory (never from a hub)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if not (Path(model_dir) / "config.json").is_file():
+        raise BadInput(
+            f"{model_dir}: no config.json; pass a local Hugging Face model directory "
+            "(build a tiny one with `lpx make-model DIR`)."
+        )
+    if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise BadInput(
+            f"attention implementation {attn_implementation!r} is not available on this engine; "
+            f"use one of {', '.join(ATTENTION_IMPLEMENTATIONS)}."
+        )
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir),
+        dtype=torch_dtype(dtype),
+        attn_implementation=attn_implementation,
+        local_files_only=True,
+    )
+    model.eval()
+    torch.set_grad_enabled(False)
+    return model
+
+
+def model_metadata(model_dir: Path) -> dict:
+    """What identifies the model: path, architecture, vocabulary and fingerprints."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    built = Path(model_dir) / "lpx-model.json"
+    return {
+        "path": str(Path(model_dir).resolve()),
+        "revision": json.loads(built.read_text()) if built.is_file() else None,
+        "architecture": (config.get("architectures") or ["unknown"])[0],
+        "vocab_size": config.get("vocab_size"),
+        "weights_fingerprint": weights_fingerprint(model_dir),
+        "tokenizer_fingerprint": tokenizer_fingerprint(model_dir),
+    }
+
+
+def software_versions() -> dict:
+    import numpy
+    import torch
+    import transformers
+
+    from pipeline import __version__
+
+    return {
+        "lpx": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "numpy": numpy.__version__,
+    }
+
+
+def process_logits(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """Apply temperature, then top-k, then top-p (vLLM's order) to fp32 logits [..., vocab]."""
+    import torch
+
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # Keep a token while the mass before it is below top_p (the top token always stays).
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits

@@ -1,0 +1,232 @@
+"""Teacher-forced replay with Hugging Face transformers: the training-side reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.engines.base import canonical_dtype
+from pipeline.engines.hf_common import (
+    load_model,
+    model_metadata,
+    process_logits,
+    software_versions,
+)
+from pipeline.errors import BadInput
+from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable, table_from_sequences
+from pipeline.progress import progress_bar
+
+PADDING_SIDES = ("right", "left")
+
+
+@dataclass(frozen=True)
+class ReplayKnobs:
+    """Every setting of the HF replay that can change a logprob."""
+
+    dtype: str = "float32"
+    micro_batch_size: int = 8
+    padding_side: str = "right"
+    packing: bool = False
+    attn_implementation: str = "sdpa"
+    lm_head_fp32: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    prompt_logprobs: bool = False
+
+    @classmethod
+    def from_dict(cls, knobs: dict) -> ReplayKnobs:
+        unknown = set(knobs) - set(cls.__dataclass_fields__)
+        if unknown:
+            known = ", ".join(cls.__dataclass_fields__)
+            raise BadInput(f"unknown hf replay knob(s) {', '.join(sorted(unknown))}; known: {known}.")
+        values = {}
+        for name, value in knobs.items():
+            default = cls.__dataclass_fields__[name].default
+            values[name] = _coerce(name, value, type(default))
+        values["dtype"] = _checked(canonical_dtype, values.get("dtype", "float32"))
+        knobs_obj = cls(**values)
+        if knobs_obj.padding_side not in PADDING_SIDES:
+            raise BadInput(f"padding_side must be one of {', '.join(PADDING_SIDES)}.")
+        if knobs_obj.micro_batch_size < 1:
+            raise BadInput("micro_batch_size must be at least 1.")
+        if knobs_obj.temperature <= 0:
+            raise BadInput("temperature must be > 0 for teacher-forced scoring.")
+        return knobs_obj
+
+
+class HFScoringEngine:
+    name = "hf"
+
+    def score(self, fixture: TokenTable, model_dir: Path, knobs: dict) -> TokenTable:
+        settings = ReplayKnobs.from_dict(knobs)
+        model = load_model(model_dir, settings.dtype, settings.attn_implementation)
+        completions, prompts_lp = [], []
+        batches = range(0, fixture.num_sequences, settings.micro_batch_size)
+        for start in progress_bar(batches, desc="hf replay", unit="batch"):
+            indices = range(start, min(start + settings.micro_batch_size, fixture.num_sequences))
+            pairs = [(fixture.prompt_of(i), fixture.completion_of(i)) for i in indices]
+            for completion_lp, prompt_lp in score_batch(model, pairs, settings):
+                completions.append(completion_lp)
+                prompts_lp.append(prompt_lp)
+        return table_from_sequences(
+            "replay",
+            fixture.sequence_ids,
+            [fixture.prompt_of(i) for i in range(fixture.num_sequences)],
+            [fixture.completion_of(i) for i in range(fixture.num_sequences)],
+            {REPLAY_CHANNEL: completions},
+            masks=np.split(fixture.completion_mask, fixture.completion_offsets[1:-1]),
+            prompt_logprobs=prompts_lp if settings.prompt_logprobs else None,
+            metadata=replay_metadata(model, model_dir, settings),
+        )
+
+
+def score_batch(model, pairs, settings: ReplayKnobs, position_ids=None):
+    """Selected-token logprobs for a micro-batch of (prompt ids, completion ids) pairs.
+
+    Returns one (completion logprobs, prompt logprobs or None) per pair. Logits are computed
+    only at the positions that predict a scored token, so the harness costs less than a
+    full-vocabulary forward. ``position_ids`` (one array per pair) overrides the default
+    0..len-1 rule; fault injection uses it to reproduce position-id bugs.
+    """
+    import torch
+
+    sequences = [np.concatenate([p, c]).astype(np.int64) for p, c in pairs]
+    positions = position_ids or [np.arange(len(s)) for s in sequences]
+    if settings.packing:
+        inputs, starts = _packed_inputs(model, sequences, positions)
+    else:
+        inputs, starts = _padded_inputs(model, sequences, positions, settings.padding_side)
+    hidden = model.base_model(**inputs).last_hidden_state
+    rows, targets, spans = [], [], []
+    for i, (prompt, _completion) in enumerate(pairs):
+        first = 1 if settings.prompt_logprobs else len(prompt)
+        row, start = starts[i]
+        # The hidden state at position t predicts the token at t + 1.
+        rows.append((row, torch.arange(start + first - 1, start + len(sequences[i]) - 1)))
+        targets.append(torch.from_numpy(sequences[i][first:]))
+        spans.append((first, len(prompt)))
+    selected = torch.cat([hidden[row, cols] for row, cols in rows])
+    logprobs = _selected_logprobs(model, selected, torch.cat(targets), settings)
+    results, cursor = [], 0
+    for (first, prompt_length), target in zip(spans, targets):
+        values = logprobs[cursor : cursor + len(target)]
+        cursor += len(target)
+        split = prompt_length - first
+        prompt_lp = None
+        if settings.prompt_logprobs:
+            # The first prompt token has no context, hence no logprob.
+            prompt_lp = np.concatenate([[np.nan], values[:split]]).astype(np.float32)
+        results.append((values[split:].astype(np.float32), prompt_lp))
+    return results
+
+
+def _selected_logprobs(model, hidden_rows, targets, settings: ReplayKnobs) -> np.ndarray:
+    import torch
+
+    head = model.get_output_embeddings()
+    if settings.lm_head_fp32:
+        logits = torch.nn.functional.linear(
+            hidden_rows.float(), head.weight.float(), None if head.bias is None else head.bias.float()
+        )
+    else:
+        logits = head(hidden_rows).float()
+    logits = process_logits(logits, settings.temperature, settings.top_k, settings.top_p)
+    logprobs = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    return logprobs.numpy()
+
+
+def _padded_inputs(model, sequences, positions, padding_side: str):
+    import torch
+
+    width = max(len(s) for s in sequences)
+    pad_id = model.config.pad_token_id or 0
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    position_ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    starts = []
+    for i, (sequence, position) in enumerate(zip(sequences, positions)):
+        start = 0 if padding_side == "right" else width - len(sequence)
+        span = slice(start, start + len(sequence))
+        input_ids[i, span] = torch.from_numpy(sequence)
+        attention_mask[i, span] = 1
+        position_ids[i, span] = torch.as_tensor(position)
+        starts.append((i, start))
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    return inputs, starts
+
+
+def _packed_inputs(model, sequences, positions):
+    """One row holding all sequences, with a block-diagonal causal mask between them."""
+    import torch
+
+    total = sum(len(s) for s in sequences)
+    segment = torch.repeat_interleave(
+        torch.arange(len(sequences)), torch.tensor([len(s) for s in sequences])
+    )
+    allowed = torch.tril(torch.ones(total, total, dtype=torch.bool))
+    allowed &= segment[:, None] == segment[None, :]
+    dtype = model.get_output_embeddings().weight.dtype
+    # An additive float mask: both the eager and sdpa attention paths read it the same way.
+    mask = torch.zeros((1, 1, total, total), dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    starts, cursor = [], 0
+    for sequence in sequences:
+        starts.append((0, cursor))
+        cursor += len(sequence)
+    inputs = {
+        "input_ids": torch.from_numpy(np.concatenate(sequences))[None],
+        "position_ids": torch.from_numpy(np.concatenate(positions).astype(np.int64))[None],
+        "attention_mask": mask,
+    }
+    return inputs, starts
+
+
+def replay_metadata(model, model_dir: Path, settings: ReplayKnobs) -> dict:
+    import dataclasses
+
+    applied = dataclasses.asdict(settings)
+    # Read back what the engine actually runs with, not only what was asked.
+    applied["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    applied["attn_implementation"] = model.config._attn_implementation
+    return {
+        "engine": {"name": "hf", "role": "replay", "versions": software_versions()},
+        "dtype": applied["dtype"],
+        "knobs": applied,
+        "layout": {
+            "world_size": 1,
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "micro_batch_size": settings.micro_batch_size,
+            "padding_side": settings.padding_side,
+            "packing": settings.packing,
+            "attn_implementation": applied["attn_implementation"],
+        },
+        "model": model_metadata(model_dir),
+        "position_id_rule": "arange",
+    }
+
+
+def _coerce(name: str, value, kind: type):
+    if isinstance(value, kind) or kind is str:
+        return value if kind is not str else str(value)
+    text = str(value).strip().lower()
+    try:
+        if kind is bool:
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        return kind(value)
+    except ValueError:
+        raise BadInput(f"knob {name}={value!r}: expected a {kind.__name__}.") from None
+
+
+def _checked(function, value):
+    try:
+        return function(value)
+    except ValueError as error:
+        raise BadInput(str(error)) from None

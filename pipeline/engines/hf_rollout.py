@@ -1,0 +1,128 @@
+"""Sampling rollouts with Hugging Face transformers and a KV cache, from token-id prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.engines.base import SamplingParams, canonical_dtype
+from pipeline.engines.hf_common import (
+    load_model,
+    model_metadata,
+    process_logits,
+    software_versions,
+)
+from pipeline.errors import BadInput
+from pipeline.fixture.table import table_from_sequences
+from pipeline.progress import progress_bar
+
+DEFAULT_KNOBS = {"dtype": "float32", "batch_size": 8, "attn_implementation": "sdpa"}
+
+
+class HFRolloutEngine:
+    name = "hf"
+
+    def rollout(self, model_dir: Path, prompts: list[list[int]], sampling: SamplingParams, knobs: dict):
+        import torch
+
+        unknown = set(knobs) - set(DEFAULT_KNOBS)
+        if unknown:
+            raise BadInput(
+                f"unknown hf rollout knob(s) {', '.join(sorted(unknown))}; known: {', '.join(DEFAULT_KNOBS)}."
+            )
+        settings = {**DEFAULT_KNOBS, **knobs}
+        try:
+            settings["dtype"] = canonical_dtype(settings["dtype"])
+            settings["batch_size"] = int(settings["batch_size"])
+        except ValueError as error:
+            raise BadInput(f"hf rollout knobs: {error}") from None
+        if sampling.logprobs_mode not in ("raw", "processed"):
+            raise BadInput("logprobs_mode must be 'raw' or 'processed'.")
+        model = load_model(model_dir, settings["dtype"], settings["attn_implementation"])
+        generator = torch.Generator().manual_seed(sampling.seed)
+        work = [
+            (f"{p}-{s}", list(prompt))
+            for p, prompt in enumerate(prompts)
+            for s in range(sampling.samples_per_prompt)
+        ]
+        results = []
+        batches = range(0, len(work), settings["batch_size"])
+        for start in progress_bar(batches, desc="hf rollout", unit="batch"):
+            batch = work[start : start + settings["batch_size"]]
+            results.extend(_generate_batch(model, [p for _, p in batch], sampling, generator))
+        main, other = ("raw", "processed") if sampling.logprobs_mode == "raw" else ("processed", "raw")
+        applied = {
+            **settings,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "attn_implementation": model.config._attn_implementation,
+            "kv_cache": True,
+        }
+        return table_from_sequences(
+            "fixture",
+            [sequence_id for sequence_id, _ in work],
+            [prompt for _, prompt in work],
+            [r["tokens"] for r in results],
+            {"rollout": [r[main] for r in results], f"rollout_{other}": [r[other] for r in results]},
+            finish_reasons=[r["finish_reason"] for r in results],
+            metadata={
+                "engine": {"name": "hf", "role": "rollout", "versions": software_versions()},
+                "dtype": applied["dtype"],
+                "knobs": applied,
+                "sampling": sampling.as_dict(),
+                "logprob_channels": {
+                    "rollout": f"{main} logprob of the sampled token",
+                    f"rollout_{other}": f"{other} logprob of the sampled token",
+                },
+                "model": model_metadata(model_dir),
+                "position_id_rule": "arange",
+            },
+        )
+
+
+def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, generator):
+    """Decode one left-padded batch with a KV cache; per row: tokens, raw and processed logprobs."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    pad_id = model.config.pad_token_id or 0
+    eos_id = None if sampling.ignore_eos else model.config.eos_token_id
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[i, width - len(prompt) :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+    rows = [{"tokens": [], "raw": [], "processed": [], "finish_reason": "length"} for _ in prompts]
+    done = torch.zeros(len(prompts), dtype=torch.bool)
+    next_position = position_ids[:, -1] + 1
+    for _ in range(sampling.max_tokens):
+        logits = out.logits[:, -1, :].float()
+        raw = logits.log_softmax(-1)
+        if sampling.temperature == 0:  # greedy: nothing is processed
+            processed, token = raw, raw.argmax(-1)
+        else:
+            processed = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p).log_softmax(-1)
+            token = torch.multinomial(processed.exp(), 1, generator=generator).squeeze(-1)
+        for i in np.flatnonzero(~done.numpy()):
+            t = int(token[i])
+            rows[i]["tokens"].append(t)
+            rows[i]["raw"].append(float(raw[i, t]))
+            rows[i]["processed"].append(float(processed[i, t]))
+            if eos_id is not None and t == eos_id:
+                rows[i]["finish_reason"] = "stop"
+                done[i] = True
+        if bool(done.all()):
+            break
+        attention_mask = torch.cat([attention_mask, (~done).long()[:, None]], dim=1)
+        out = model(
+            input_ids=token.masked_fill(done, pad_id)[:, None],
+            attention_mask=attention_mask,
+            position_ids=next_position[:, None],
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+        next_position = next_position + 1
+    return rows
+

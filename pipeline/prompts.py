@@ -1,0 +1,59 @@
+"""Prompt sets: token ids from JSONL (`prompt_ids`) or text tokenized with the model's tokenizer."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from pipeline.errors import BadInput
+
+
+def smoke_prompt_texts() -> list[str]:
+    text = resources.files("pipeline").joinpath("smoke_prompts.txt").read_text("utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def load_prompts(path: Path, model_dir: Path) -> list[list[int]]:
+    """Read prompts from ``path``: JSONL lines with `prompt_ids` or `text`, or plain text lines."""
+    try:
+        lines = Path(path).read_text("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise BadInput(f"{path}: cannot read prompts ({error}).") from None
+    prompts: list = []  # token-id lists, or text to tokenize in one go below
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if not line.lstrip().startswith("{"):
+            prompts.append(line)
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            raise BadInput(f"{path} line {number}: not valid JSON ({error.msg}).") from None
+        if "prompt_ids" in record:
+            ids = record["prompt_ids"]
+            if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise BadInput(f"{path} line {number}: prompt_ids must be a non-empty list of token ids.")
+            prompts.append(list(ids))
+        elif "text" in record:
+            prompts.append(str(record["text"]))
+        else:
+            raise BadInput(f"{path} line {number}: needs `prompt_ids` (token ids) or `text`.")
+    if not prompts:
+        raise BadInput(f"{path}: no prompts found.")
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(tokenize(model_dir, texts) if texts else [])
+    return [next(encoded) if isinstance(p, str) else p for p in prompts]
+
+
+def tokenize(model_dir: Path, texts: list[str]) -> list[list[int]]:
+    """Token ids with the model's own tokenizer, BOS first when the tokenizer has one."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise BadInput(f"{model_dir}: cannot load its tokenizer to encode text prompts ({error}).") from None
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return [bos + tokenizer(text, add_special_tokens=False).input_ids for text in texts]
