@@ -162,19 +162,26 @@ def detect_weight_version(view: SequenceView, context: dict):
 
 def detect_temperature(view: SequenceView, context: dict):
     bad = view.bad
-    if bad.sum() < 3:
-        return None
+    if bad.sum() < 3 or context.get("weights_differ"):
+        return None  # different weights can rescale logits too: the fingerprint says more
     rollout, train = view.rollout[bad].astype(np.float64), view.train[bad].astype(np.float64)
-    slope, intercept = np.polyfit(train, rollout, 1)
-    residual = rollout - (slope * train + intercept)
-    total = np.sum((rollout - rollout.mean()) ** 2)
+    # Processed logprobs are logp / T minus a per-position log-normaliser that stays small,
+    # so the gap itself is linear in the raw logprob. R^2 is taken on the gap, not on the
+    # logprobs: noise or other weights leave the gap uncorrelated with the logprob.
+    gap = rollout - train
+    gap_slope, intercept = np.polyfit(train, gap, 1)
+    residual = gap - (gap_slope * train + intercept)
+    total = np.sum((gap - gap.mean()) ** 2)
     r2 = 1.0 - np.sum(residual**2) / total if total > 0 else 0.0
-    if r2 < 0.9 or abs(slope - 1.0) < 0.05 or slope <= 0:
+    slope = 1.0 + gap_slope
+    # Sampling temperatures in use lie within [0.2, 5]; a slope outside means one side is
+    # near-constant, which is not a temperature.
+    if r2 < 0.8 or abs(gap_slope) < 0.05 or not 0.2 <= slope <= 5.0:
         return None
     temperature = 1.0 / slope
     return (
         "temperature",
-        f"rollout = {slope:.3f} x replay {intercept:+.3f} (R^2 {r2:.3f}) over {int(bad.sum())} "
+        f"rollout = {slope:.3f} x replay {intercept:+.3f} (R^2 of the gap {r2:.3f}) over {int(bad.sum())} "
         f"drifting tokens of {view.where()}: one side's logprobs are processed at temperature "
         f"~{temperature:.2f} and the other's are raw{_sampling_hint(context)}",
         {"slope": float(slope), "estimated_temperature": float(temperature), "r2": float(r2)},
@@ -196,7 +203,13 @@ def detect_temperature_metadata(view: SequenceView, context: dict):
 
 def detect_position_onset(view: SequenceView, context: dict):
     before, after = view.bad[: view.first_bad], view.bad[view.first_bad :]
-    if view.first_bad < MIN_TOKENS or after.mean() < 0.5 or after.sum() < MIN_TOKENS:
+    if context.get("weights_differ") or view.first_bad < MIN_TOKENS or after.mean() < 0.5 or after.sum() < MIN_TOKENS:
+        return None
+    # Low-precision noise also leaves a few confident tokens clean at the start; an onset
+    # only counts when the drift after it stands above that dtype's noise.
+    low_dtype = context.get("low_precision_dtype", "float32")
+    rms_after = float(np.sqrt(np.mean(view.diff[view.first_bad :] ** 2)))
+    if low_dtype != "float32" and rms_after <= DTYPE_NOISE_CEILING.get(low_dtype, 0.0):
         return None
     clean_max = float(np.abs(view.diff[: view.first_bad]).max())
     growth = _rank_correlation(np.arange(len(after)), np.abs(view.diff[view.first_bad :]))
@@ -229,13 +242,15 @@ def _batch_findings(unexplained: list[SequenceView], views: list[SequenceView], 
     findings = []
     fixture_fp, replay_fp = context.get("fixture_weights"), context.get("replay_weights")
     if fixture_fp and replay_fp and fixture_fp != replay_fp:
+        drift = f"drift above tau in {len(unexplained)} sequences" if unexplained else "yet no drift"
         findings.append(
             Finding(
                 "stale_weights",
                 [v.sequence_id for v in unexplained],
                 _first(unexplained),
                 f"weights fingerprint differs: fixture {fixture_fp[:19]}... vs replay "
-                f"{replay_fp[:19]}...; the two sides hold different weights",
+                f"{replay_fp[:19]}...; the two sides hold different weights ({drift})",
+                severity="fault" if unexplained else "info",
             )
         )
         return findings

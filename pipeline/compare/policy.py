@@ -74,7 +74,10 @@ def judge(policy: Policy, profile_name: str, metrics: dict, findings: list[dict]
             raise BadInput(f"{policy.source}: profile {profile_name!r} limits unknown metric {metric!r}.")
         if not metrics[metric] <= limit:  # NaN fails too
             violations.append({"metric": metric, "value": metrics[metric], "limit": limit})
-    failing = [f["cause"] for f in findings if f["cause"] in policy.fail_on_findings]
+    failing = [
+        f["cause"] for f in findings
+        if f["cause"] in policy.fail_on_findings and f.get("severity") == "fault"
+    ]
     verdict = VERDICT_FAIL if violations or failing else VERDICT_PASS
     return {
         "verdict": verdict,

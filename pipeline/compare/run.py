@@ -67,7 +67,11 @@ def compare_files(
     if aligned.prompt is not None:
         by_region["prompt"] = batch_metrics(aligned.prompt.train, aligned.prompt.rollout, tau)
     context = _diagnosis_context(fixture.metadata, replay.metadata, aligned, dtypes)
-    context.update(fixture_weights=fixture_weights, replay_weights=replay_weights)
+    context.update(
+        fixture_weights=fixture_weights,
+        replay_weights=replay_weights,
+        weights_differ=bool(fixture_weights and replay_weights and fixture_weights != replay_weights),
+    )
     findings = [f.as_dict() for f in diagnose(_views(aligned, per_sequence, tau), context)]
     judgement = judge(policy, profile, metrics, findings)
     report = {

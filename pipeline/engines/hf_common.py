@@ -43,7 +43,7 @@ def load_model(model_dir: Path, dtype: str = "float32", attn_implementation: str
         local_files_only=True,
     )
     model.eval()
-    torch.set_grad_enabled(False)
+    model.requires_grad_(False)  # scoring never needs gradients
     return model
 
 

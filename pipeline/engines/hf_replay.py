@@ -93,6 +93,13 @@ def score_batch(model, pairs, settings: ReplayKnobs, position_ids=None):
     """
     import torch
 
+    with torch.no_grad():
+        return _score_batch(model, pairs, settings, position_ids)
+
+
+def _score_batch(model, pairs, settings: ReplayKnobs, position_ids):
+    import torch
+
     sequences = [np.concatenate([p, c]).astype(np.int64) for p, c in pairs]
     positions = position_ids or [np.arange(len(s)) for s in sequences]
     if settings.packing:

@@ -50,7 +50,8 @@ class HFRolloutEngine:
         batches = range(0, len(work), settings["batch_size"])
         for start in progress_bar(batches, desc="hf rollout", unit="batch"):
             batch = work[start : start + settings["batch_size"]]
-            results.extend(_generate_batch(model, [p for _, p in batch], sampling, generator))
+            with torch.no_grad():
+                results.extend(_generate_batch(model, [p for _, p in batch], sampling, generator))
         main, other = ("raw", "processed") if sampling.logprobs_mode == "raw" else ("processed", "raw")
         applied = {
             **settings,

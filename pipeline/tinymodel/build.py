@@ -99,13 +99,14 @@ def _train_model(arch: str, seed: int, token_ids: list[int]):
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model.train()
-    for _ in range(TRAIN_STEPS):
-        starts = torch.randint(0, len(data) - SEQUENCE_LENGTH - 1, (16,), generator=generator)
-        batch = torch.stack([data[s : s + SEQUENCE_LENGTH] for s in starts.tolist()])
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+    with torch.enable_grad():
+        for _ in range(TRAIN_STEPS):
+            starts = torch.randint(0, len(data) - SEQUENCE_LENGTH - 1, (16,), generator=generator)
+            batch = torch.stack([data[s : s + SEQUENCE_LENGTH] for s in starts.tolist()])
+            loss = model(input_ids=batch, labels=batch).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
     model.eval()
     return model
 

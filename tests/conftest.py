@@ -1,0 +1,37 @@
+"""Shared fixtures: one tiny model and one real HF rollout/replay set per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.engines.base import SamplingParams
+from pipeline.engines.hf_replay import HFScoringEngine
+from pipeline.engines.hf_rollout import HFRolloutEngine
+from pipeline.fixture.io import write_table
+from pipeline.prompts import smoke_prompt_texts, tokenize
+from pipeline.tinymodel.build import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama", 0)
+
+
+@pytest.fixture(scope="session")
+def prompts(tiny_model) -> list[list[int]]:
+    return tokenize(tiny_model, smoke_prompt_texts())
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory, tiny_model, prompts) -> Path:
+    """fixture.parquet (hf fp32 rollout) and replay-{float32,bfloat16}.parquet (hf replays)."""
+    out = tmp_path_factory.mktemp("run")
+    sampling = SamplingParams(max_tokens=24, temperature=1.0, seed=0, samples_per_prompt=2)
+    fixture = HFRolloutEngine().rollout(tiny_model, prompts, sampling, {})
+    write_table(fixture, out / "fixture.parquet")
+    for dtype in ("float32", "bfloat16"):
+        replay = HFScoringEngine().score(fixture, tiny_model, {"dtype": dtype})
+        write_table(replay, out / f"replay-{dtype}.parquet")
+    return out
