@@ -6,7 +6,13 @@ import hashlib
 from pathlib import Path
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def weights_fingerprint(model_dir: Path) -> str:
@@ -16,7 +22,9 @@ def weights_fingerprint(model_dir: Path) -> str:
 
 
 def tokenizer_fingerprint(model_dir: Path) -> str:
-    files = [Path(model_dir) / name for name in TOKENIZER_FILES if (Path(model_dir) / name).is_file()]
+    files = [
+        Path(model_dir) / name for name in TOKENIZER_FILES if (Path(model_dir) / name).is_file()
+    ]
     return _hash_files(files) if files else "none"
 
 

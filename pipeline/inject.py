@@ -59,11 +59,16 @@ def inject_fault(
         if kind == "stale_weights":
             _mark_stale(faulted, span, from_position)
     record = {"kind": kind, "sequence_id": str(sequence_id), "from_position": from_position}
-    faulted.metadata = {**faulted.metadata, "injected_faults": [*faulted.metadata.get("injected_faults", []), record]}
+    faulted.metadata = {
+        **faulted.metadata,
+        "injected_faults": [*faulted.metadata.get("injected_faults", []), record],
+    }
     return faulted
 
 
-def _rescore(table: TokenTable, index: int, kind: str, from_position: int, model_dir: Path) -> np.ndarray:
+def _rescore(
+    table: TokenTable, index: int, kind: str, from_position: int, model_dir: Path
+) -> np.ndarray:
     """Teacher-forced logprobs of one sequence with the real model under the fault."""
     import torch
 
@@ -85,7 +90,7 @@ def _rescore(table: TokenTable, index: int, kind: str, from_position: int, model
         for parameter in model.parameters():
             noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
             parameter.add_(noise * parameter.std() * STALE_WEIGHT_NOISE)
-    (logprobs, _), = score_batch(model, [(prompt, completion)], settings, position_ids=positions)
+    ((logprobs, _),) = score_batch(model, [(prompt, completion)], settings, position_ids=positions)
     return logprobs
 
 

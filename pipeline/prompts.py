@@ -34,7 +34,9 @@ def load_prompts(path: Path, model_dir: Path) -> list[list[int]]:
         if "prompt_ids" in record:
             ids = record["prompt_ids"]
             if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise BadInput(f"{path} line {number}: prompt_ids must be a non-empty list of token ids.")
+                raise BadInput(
+                    f"{path} line {number}: prompt_ids must be a non-empty list of token ids."
+                )
             prompts.append(list(ids))
         elif "text" in record:
             prompts.append(str(record["text"]))
@@ -54,6 +56,8 @@ def tokenize(model_dir: Path, texts: list[str]) -> list[list[int]]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError) as error:
-        raise BadInput(f"{model_dir}: cannot load its tokenizer to encode text prompts ({error}).") from None
+        raise BadInput(
+            f"{model_dir}: cannot load its tokenizer to encode text prompts ({error})."
+        ) from None
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     return [bos + tokenizer(text, add_special_tokens=False).input_ids for text in texts]

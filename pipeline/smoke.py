@@ -48,7 +48,9 @@ def run_smoke(out_dir: Path, model_dir: Path | None = None, rollout_engine: str 
     out_dir = Path(out_dir)
     model_dir = ensure_tiny_model(Path(model_dir) if model_dir else default_model_dir())
     prompts = tokenize(model_dir, smoke_prompt_texts())
-    fixture = load_rollout(rollout_engine).rollout(model_dir, prompts, SamplingParams(**SMOKE_SAMPLING), {})
+    fixture = load_rollout(rollout_engine).rollout(
+        model_dir, prompts, SamplingParams(**SMOKE_SAMPLING), {}
+    )
     fixture_path = write_table(fixture, out_dir / "fixture.parquet")
     click.echo(
         f"rollout {rollout_engine}: {fixture.num_sequences} sequences, "
@@ -58,7 +60,9 @@ def run_smoke(out_dir: Path, model_dir: Path | None = None, rollout_engine: str 
     for dtype in SMOKE_REPLAY_DTYPES:
         replay = scoring_engine("hf").score(fixture, model_dir, {"dtype": dtype})
         replay_path = write_table(replay, out_dir / f"replay-hf-{dtype}.parquet")
-        comparison = compare_files(fixture_path, replay_path, command_line=f"lpx smoke --out {out_dir}")
+        comparison = compare_files(
+            fixture_path, replay_path, command_line=f"lpx smoke --out {out_dir}"
+        )
         paths = write_outputs(comparison, out_dir / f"compare-hf-{dtype}")
         report = comparison.report
         metrics = report["metrics"]
@@ -71,6 +75,7 @@ def run_smoke(out_dir: Path, model_dir: Path | None = None, rollout_engine: str 
         results[dtype] = {"verdict": report["verdict"], "report": str(paths["report"])}
     (out_dir / "smoke.json").write_text(json.dumps(results, indent=1) + "\n")
     failed = [d for d, r in results.items() if r["verdict"] != "pass"]
-    click.echo(f"smoke: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}; outputs in {out_dir}")
+    click.echo(
+        f"smoke: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}; outputs in {out_dir}"
+    )
     return EXIT_REGRESSION if failed else EXIT_PASS
-

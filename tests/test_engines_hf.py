@@ -57,7 +57,10 @@ def test_bf16_replay_sits_at_the_bf16_floor(run_dir):
         run_dir / "fixture.parquet", run_dir / "replay-bfloat16.parquet", profile="float32"
     ).report
     assert strict["verdict"] == "fail"
-    assert {v["metric"] for v in strict["policy"]["violations"]} >= {"max_abs_diff", "mean_abs_diff"}
+    assert {v["metric"] for v in strict["policy"]["violations"]} >= {
+        "max_abs_diff",
+        "mean_abs_diff",
+    }
     assert [f["cause"] for f in strict["diagnosis"]] == ["dtype"]
 
 
@@ -67,8 +70,13 @@ def test_replay_records_layout_and_applied_knobs(run_dir):
     assert meta["dtype"] == "bfloat16"
     assert meta["knobs"]["dtype"] == "bfloat16" and meta["knobs"]["attn_implementation"] == "sdpa"
     assert meta["layout"] == {
-        "world_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "micro_batch_size": 8,
-        "padding_side": "right", "packing": False, "attn_implementation": "sdpa",
+        "world_size": 1,
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "micro_batch_size": 8,
+        "padding_side": "right",
+        "packing": False,
+        "attn_implementation": "sdpa",
     }
     assert meta["model"]["weights_fingerprint"].startswith("sha256:")
     assert meta["engine"]["versions"]["torch"]
@@ -115,5 +123,7 @@ def test_rollout_is_deterministic_per_seed(tiny_model, prompts):
     first = HFRolloutEngine().rollout(tiny_model, prompts[:3], sampling, {})
     second = HFRolloutEngine().rollout(tiny_model, prompts[:3], sampling, {})
     assert first.completion_ids.tolist() == second.completion_ids.tolist()
-    other = HFRolloutEngine().rollout(tiny_model, prompts[:3], SamplingParams(max_tokens=8, seed=12), {})
+    other = HFRolloutEngine().rollout(
+        tiny_model, prompts[:3], SamplingParams(max_tokens=8, seed=12), {}
+    )
     assert other.completion_ids.tolist() != first.completion_ids.tolist()

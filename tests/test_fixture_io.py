@@ -58,9 +58,18 @@ def _compare_exit(tmp_path, fixture, replay_path=None):
 
 
 BAD_FIXTURES = {
-    "nan_logprob": (dict(channels={"rollout": [[-0.5, float("nan"), -0.1], [-2.0]]}), "sequence 'a' position 1"),
-    "positive_logprob": (dict(channels={"rollout": [[-0.5, -1.0, 0.5], [-2.0]]}), "sequence 'a' position 2"),
-    "token_outside_vocab": (dict(completions=[[8, 9, 10], [99]]), "sequence 'b' completion position 0 has token id 99"),
+    "nan_logprob": (
+        dict(channels={"rollout": [[-0.5, float("nan"), -0.1], [-2.0]]}),
+        "sequence 'a' position 1",
+    ),
+    "positive_logprob": (
+        dict(channels={"rollout": [[-0.5, -1.0, 0.5], [-2.0]]}),
+        "sequence 'a' position 2",
+    ),
+    "token_outside_vocab": (
+        dict(completions=[[8, 9, 10], [99]]),
+        "sequence 'b' completion position 0 has token id 99",
+    ),
     "duplicate_ids": (dict(sequence_ids=["a", "a"]), "sequence id 'a' appears more than once"),
     "empty_prompt": (dict(prompts=[[], [1, 7]]), "sequence 'a' has an empty prompt"),
 }
@@ -82,7 +91,9 @@ def test_logprob_length_mismatch(tmp_path):
     path = write_table(small_table(), tmp_path / "f.parquet")
     arrow = pq.read_table(path)
     column = pa.array([[-0.5, -1.0], [-2.0]], pa.list_(pa.float32()))
-    arrow = arrow.set_column(arrow.schema.get_field_index("logprobs_rollout"), "logprobs_rollout", column)
+    arrow = arrow.set_column(
+        arrow.schema.get_field_index("logprobs_rollout"), "logprobs_rollout", column
+    )
     pq.write_table(arrow, path)
     result = run_lpx("fixture", "show", path)
     assert result.exit_code == 2
@@ -130,21 +141,50 @@ def test_replay_of_other_tokens_is_refused(tmp_path):
     replay_path = write_table(replay, tmp_path / "replay.parquet")
     result, _ = _compare_exit(tmp_path, small_table(), replay_path)
     assert result.exit_code == 2
-    assert "sequence 'a' completion position 2 holds token 12 where the fixture has 10" in result.output
+    assert (
+        "sequence 'a' completion position 2 holds token 12 where the fixture has 10"
+        in result.output
+    )
 
 
 def test_ingest_maps_framework_fields(tmp_path):
     dump = tmp_path / "dump.jsonl"
     rows = [
-        {"uid": "x1", "prompt_ids": [1, 4], "response_ids": [5, 6], "rollout_log_probs": [-0.1, -0.2],
-         "loss_mask": [1, 0], "weight_version": 7},
-        {"uid": "x2", "prompt_ids": [1], "response_ids": [9], "rollout_log_probs": [-1.5],
-         "loss_mask": [1], "weight_version": 8},
+        {
+            "uid": "x1",
+            "prompt_ids": [1, 4],
+            "response_ids": [5, 6],
+            "rollout_log_probs": [-0.1, -0.2],
+            "loss_mask": [1, 0],
+            "weight_version": 7,
+        },
+        {
+            "uid": "x2",
+            "prompt_ids": [1],
+            "response_ids": [9],
+            "rollout_log_probs": [-1.5],
+            "loss_mask": [1],
+            "weight_version": 8,
+        },
     ]
     dump.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "f.parquet"
-    result = run_lpx("ingest", dump, "--out", out, "--field", "sequence_id=uid", "--field", "mask=loss_mask",
-                     "--field", "weight_version=weight_version", "--engine-name", "vllm", "--dtype", "bf16")
+    result = run_lpx(
+        "ingest",
+        dump,
+        "--out",
+        out,
+        "--field",
+        "sequence_id=uid",
+        "--field",
+        "mask=loss_mask",
+        "--field",
+        "weight_version=weight_version",
+        "--engine-name",
+        "vllm",
+        "--dtype",
+        "bf16",
+    )
     assert result.exit_code == 0, result.output
     table = read_table(out)
     assert table.sequence_ids == ["x1", "x2"]
@@ -155,8 +195,18 @@ def test_ingest_maps_framework_fields(tmp_path):
 
 def test_ingest_slime_preset_splits_tokens(tmp_path):
     dump = tmp_path / "slime.jsonl"
-    dump.write_text(json.dumps({"tokens": [1, 2, 3, 4, 5], "response_length": 2, "rollout_log_probs": [-0.1, -0.3],
-                                "loss_mask": [1, 1], "weight_versions": ["v1", "v2"]}) + "\n")
+    dump.write_text(
+        json.dumps(
+            {
+                "tokens": [1, 2, 3, 4, 5],
+                "response_length": 2,
+                "rollout_log_probs": [-0.1, -0.3],
+                "loss_mask": [1, 1],
+                "weight_versions": ["v1", "v2"],
+            }
+        )
+        + "\n"
+    )
     result = run_lpx("ingest", dump, "--preset", "slime", "--out", tmp_path / "f.parquet")
     assert result.exit_code == 0, result.output
     table = read_table(tmp_path / "f.parquet")
@@ -166,8 +216,14 @@ def test_ingest_slime_preset_splits_tokens(tmp_path):
 
 def test_ingest_errors_name_the_line(tmp_path):
     dump = tmp_path / "dump.jsonl"
-    dump.write_text(json.dumps({"prompt_ids": [1], "response_ids": [5, 6], "rollout_log_probs": [-0.1]}) + "\n{oops\n")
+    dump.write_text(
+        json.dumps({"prompt_ids": [1], "response_ids": [5, 6], "rollout_log_probs": [-0.1]})
+        + "\n{oops\n"
+    )
     result = run_lpx("ingest", dump, "--out", tmp_path / "f.parquet")
     assert result.exit_code == 2
-    assert f"{dump} line 1: field 'rollout_log_probs' has 1 values for 2 completion tokens" in result.output
+    assert (
+        f"{dump} line 1: field 'rollout_log_probs' has 1 values for 2 completion tokens"
+        in result.output
+    )
     assert not (tmp_path / "f.parquet").exists()

@@ -23,7 +23,9 @@ def test_batch_metrics_match_definitions():
     assert m["clip_frac"] == pytest.approx(np.mean((r < 0.8) | (r > 1.2)))
     assert m["frac_over_tau"] == pytest.approx(0.5)
     assert m["token_mult_prob_error"] == pytest.approx(np.exp(np.abs(d)).mean())
-    assert m["max_prob_diff"] == pytest.approx(np.abs(np.exp(train) - np.exp(rollout)).max(), rel=1e-6)
+    assert m["max_prob_diff"] == pytest.approx(
+        np.abs(np.exp(train) - np.exp(rollout)).max(), rel=1e-6
+    )
 
 
 def test_tail_quantiles_are_nearest_rank():

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.tinymodel.build import bundled_corpus, build_tiny_model
+from pipeline.tinymodel.build import build_tiny_model, bundled_corpus
 
 
 def test_same_seed_gives_same_bytes(tiny_model, tmp_path):
@@ -31,4 +31,6 @@ def test_qwen2_has_qkv_bias_and_other_seed_differs(tmp_path, tiny_model):
     assert config["model_type"] == "qwen2"
     model = AutoModelForCausalLM.from_pretrained(qwen, local_files_only=True)
     assert model.model.layers[0].self_attn.q_proj.bias is not None
-    assert (qwen / "model.safetensors").read_bytes() != (tiny_model / "model.safetensors").read_bytes()
+    assert (qwen / "model.safetensors").read_bytes() != (
+        tiny_model / "model.safetensors"
+    ).read_bytes()

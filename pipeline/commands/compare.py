@@ -12,17 +12,37 @@ from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
 @click.command()
 @click.argument("fixture_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("replay_path", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Directory for report.json, tokens.parquet and summary.md.")
-@click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Threshold policy YAML [default: the bundled one, docs/policy.md].")
-@click.option("--profile", help="Policy profile [default: the least precise dtype of the two sides].")
-@click.option("--channel", default="rollout", show_default=True,
-              help="Fixture channel to compare: rollout, old, ref, current, rollout_raw, rollout_processed.")
-@click.option("--allow-weight-mismatch", is_flag=True,
-              help="Compare even when the weight fingerprints differ (diagnoses stale weights).")
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory for report.json, tokens.parquet and summary.md.",
+)
+@click.option(
+    "--policy",
+    "policy_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Threshold policy YAML [default: the bundled one, docs/policy.md].",
+)
+@click.option(
+    "--profile", help="Policy profile [default: the least precise dtype of the two sides]."
+)
+@click.option(
+    "--channel",
+    default="rollout",
+    show_default=True,
+    help="Fixture channel to compare: rollout, old, ref, current, rollout_raw, rollout_processed.",
+)
+@click.option(
+    "--allow-weight-mismatch",
+    is_flag=True,
+    help="Compare even when the weight fingerprints differ (diagnoses stale weights).",
+)
 @click.option("--quiet", is_flag=True, help="Print only the verdict line.")
-def compare(fixture_path, replay_path, out_dir, policy_path, profile, channel, allow_weight_mismatch, quiet):
+def compare(
+    fixture_path, replay_path, out_dir, policy_path, profile, channel, allow_weight_mismatch, quiet
+):
     """Compare a replay with its fixture token by token; write the report; exit with the verdict.
 
     Computes drift metrics (|d| tails, k1/k2/k3, IS ratio, ESS, clip fraction, per-sequence
@@ -40,8 +60,13 @@ def compare(fixture_path, replay_path, out_dir, policy_path, profile, channel, a
     from pipeline.compare.run import compare_files
 
     comparison = compare_files(
-        fixture_path, replay_path, policy=load_policy(policy_path), profile=profile, channel=channel,
-        allow_weight_mismatch=allow_weight_mismatch, command_line=shlex.join(["lpx", *sys.argv[1:]]),
+        fixture_path,
+        replay_path,
+        policy=load_policy(policy_path),
+        profile=profile,
+        channel=channel,
+        allow_weight_mismatch=allow_weight_mismatch,
+        command_line=shlex.join(["lpx", *sys.argv[1:]]),
     )
     paths = write_outputs(comparison, out_dir)
     report = comparison.report

@@ -36,24 +36,38 @@ def show(path: Path, sequence_id: str | None, limit: int, as_json: bool) -> None
     engine = meta.get("engine") or {}
     model = meta.get("model") or {}
     click.echo(f"{path}: lpx {table.kind}, schema_version 1")
-    click.echo(f"  engine     {engine.get('name', '?')} ({engine.get('role', '?')}), dtype {meta.get('dtype', '?')}")
-    click.echo(f"  model      {model.get('path', '?')}  weights {model.get('weights_fingerprint', '?')[:23]}")
-    click.echo(f"  sequences  {table.num_sequences}, completion tokens {table.num_completion_tokens} "
-               f"({int(table.completion_mask.sum())} active), prompt tokens {len(table.prompt_ids)}")
-    click.echo(f"  channels   {', '.join(table.channels) or 'none'}"
-               f"{', prompt_logprobs' if table.prompt_logprobs is not None else ''}"
-               f"{', weight_version' if table.weight_versions is not None else ''}")
+    click.echo(
+        f"  engine     {engine.get('name', '?')} ({engine.get('role', '?')}), dtype {meta.get('dtype', '?')}"
+    )
+    click.echo(
+        f"  model      {model.get('path', '?')}  weights {model.get('weights_fingerprint', '?')[:23]}"
+    )
+    click.echo(
+        f"  sequences  {table.num_sequences}, completion tokens {table.num_completion_tokens} "
+        f"({int(table.completion_mask.sum())} active), prompt tokens {len(table.prompt_ids)}"
+    )
+    click.echo(
+        f"  channels   {', '.join(table.channels) or 'none'}"
+        f"{', prompt_logprobs' if table.prompt_logprobs is not None else ''}"
+        f"{', weight_version' if table.weight_versions is not None else ''}"
+    )
     if meta.get("sampling"):
         click.echo(f"  sampling   {json.dumps(meta['sampling'])}")
     if meta.get("knobs"):
         click.echo(f"  knobs      {json.dumps(meta['knobs'])}")
     if sequence_id is None:
-        click.echo("  sequence_id  prompt  completion  " + "  ".join(f"mean {c}" for c in table.channels))
+        click.echo(
+            "  sequence_id  prompt  completion  " + "  ".join(f"mean {c}" for c in table.channels)
+        )
         for i in range(min(limit, table.num_sequences)):
             span = table.completion_slice(i)
-            means = "  ".join(f"{float(np.mean(v[span])) if span.stop > span.start else float('nan'):.4f}"
-                              for v in table.channels.values())
-            click.echo(f"  {table.sequence_ids[i]:<12} {len(table.prompt_of(i)):>6}  {span.stop - span.start:>10}  {means}")
+            means = "  ".join(
+                f"{float(np.mean(v[span])) if span.stop > span.start else float('nan'):.4f}"
+                for v in table.channels.values()
+            )
+            click.echo(
+                f"  {table.sequence_ids[i]:<12} {len(table.prompt_of(i)):>6}  {span.stop - span.start:>10}  {means}"
+            )
         return
     index = table.index_of().get(sequence_id)
     if index is None:
@@ -63,4 +77,6 @@ def show(path: Path, sequence_id: str | None, limit: int, as_json: bool) -> None
     click.echo("  position  token  mask  " + "  ".join(f"{c:>12}" for c in table.channels))
     for position, flat in enumerate(range(span.start, span.stop)):
         values = "  ".join(f"{float(v[flat]):>12.6f}" for v in table.channels.values())
-        click.echo(f"  {position:>8}  {int(table.completion_ids[flat]):>5}  {int(table.completion_mask[flat]):>4}  {values}")
+        click.echo(
+            f"  {position:>8}  {int(table.completion_ids[flat]):>5}  {int(table.completion_mask[flat]):>4}  {values}"
+        )

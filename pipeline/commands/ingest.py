@@ -10,18 +10,38 @@ from pipeline.fixture.ingest import PRESETS
 @click.command()
 @click.argument("jsonl_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="generic", show_default=True,
-              help="Field names of a framework's dump.")
-@click.option("--field", "fields", multiple=True, metavar="NAME=JSON_KEY",
-              help="Override one field name, repeatable. Names: sequence_id, prompt_ids, "
-                   "completion_ids, tokens, response_length, rollout, mask, old, ref, current, "
-                   "weight_version.")
-@click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Model the rollout used: records its fingerprints and vocabulary.")
-@click.option("--engine-name", default="unknown", show_default=True, help="Engine that produced the dump.")
+@click.option(
+    "--preset",
+    type=click.Choice(sorted(PRESETS)),
+    default="generic",
+    show_default=True,
+    help="Field names of a framework's dump.",
+)
+@click.option(
+    "--field",
+    "fields",
+    multiple=True,
+    metavar="NAME=JSON_KEY",
+    help="Override one field name, repeatable. Names: sequence_id, prompt_ids, "
+    "completion_ids, tokens, response_length, rollout, mask, old, ref, current, "
+    "weight_version.",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Model the rollout used: records its fingerprints and vocabulary.",
+)
+@click.option(
+    "--engine-name", default="unknown", show_default=True, help="Engine that produced the dump."
+)
 @click.option("--engine-version", default="unknown", show_default=True)
-@click.option("--dtype", default="bfloat16", show_default=True, help="Dtype the rollout engine ran in.")
-def ingest(jsonl_path, out_path, preset, fields, model_dir, engine_name, engine_version, dtype) -> None:
+@click.option(
+    "--dtype", default="bfloat16", show_default=True, help="Dtype the rollout engine ran in."
+)
+def ingest(
+    jsonl_path, out_path, preset, fields, model_dir, engine_name, engine_version, dtype
+) -> None:
     """Convert a JSONL rollout dump from another RL framework into a fixture.
 
     One trajectory per line with prompt and response token ids and the rollout logprob
@@ -44,7 +64,11 @@ def ingest(jsonl_path, out_path, preset, fields, model_dir, engine_name, engine_
     except ValueError as error:
         raise BadInput(str(error)) from None
     metadata = {
-        "engine": {"name": engine_name, "role": "rollout", "versions": {engine_name: engine_version}},
+        "engine": {
+            "name": engine_name,
+            "role": "rollout",
+            "versions": {engine_name: engine_version},
+        },
         "dtype": dtype,
         "logprob_channels": {"rollout": f"as dumped in field {field_map.rollout!r}"},
     }
@@ -55,5 +79,7 @@ def ingest(jsonl_path, out_path, preset, fields, model_dir, engine_name, engine_
     table = ingest_jsonl(jsonl_path, field_map, metadata)
     validate_table(table, jsonl_path, (metadata.get("model") or {}).get("vocab_size"))
     write_table(table, out_path)
-    click.echo(f"ingested {table.num_sequences} trajectories, {table.num_completion_tokens} "
-               f"completion tokens -> {out_path}")
+    click.echo(
+        f"ingested {table.num_sequences} trajectories, {table.num_completion_tokens} "
+        f"completion tokens -> {out_path}"
+    )

@@ -11,11 +11,20 @@ from pipeline.inject import FAULT_KINDS
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--kind", required=True, type=click.Choice(FAULT_KINDS))
 @click.option("--sequence", "sequence_id", required=True, help="Sequence id to fault.")
-@click.option("--from-position", type=int, default=0, show_default=True,
-              help="First completion position the fault affects.")
+@click.option(
+    "--from-position",
+    type=int,
+    default=0,
+    show_default=True,
+    help="First completion position the fault affects.",
+)
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="For position_ids, temperature, stale_weights [default: the recorded model].")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="For position_ids, temperature, stale_weights [default: the recorded model].",
+)
 def inject(path, kind, sequence_id, from_position, out_path, model_dir) -> None:
     """Write a copy of a fixture (or replay) with one planted fault, to prove compare catches it.
 
@@ -41,4 +50,6 @@ def inject(path, kind, sequence_id, from_position, out_path, model_dir) -> None:
     table = read_table(path)
     faulted = inject_fault(table, kind, sequence_id, from_position, model_dir)
     write_table(faulted, out_path)
-    click.echo(f"injected {kind} into sequence {sequence_id} from position {from_position} -> {out_path}")
+    click.echo(
+        f"injected {kind} into sequence {sequence_id} from position {from_position} -> {out_path}"
+    )

@@ -10,17 +10,35 @@ from pipeline.commands.options import knob_options, parse_knobs
 @click.command()
 @click.argument("fixture_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--engine", default="hf", show_default=True)
-@click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Model directory [default: the one recorded in the fixture].")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Model directory [default: the one recorded in the fixture].",
+)
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16.")
 @click.option("--micro-batch-size", type=int, default=8, show_default=True)
-@click.option("--temperature", type=float, default=1.0, show_default=True,
-              help="Divide logits by this before log-softmax (to match processed rollout logprobs).")
+@click.option(
+    "--temperature",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Divide logits by this before log-softmax (to match processed rollout logprobs).",
+)
 @click.option("--prompt-logprobs", is_flag=True, help="Also score prompt tokens.")
 @knob_options
-def replay(fixture_path, engine, model_dir, out_path, dtype, micro_batch_size, temperature,
-           prompt_logprobs, knob_pairs) -> None:
+def replay(
+    fixture_path,
+    engine,
+    model_dir,
+    out_path,
+    dtype,
+    micro_batch_size,
+    temperature,
+    prompt_logprobs,
+    knob_pairs,
+) -> None:
     """Teacher-force the fixture's exact tokens through a scoring engine; write a replay.
 
     hf knobs (--set): padding_side=right|left, packing=true|false,
@@ -41,10 +59,15 @@ def replay(fixture_path, engine, model_dir, out_path, dtype, micro_batch_size, t
         raise BadInput(f"{fixture_path}: records no model path; pass --model DIR.")
     validate_table(fixture, fixture_path, (fixture.metadata.get("model") or {}).get("vocab_size"))
     knobs = {
-        "dtype": dtype, "micro_batch_size": micro_batch_size, "temperature": temperature,
-        "prompt_logprobs": prompt_logprobs, **parse_knobs(knob_pairs),
+        "dtype": dtype,
+        "micro_batch_size": micro_batch_size,
+        "temperature": temperature,
+        "prompt_logprobs": prompt_logprobs,
+        **parse_knobs(knob_pairs),
     }
     table = scoring_engine(engine).score(fixture, Path(model_dir), knobs)
     write_table(table, out_path)
-    click.echo(f"{engine} replay ({table.metadata.get('dtype')}): {table.num_sequences} sequences, "
-               f"{table.num_completion_tokens} completion tokens -> {out_path}")
+    click.echo(
+        f"{engine} replay ({table.metadata.get('dtype')}): {table.num_sequences} sequences, "
+        f"{table.num_completion_tokens} completion tokens -> {out_path}"
+    )

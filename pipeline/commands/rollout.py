@@ -8,10 +8,19 @@ from pipeline.commands.options import knob_options, parse_knobs
 
 
 @click.command()
-@click.option("--engine", default="hf", show_default=True, help="Rollout engine (see `lpx rollout --help`).")
-@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Text lines, or JSONL with `prompt_ids` or `text` per line.")
+@click.option(
+    "--engine", default="hf", show_default=True, help="Rollout engine (see `lpx rollout --help`)."
+)
+@click.option(
+    "--model", "model_dir", required=True, type=click.Path(file_okay=False, path_type=Path)
+)
+@click.option(
+    "--prompts",
+    "prompts_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Text lines, or JSONL with `prompt_ids` or `text` per line.",
+)
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--max-tokens", type=int, default=32, show_default=True)
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy.")
@@ -20,13 +29,32 @@ from pipeline.commands.options import knob_options, parse_knobs
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("-n", "--samples-per-prompt", type=int, default=1, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="Always generate --max-tokens tokens.")
-@click.option("--logprobs-mode", type=click.Choice(["raw", "processed"]), default="raw", show_default=True,
-              help="Which logprob the `rollout` channel holds: of the model's distribution, or of the "
-                   "one sampled from (after temperature/top-k/top-p). The other is kept too.")
+@click.option(
+    "--logprobs-mode",
+    type=click.Choice(["raw", "processed"]),
+    default="raw",
+    show_default=True,
+    help="Which logprob the `rollout` channel holds: of the model's distribution, or of the "
+    "one sampled from (after temperature/top-k/top-p). The other is kept too.",
+)
 @click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16.")
 @knob_options
-def rollout(engine, model_dir, prompts_path, out_path, max_tokens, temperature, top_k, top_p, seed,
-            samples_per_prompt, ignore_eos, logprobs_mode, dtype, knob_pairs) -> None:
+def rollout(
+    engine,
+    model_dir,
+    prompts_path,
+    out_path,
+    max_tokens,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    samples_per_prompt,
+    ignore_eos,
+    logprobs_mode,
+    dtype,
+    knob_pairs,
+) -> None:
     """Sample completions for token-id prompts and write a fixture.
 
     The fixture records the sampled tokens, their logprobs, and every knob as the engine
@@ -45,10 +73,18 @@ def rollout(engine, model_dir, prompts_path, out_path, max_tokens, temperature, 
     knobs = {"dtype": dtype, **parse_knobs(knob_pairs)}
     prompts = load_prompts(prompts_path, model_dir)
     sampling = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        samples_per_prompt=samples_per_prompt, ignore_eos=ignore_eos, logprobs_mode=logprobs_mode,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        samples_per_prompt=samples_per_prompt,
+        ignore_eos=ignore_eos,
+        logprobs_mode=logprobs_mode,
     )
     table = rollout_engine(engine).rollout(model_dir, prompts, sampling, knobs)
     write_table(table, out_path)
-    click.echo(f"{engine} rollout: {table.num_sequences} sequences, {table.num_completion_tokens} "
-               f"completion tokens -> {out_path}")
+    click.echo(
+        f"{engine} rollout: {table.num_sequences} sequences, {table.num_completion_tokens} "
+        f"completion tokens -> {out_path}"
+    )

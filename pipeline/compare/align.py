@@ -8,7 +8,12 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import BadInput
-from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable, offsets_from_lengths, positions_within
+from pipeline.fixture.table import (
+    REPLAY_CHANNEL,
+    TokenTable,
+    offsets_from_lengths,
+    positions_within,
+)
 
 KL_CHANNELS = ("old", "ref", "current")
 
@@ -83,7 +88,9 @@ def align(
         completion=completion,
         prompt=prompt,
         kl_channels={c: fixture.channels[c][active] for c in KL_CHANNELS if c in fixture.channels},
-        weight_versions=None if fixture.weight_versions is None else fixture.weight_versions[active],
+        weight_versions=None
+        if fixture.weight_versions is None
+        else fixture.weight_versions[active],
     )
 
 

@@ -106,7 +106,10 @@ def detect_mask_padding(view: SequenceView, context: dict):
     bad = view.bad
     if bad.sum() < MIN_TOKENS:
         return None
-    for side, values, other in (("rollout", view.rollout, view.train), ("replay", view.train, view.rollout)):
+    for side, values, other in (
+        ("rollout", view.rollout, view.train),
+        ("replay", view.train, view.rollout),
+    ):
         constant, count = Counter(values[bad].tolist()).most_common(1)[0]
         distinct_other = len(np.unique(other[bad]))
         if count / bad.sum() >= EXPLAINS and count >= MIN_TOKENS and distinct_other > 1:
@@ -124,8 +127,14 @@ def detect_dtype_rounding(view: SequenceView, context: dict):
     bad = view.bad
     if bad.sum() < MIN_TOKENS:
         return None
-    for side, values, other in (("rollout", view.rollout, view.train), ("replay", view.train, view.rollout)):
-        for dtype, representable in (("bfloat16", _bf16_representable), ("float16", _fp16_representable)):
+    for side, values, other in (
+        ("rollout", view.rollout, view.train),
+        ("replay", view.train, view.rollout),
+    ):
+        for dtype, representable in (
+            ("bfloat16", _bf16_representable),
+            ("float16", _fp16_representable),
+        ):
             if representable(values[bad]).all() and representable(other[bad]).mean() < 0.5:
                 rms = float(np.sqrt(np.mean(view.diff[bad] ** 2)))
                 return (
@@ -203,7 +212,12 @@ def detect_temperature_metadata(view: SequenceView, context: dict):
 
 def detect_position_onset(view: SequenceView, context: dict):
     before, after = view.bad[: view.first_bad], view.bad[view.first_bad :]
-    if context.get("weights_differ") or view.first_bad < MIN_TOKENS or after.mean() < 0.5 or after.sum() < MIN_TOKENS:
+    if (
+        context.get("weights_differ")
+        or view.first_bad < MIN_TOKENS
+        or after.mean() < 0.5
+        or after.sum() < MIN_TOKENS
+    ):
         return None
     # Low-precision noise also leaves a few confident tokens clean at the start; an onset
     # only counts when the drift after it stands above that dtype's noise.
@@ -242,7 +256,9 @@ def _batch_findings(unexplained: list[SequenceView], views: list[SequenceView], 
     findings = []
     fixture_fp, replay_fp = context.get("fixture_weights"), context.get("replay_weights")
     if fixture_fp and replay_fp and fixture_fp != replay_fp:
-        drift = f"drift above tau in {len(unexplained)} sequences" if unexplained else "yet no drift"
+        drift = (
+            f"drift above tau in {len(unexplained)} sequences" if unexplained else "yet no drift"
+        )
         findings.append(
             Finding(
                 "stale_weights",

@@ -172,7 +172,10 @@ def kl_input_drift(
     }
     if "old" in channels:
         gap = np.abs(old - train64)
-        out["old_vs_replay"] = {"max_abs_diff": float(gap.max()), "mean_abs_diff": float(gap.mean())}
+        out["old_vs_replay"] = {
+            "max_abs_diff": float(gap.max()),
+            "mean_abs_diff": float(gap.mean()),
+        }
     if "ref" in channels:
         ref = channels["ref"].astype(np.float64)
         kl_rollout = _k3(ref - rollout64)

@@ -15,8 +15,18 @@ REPORT = "report.json"
 TOKENS = "tokens.parquet"
 SUMMARY = "summary.md"
 SUMMARY_METRICS = (
-    "tokens", "max_abs_diff", "mean_abs_diff", "p99_abs_diff", "p999_abs_diff", "frac_over_tau",
-    "k1", "k3", "is_ratio_mean", "ess", "clip_frac", "max_seq_mean_abs_diff",
+    "tokens",
+    "max_abs_diff",
+    "mean_abs_diff",
+    "p99_abs_diff",
+    "p999_abs_diff",
+    "frac_over_tau",
+    "k1",
+    "k3",
+    "is_ratio_mean",
+    "ess",
+    "clip_frac",
+    "max_seq_mean_abs_diff",
 )
 
 
@@ -48,16 +58,27 @@ def render_summary(report: dict) -> str:
     for name in SUMMARY_METRICS:
         if name in metrics:
             limit = policy["limits"].get(name)
-            lines.append(f"| {name} | {_fmt(metrics[name])} | {'' if limit is None else _fmt(limit)} |")
+            lines.append(
+                f"| {name} | {_fmt(metrics[name])} | {'' if limit is None else _fmt(limit)} |"
+            )
     if policy["violations"]:
         lines += ["", "## Violations", ""]
-        lines += [f"- {v['metric']} = {_fmt(v['value'])} > {_fmt(v['limit'])}" for v in policy["violations"]]
+        lines += [
+            f"- {v['metric']} = {_fmt(v['value'])} > {_fmt(v['limit'])}"
+            for v in policy["violations"]
+        ]
     lines += ["", "## Diagnosis", ""]
     if not report["diagnosis"]:
         lines.append("- no drift above tau; nothing to explain")
     for finding in report["diagnosis"]:
         lines.append(f"- **{finding['cause']}** ({finding['severity']}): {finding['evidence']}")
-    lines += ["", "## Worst tokens", "", "| sequence | position | region | token | rollout | train | abs diff |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Worst tokens",
+        "",
+        "| sequence | position | region | token | rollout | train | abs diff |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in report["worst"][:10]:
         lines.append(
             f"| {row['sequence_id']} | {row['position']} | {row['region']} | {row['token_id']} | "
@@ -71,7 +92,9 @@ def _write_tokens(comparison: Comparison, path: Path) -> None:
     import pyarrow.parquet as pq
 
     aligned, tables = comparison.aligned, []
-    regions = [("completion", aligned.completion)] + ([("prompt", aligned.prompt)] if aligned.prompt else [])
+    regions = [("completion", aligned.completion)] + (
+        [("prompt", aligned.prompt)] if aligned.prompt else []
+    )
     ids = np.asarray(aligned.sequence_ids, dtype=object)
     for name, region in regions:
         lengths = np.diff(region.offsets)
@@ -80,7 +103,8 @@ def _write_tokens(comparison: Comparison, path: Path) -> None:
             pa.table(
                 {
                     "sequence_id": pa.DictionaryArray.from_arrays(
-                        np.repeat(np.arange(len(ids), dtype=np.int32), lengths), pa.array(ids, pa.string())
+                        np.repeat(np.arange(len(ids), dtype=np.int32), lengths),
+                        pa.array(ids, pa.string()),
                     ),
                     "position": region.positions.astype(np.int32),
                     "region": pa.array([name] * len(diff)).dictionary_encode(),

@@ -44,7 +44,9 @@ def load_policy(path: Path | None = None) -> Policy:
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise BadInput(f"{source}{where}: not valid YAML ({getattr(error, 'problem', error)}).") from None
+        raise BadInput(
+            f"{source}{where}: not valid YAML ({getattr(error, 'problem', error)})."
+        ) from None
     if not isinstance(data, dict) or data.get("version") != 1:
         raise BadInput(f"{source}: expected a mapping with `version: 1` (see docs/policy.md).")
     profiles = data.get("profiles")
@@ -54,7 +56,9 @@ def load_policy(path: Path | None = None) -> Policy:
         if not isinstance(profile, dict) or not isinstance(profile.get("tau"), (int, float)):
             raise BadInput(f"{source}: profile {name!r} needs a numeric `tau`.")
         limits = profile.get("limits", {})
-        if not isinstance(limits, dict) or not all(isinstance(v, (int, float)) for v in limits.values()):
+        if not isinstance(limits, dict) or not all(
+            isinstance(v, (int, float)) for v in limits.values()
+        ):
             raise BadInput(f"{source}: profile {name!r} `limits` must map metric names to numbers.")
     return Policy(source, profiles, list(data.get("fail_on_findings") or []))
 
@@ -71,11 +75,14 @@ def judge(policy: Policy, profile_name: str, metrics: dict, findings: list[dict]
     violations = []
     for metric, limit in profile.get("limits", {}).items():
         if metric not in metrics:
-            raise BadInput(f"{policy.source}: profile {profile_name!r} limits unknown metric {metric!r}.")
+            raise BadInput(
+                f"{policy.source}: profile {profile_name!r} limits unknown metric {metric!r}."
+            )
         if not metrics[metric] <= limit:  # NaN fails too
             violations.append({"metric": metric, "value": metrics[metric], "limit": limit})
     failing = [
-        f["cause"] for f in findings
+        f["cause"]
+        for f in findings
         if f["cause"] in policy.fail_on_findings and f.get("severity") == "fault"
     ]
     verdict = VERDICT_FAIL if violations or failing else VERDICT_PASS

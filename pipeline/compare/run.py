@@ -47,7 +47,12 @@ def compare_files(
     validate_table(replay, replay_path, vocab_size)
     fixture_weights = (fixture.metadata.get("model") or {}).get("weights_fingerprint")
     replay_weights = (replay.metadata.get("model") or {}).get("weights_fingerprint")
-    if fixture_weights and replay_weights and fixture_weights != replay_weights and not allow_weight_mismatch:
+    if (
+        fixture_weights
+        and replay_weights
+        and fixture_weights != replay_weights
+        and not allow_weight_mismatch
+    ):
         raise BadInput(
             f"{replay_path}: made from weights {replay_weights[:23]}... but {fixture_path} from "
             f"{fixture_weights[:23]}...; replay the fixture's model, or pass "
@@ -70,7 +75,9 @@ def compare_files(
     context.update(
         fixture_weights=fixture_weights,
         replay_weights=replay_weights,
-        weights_differ=bool(fixture_weights and replay_weights and fixture_weights != replay_weights),
+        weights_differ=bool(
+            fixture_weights and replay_weights and fixture_weights != replay_weights
+        ),
     )
     findings = [f.as_dict() for f in diagnose(_views(aligned, per_sequence, tau), context)]
     judgement = judge(policy, profile, metrics, findings)
@@ -80,7 +87,9 @@ def compare_files(
         "metrics": {
             **metrics,
             "by_region": by_region,
-            "kl_input_drift": kl_input_drift(completion.train, completion.rollout, aligned.kl_channels),
+            "kl_input_drift": kl_input_drift(
+                completion.train, completion.rollout, aligned.kl_channels
+            ),
         },
         "sequences": _sequence_rows(aligned, per_sequence, tau),
         "worst": worst_tokens(aligned, WORST_TOKENS),
@@ -102,7 +111,7 @@ def worst_tokens(aligned: Aligned, k: int) -> list[dict]:
         diff = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
         top = np.argpartition(-diff, min(k, len(diff)) - 1)[:k] if len(diff) else []
         sequence_of = np.searchsorted(region.offsets, top, side="right") - 1
-        for flat, seq in zip(top, sequence_of):
+        for flat, seq in zip(top, sequence_of, strict=True):
             rows.append(
                 {
                     "sequence_id": aligned.sequence_ids[int(seq)],
@@ -159,7 +168,15 @@ def _diagnosis_context(fixture_meta: dict, replay_meta: dict, aligned: Aligned, 
 
 
 def _sequence_rows(aligned: Aligned, per_sequence: dict, tau: float) -> list[dict]:
-    names = ("tokens", "max_abs_diff", "mean_abs_diff", "sum_abs_diff", "sum_diff", "log_ppl_diff", "chi2_seq")
+    names = (
+        "tokens",
+        "max_abs_diff",
+        "mean_abs_diff",
+        "sum_abs_diff",
+        "sum_diff",
+        "log_ppl_diff",
+        "chi2_seq",
+    )
     columns = {name: per_sequence[name].tolist() for name in names}
     rows = []
     for i, sequence_id in enumerate(aligned.sequence_ids):

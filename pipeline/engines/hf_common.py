@@ -20,7 +20,6 @@ def torch_dtype(name: str):
 
 def load_model(model_dir: Path, dtype: str = "float32", attn_implementation: str = "sdpa"):
     """Load a causal LM for inference from a local directory (never from a hub)."""
-    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

@@ -41,7 +41,9 @@ class ReplayKnobs:
         unknown = set(knobs) - set(cls.__dataclass_fields__)
         if unknown:
             known = ", ".join(cls.__dataclass_fields__)
-            raise BadInput(f"unknown hf replay knob(s) {', '.join(sorted(unknown))}; known: {known}.")
+            raise BadInput(
+                f"unknown hf replay knob(s) {', '.join(sorted(unknown))}; known: {known}."
+            )
         values = {}
         for name, value in knobs.items():
             default = cls.__dataclass_fields__[name].default
@@ -118,7 +120,7 @@ def _score_batch(model, pairs, settings: ReplayKnobs, position_ids):
     selected = torch.cat([hidden[row, cols] for row, cols in rows])
     logprobs = _selected_logprobs(model, selected, torch.cat(targets), settings)
     results, cursor = [], 0
-    for (first, prompt_length), target in zip(spans, targets):
+    for (first, prompt_length), target in zip(spans, targets, strict=True):
         values = logprobs[cursor : cursor + len(target)]
         cursor += len(target)
         split = prompt_length - first
@@ -136,7 +138,9 @@ def _selected_logprobs(model, hidden_rows, targets, settings: ReplayKnobs) -> np
     head = model.get_output_embeddings()
     if settings.lm_head_fp32:
         logits = torch.nn.functional.linear(
-            hidden_rows.float(), head.weight.float(), None if head.bias is None else head.bias.float()
+            hidden_rows.float(),
+            head.weight.float(),
+            None if head.bias is None else head.bias.float(),
         )
     else:
         logits = head(hidden_rows).float()
@@ -154,14 +158,18 @@ def _padded_inputs(model, sequences, positions, padding_side: str):
     attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
     position_ids = torch.zeros((len(sequences), width), dtype=torch.long)
     starts = []
-    for i, (sequence, position) in enumerate(zip(sequences, positions)):
+    for i, (sequence, position) in enumerate(zip(sequences, positions, strict=True)):
         start = 0 if padding_side == "right" else width - len(sequence)
         span = slice(start, start + len(sequence))
         input_ids[i, span] = torch.from_numpy(sequence)
         attention_mask[i, span] = 1
         position_ids[i, span] = torch.as_tensor(position)
         starts.append((i, start))
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    inputs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+    }
     return inputs, starts
 
 

@@ -23,7 +23,9 @@ DEFAULT_KNOBS = {"dtype": "float32", "batch_size": 8, "attn_implementation": "sd
 class HFRolloutEngine:
     name = "hf"
 
-    def rollout(self, model_dir: Path, prompts: list[list[int]], sampling: SamplingParams, knobs: dict):
+    def rollout(
+        self, model_dir: Path, prompts: list[list[int]], sampling: SamplingParams, knobs: dict
+    ):
         import torch
 
         unknown = set(knobs) - set(DEFAULT_KNOBS)
@@ -52,7 +54,9 @@ class HFRolloutEngine:
             batch = work[start : start + settings["batch_size"]]
             with torch.no_grad():
                 results.extend(_generate_batch(model, [p for _, p in batch], sampling, generator))
-        main, other = ("raw", "processed") if sampling.logprobs_mode == "raw" else ("processed", "raw")
+        main, other = (
+            ("raw", "processed") if sampling.logprobs_mode == "raw" else ("processed", "raw")
+        )
         applied = {
             **settings,
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -64,7 +68,10 @@ class HFRolloutEngine:
             [sequence_id for sequence_id, _ in work],
             [prompt for _, prompt in work],
             [r["tokens"] for r in results],
-            {"rollout": [r[main] for r in results], f"rollout_{other}": [r[other] for r in results]},
+            {
+                "rollout": [r[main] for r in results],
+                f"rollout_{other}": [r[other] for r in results],
+            },
             finish_reasons=[r["finish_reason"] for r in results],
             metadata={
                 "engine": {"name": "hf", "role": "rollout", "versions": software_versions()},
@@ -94,7 +101,12 @@ def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, g
         input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
         attention_mask[i, width - len(prompt) :] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=True,
+    )
     rows = [{"tokens": [], "raw": [], "processed": [], "finish_reason": "length"} for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool)
     next_position = position_ids[:, -1] + 1
@@ -104,7 +116,9 @@ def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, g
         if sampling.temperature == 0:  # greedy: nothing is processed
             processed, token = raw, raw.argmax(-1)
         else:
-            processed = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p).log_softmax(-1)
+            processed = process_logits(
+                logits, sampling.temperature, sampling.top_k, sampling.top_p
+            ).log_softmax(-1)
             token = torch.multinomial(processed.exp(), 1, generator=generator).squeeze(-1)
         for i in np.flatnonzero(~done.numpy()):
             t = int(token[i])
@@ -126,4 +140,3 @@ def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, g
         )
         next_position = next_position + 1
     return rows
-

@@ -1,0 +1,215 @@
+"""The command line as users meet it: help with examples, the smoke, clean errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.cli import cli
+from tests.helpers import run_lpx
+
+COMMANDS = [
+    [],
+    ["make-model"],
+    ["rollout"],
+    ["replay"],
+    ["compare"],
+    ["fixture", "show"],
+    ["ingest"],
+    ["inject"],
+    ["smoke"],
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "lpx")
+def test_every_help_shows_an_example(command):
+    result = run_lpx(*command, "--help")
+    assert result.exit_code == 0
+    assert "Example" in result.output and "lpx " in result.output.split("Example", 1)[1]
+
+
+def test_every_command_is_listed_in_the_readme():
+    readme = (__import__("pathlib").Path(__file__).parents[1] / "README.md").read_text()
+    for name in cli.commands:
+        assert f"lpx {name}" in readme, name
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    root = __import__("pathlib").Path(__file__).parents[1]
+    readme = (root / "README.md").read_text()
+    block = readme.split("## Quickstart", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.strip().splitlines() if line.strip()]
+    assert len(lines) == 2
+    ci = [
+        line
+        for line in (root / ".ci" / "run").read_text().splitlines()
+        if line and not line.startswith(("#", "set ", "cd "))
+    ]
+    assert ci == [lines[1]]
+
+
+def test_smoke_end_to_end_as_a_user_runs_it(tiny_model, tmp_path):
+    env = {**os.environ, "CI": "true"}
+    out = tmp_path / "smoke"
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline", "smoke", "--out", str(out), "--model", str(tiny_model)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "smoke: PASS" in result.stdout
+    assert "\r" not in result.stderr  # no progress bars in CI logs
+    verdicts = json.loads((out / "smoke.json").read_text())
+    assert {d: v["verdict"] for d, v in verdicts.items()} == {"float32": "pass", "bfloat16": "pass"}
+    for dtype in ("float32", "bfloat16"):
+        compare_dir = out / f"compare-hf-{dtype}"
+        report = json.loads((compare_dir / "report.json").read_text())
+        assert set(report) >= {
+            "verdict",
+            "metrics",
+            "sequences",
+            "worst",
+            "diagnosis",
+            "policy",
+            "metadata",
+        }
+        assert len(report["sequences"]) == 16 and len(report["worst"]) == 20
+        assert report["metadata"]["replay"]["knobs"]["dtype"] == dtype
+        assert (compare_dir / "tokens.parquet").stat().st_size > 0
+        assert "# lpx compare: PASS" in (compare_dir / "summary.md").read_text()
+    fp32 = json.loads((out / "compare-hf-float32" / "report.json").read_text())
+    assert fp32["metrics"]["max_abs_diff"] < 1e-5
+
+
+def test_bad_input_is_one_line_without_traceback(tmp_path):
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 not really")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "compare",
+            str(broken),
+            str(broken),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("Error: ") and str(broken) in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_engine_and_knob_are_clear(run_dir, tmp_path):
+    result = run_lpx(
+        "replay", run_dir / "fixture.parquet", "--engine", "nope", "--out", tmp_path / "r.parquet"
+    )
+    assert (
+        result.exit_code == 2
+        and "unknown engine 'nope'" in result.output
+        and "known: hf" in result.output
+    )
+    result = run_lpx(
+        "replay",
+        run_dir / "fixture.parquet",
+        "--set",
+        "padding=left",
+        "--out",
+        tmp_path / "r.parquet",
+    )
+    assert result.exit_code == 2 and "unknown hf replay knob(s) padding" in result.output
+
+
+def test_missing_engine_package_names_the_extra(monkeypatch):
+    from pipeline import engines
+    from pipeline.errors import EngineNotInstalled
+
+    monkeypatch.setitem(
+        engines.BUILTIN_SCORING, "megatron", "pipeline.engines.not_installed_adapter:X"
+    )
+    monkeypatch.setitem(engines.EXTRA_FOR_ENGINE, "megatron", "megatron")
+    with pytest.raises(EngineNotInstalled, match=r"pip install -e '\.\[megatron\]'"):
+        engines.scoring_engine("megatron")
+
+
+def test_policy_file_errors_and_custom_limits(run_dir, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nprofiles: [1, 2\n")
+    result = run_lpx(
+        "compare",
+        run_dir / "fixture.parquet",
+        run_dir / "replay-float32.parquet",
+        "--policy",
+        bad,
+        "--out",
+        tmp_path / "o",
+    )
+    assert result.exit_code == 2 and f"{bad} line" in result.output
+    strict = tmp_path / "strict.yaml"
+    strict.write_text(
+        "version: 1\nprofiles:\n  float32:\n    tau: 1.0e-9\n    limits: {max_abs_diff: 1.0e-9}\n"
+    )
+    result = run_lpx(
+        "compare",
+        run_dir / "fixture.parquet",
+        run_dir / "replay-float32.parquet",
+        "--policy",
+        strict,
+        "--out",
+        tmp_path / "o",
+    )
+    assert result.exit_code == 1 and "max_abs_diff" in result.output
+
+
+def test_fixture_show_lists_and_details(run_dir):
+    result = run_lpx("fixture", "show", run_dir / "fixture.parquet")
+    assert result.exit_code == 0
+    assert "sequences  16, completion tokens 384" in result.output
+    assert "channels   rollout, rollout_processed" in result.output
+    result = run_lpx("fixture", "show", run_dir / "fixture.parquet", "--sequence", "0-0")
+    assert result.exit_code == 0
+    token_rows = [
+        line.split()
+        for line in result.output.splitlines()
+        if line.startswith("  ") and line.split()[0].isdigit()
+    ]
+    assert [int(row[0]) for row in token_rows] == list(range(24))
+    assert all(row[3] == row[4] for row in token_rows)  # raw == processed at temperature 1
+
+
+def test_rollout_and_replay_commands_write_files(tiny_model, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 40, 41]}\n{"text": "The fox"}\nThe harbor\n')
+    fixture = tmp_path / "fixture.parquet"
+    result = run_lpx(
+        "rollout",
+        "--model",
+        tiny_model,
+        "--prompts",
+        prompts,
+        "--max-tokens",
+        6,
+        "--ignore-eos",
+        "-n",
+        2,
+        "--out",
+        fixture,
+    )
+    assert result.exit_code == 0, result.output
+    assert "6 sequences, 36 completion tokens" in result.output
+    replay = tmp_path / "replay.parquet"
+    result = run_lpx("replay", fixture, "--dtype", "fp16", "--set", "packing=true", "--out", replay)
+    assert result.exit_code == 0, result.output
+    result = run_lpx("compare", fixture, replay, "--out", tmp_path / "cmp", "--quiet")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "cmp" / "report.json").read_text())
+    assert report["policy"]["profile"] == "float16"
+    assert 0 < report["metrics"]["max_abs_diff"] < 0.05
