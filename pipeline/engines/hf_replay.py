@@ -109,21 +109,25 @@ def _score_batch(model, pairs, settings: ReplayKnobs, position_ids):
     else:
         inputs, starts = _padded_inputs(model, sequences, positions, settings.padding_side)
     hidden = model.base_model(**inputs).last_hidden_state
-    rows, targets, spans = [], [], []
-    for i, (prompt, _completion) in enumerate(pairs):
-        first = 1 if settings.prompt_logprobs else len(prompt)
-        row, start = starts[i]
-        # The hidden state at position t predicts the token at t + 1.
-        rows.append((row, torch.arange(start + first - 1, start + len(sequences[i]) - 1)))
-        targets.append(torch.from_numpy(sequences[i][first:]))
-        spans.append((first, len(prompt)))
-    selected = torch.cat([hidden[row, cols] for row, cols in rows])
-    logprobs = _selected_logprobs(model, selected, torch.cat(targets), settings)
+    # The hidden state at position t predicts the token at t + 1: gather, in one indexing
+    # op, the rows that predict each scored token (from `first` on) of every sequence.
+    firsts = [1 if settings.prompt_logprobs else len(prompt) for prompt, _ in pairs]
+    counts = [len(s) - f for s, f in zip(sequences, firsts, strict=True)]
+    row_index = np.repeat([row for row, _ in starts], counts)
+    column_index = np.concatenate(
+        [
+            np.arange(start + f - 1, start + len(s) - 1)
+            for (_, start), f, s in zip(starts, firsts, sequences, strict=True)
+        ]
+    )
+    targets = np.concatenate([s[f:] for s, f in zip(sequences, firsts, strict=True)])
+    selected = hidden[torch.from_numpy(row_index), torch.from_numpy(column_index)]
+    logprobs = _selected_logprobs(model, selected, torch.from_numpy(targets), settings)
     results, cursor = [], 0
-    for (first, prompt_length), target in zip(spans, targets, strict=True):
-        values = logprobs[cursor : cursor + len(target)]
-        cursor += len(target)
-        split = prompt_length - first
+    for (prompt, _), first, count in zip(pairs, firsts, counts, strict=True):
+        values = logprobs[cursor : cursor + count]
+        cursor += count
+        split = len(prompt) - first
         prompt_lp = None
         if settings.prompt_logprobs:
             # The first prompt token has no context, hence no logprob.

@@ -1,0 +1,196 @@
+"""lpx benchmark: comparator throughput and memory, fixture size and load time, replay overhead.
+
+Run with one command (prints ratios against the targets of issue #2):
+
+    .venv/bin/python bench/run.py            # 10 million tokens, ~1 minute
+    .venv/bin/python bench/run.py --tokens 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+# One core for the comparator target; set before numpy loads its thread pools.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.compare.metrics import batch_metrics, sequence_metrics  # noqa: E402
+from pipeline.fixture.io import read_table, write_table  # noqa: E402
+from pipeline.fixture.table import TokenTable, offsets_from_lengths  # noqa: E402
+
+TARGET_TOKENS_PER_S = 20e6
+TARGET_MEMORY_RATIO = 3.0
+TARGET_BYTES_PER_TOKEN = 12.0
+TARGET_LOAD_S = 2.0
+TARGET_REPLAY_OVERHEAD = 1.10
+
+
+def synthetic_logprobs(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rollout logprobs shaped like a sampled LM's (mostly near 0, a long tail) and a
+    bf16-like training side."""
+    rollout = -rng.exponential(0.6, n).astype(np.float32)
+    train = (rollout + rng.normal(0, 0.01, n)).astype(np.float32)
+    np.minimum(train, 0, out=train)
+    return train, rollout
+
+
+def bench_comparator(tokens: int, repeats: int = 3) -> dict:
+    rng = np.random.default_rng(0)
+    train, rollout = synthetic_logprobs(rng, tokens)
+    offsets = offsets_from_lengths(np.full(tokens // 1000, 1000))
+    batch_metrics(train[:100_000], rollout[:100_000], 0.1)  # warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        batch_metrics(train, rollout, 0.1)
+        times.append(time.perf_counter() - start)
+    tracemalloc.start()
+    batch_metrics(train, rollout, 0.1)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    start = time.perf_counter()
+    sequence_metrics(train, rollout, offsets)
+    per_sequence_s = time.perf_counter() - start
+    best = min(times)
+    return {
+        "tokens": tokens,
+        "batch_metrics_s": best,
+        "tokens_per_s": tokens / best,
+        "peak_extra_memory_ratio": peak / (train.nbytes + rollout.nbytes),
+        "sequence_metrics_s": per_sequence_s,
+    }
+
+
+def bench_fixture(tokens: int) -> dict:
+    rng = np.random.default_rng(1)
+    sequences, length, prompt_length = tokens // 1000, 1000, 1
+    _, rollout = synthetic_logprobs(rng, tokens)
+    table = TokenTable(
+        kind="fixture",
+        sequence_ids=[f"seq-{i}" for i in range(sequences)],
+        prompt_offsets=offsets_from_lengths(np.full(sequences, prompt_length)),
+        prompt_ids=rng.integers(0, 32_000, sequences * prompt_length).astype(np.int32),
+        completion_offsets=offsets_from_lengths(np.full(sequences, length)),
+        completion_ids=rng.integers(0, 32_000, tokens).astype(np.int32),
+        completion_mask=np.ones(tokens, dtype=bool),
+        channels={"rollout": rollout},
+        metadata={"dtype": "bfloat16"},
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fixture.parquet"
+        start = time.perf_counter()
+        write_table(table, path)
+        write_s = time.perf_counter() - start
+        size = path.stat().st_size
+        loads = []
+        for _ in range(3):
+            start = time.perf_counter()
+            read_table(path)
+            loads.append(time.perf_counter() - start)
+    return {
+        "tokens": tokens,
+        "bytes_per_token": size / tokens,
+        "write_s": write_s,
+        "load_s": min(loads),
+    }
+
+
+def bench_replay(sequences: int = 64, completion_tokens: int = 128, repeats: int = 5) -> dict:
+    """HF replay harness (padding, selected-logprob gather, fp32 log-softmax) vs a bare
+    ``model(input_ids, attention_mask)`` forward over the same micro-batches."""
+    import torch
+
+    from pipeline.engines.hf_common import load_model
+    from pipeline.engines.hf_replay import ReplayKnobs, _padded_inputs, score_batch
+    from pipeline.smoke import default_model_dir, ensure_tiny_model
+
+    model_dir = ensure_tiny_model(default_model_dir())
+    model = load_model(model_dir)
+    rng = np.random.default_rng(2)
+    pairs = [
+        (
+            rng.integers(3, 512, rng.integers(8, 24)).astype(np.int32),
+            rng.integers(3, 512, completion_tokens).astype(np.int32),
+        )
+        for _ in range(sequences)
+    ]
+    settings = ReplayKnobs(micro_batch_size=8)
+    batches = [pairs[i : i + 8] for i in range(0, sequences, 8)]
+    padded = [
+        _padded_inputs(
+            model,
+            [np.concatenate(p).astype(np.int64) for p in batch],
+            [np.arange(sum(map(len, p))) for p in batch],
+            "right",
+        )[0]
+        for batch in batches
+    ]
+
+    def harness():
+        for batch in batches:
+            score_batch(model, batch, settings)
+
+    def bare():
+        with torch.no_grad():
+            for inputs in padded:
+                model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+
+    timings = {"harness": [], "bare": []}
+    harness(), bare()  # warm up
+    for _ in range(repeats):
+        for name, function in (("harness", harness), ("bare", bare)):
+            start = time.perf_counter()
+            function()
+            timings[name].append(time.perf_counter() - start)
+    harness_s, bare_s = statistics.median(timings["harness"]), statistics.median(timings["bare"])
+    return {
+        "tokens": sequences * completion_tokens,
+        "harness_s": harness_s,
+        "bare_forward_s": bare_s,
+        "overhead_ratio": harness_s / bare_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=10_000_000)
+    args = parser.parse_args()
+
+    comparator = bench_comparator(args.tokens)
+    print(
+        f"comparator  {comparator['tokens']:,} tokens: batch metrics {comparator['batch_metrics_s']:.3f} s "
+        f"= {comparator['tokens_per_s'] / 1e6:.1f} M tokens/s on one core "
+        f"(target 20 M: ratio {comparator['tokens_per_s'] / TARGET_TOKENS_PER_S:.2f}x); "
+        f"peak extra memory {comparator['peak_extra_memory_ratio']:.2f}x the two logprob arrays "
+        f"(target <= {TARGET_MEMORY_RATIO:.0f}x); per-sequence metrics {comparator['sequence_metrics_s']:.3f} s"
+    )
+    fixture = bench_fixture(args.tokens)
+    print(
+        f"fixture     {fixture['tokens']:,} tokens: {fixture['bytes_per_token']:.2f} bytes/completion token "
+        f"(token id + rollout logprob + mask; target <= {TARGET_BYTES_PER_TOKEN:.0f}: ratio "
+        f"{fixture['bytes_per_token'] / TARGET_BYTES_PER_TOKEN:.2f}); load {fixture['load_s']:.2f} s "
+        f"(target < {TARGET_LOAD_S:.0f} s: ratio {fixture['load_s'] / TARGET_LOAD_S:.2f}); write {fixture['write_s']:.2f} s"
+    )
+    replay = bench_replay()
+    print(
+        f"hf replay   {replay['tokens']:,} completion tokens, tiny model: harness {replay['harness_s'] * 1e3:.1f} ms "
+        f"vs bare forward {replay['bare_forward_s'] * 1e3:.1f} ms = {replay['overhead_ratio']:.3f}x "
+        f"(target <= {TARGET_REPLAY_OVERHEAD:.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
