@@ -3,6 +3,7 @@ sequence at or after the fault, and the diagnosis names the cause."""
 
 import pytest
 
+from pipeline.engines.hf_replay import HFScoringEngine
 from tests.helpers import read_report, run_lpx
 
 CAUSE_OF_KIND = {
@@ -13,7 +14,7 @@ CAUSE_OF_KIND = {
     "dtype": "dtype",
     "stale_weights": "stale_weights",
 }
-SEQUENCE, FROM_POSITION = "3-1", 5
+PLACES = [("3-1", 5), ("0-0", 2), ("7-0", 9)]
 
 
 def test_clean_fp32_run_passes_without_findings(run_dir, tmp_path):
@@ -31,7 +32,9 @@ def test_clean_fp32_run_passes_without_findings(run_dir, tmp_path):
 
 
 @pytest.mark.parametrize("kind", sorted(CAUSE_OF_KIND))
-def test_injected_fault_is_caught_and_named(run_dir, tmp_path, kind):
+@pytest.mark.parametrize("place", PLACES, ids=lambda p: f"{p[0]}@{p[1]}")
+def test_injected_fault_is_caught_and_named(run_dir, tmp_path, kind, place):
+    sequence, from_position = place
     faulted = tmp_path / "faulted.parquet"
     result = run_lpx(
         "inject",
@@ -39,9 +42,9 @@ def test_injected_fault_is_caught_and_named(run_dir, tmp_path, kind):
         "--kind",
         kind,
         "--sequence",
-        SEQUENCE,
+        sequence,
         "--from-position",
-        FROM_POSITION,
+        from_position,
         "--out",
         faulted,
     )
@@ -53,13 +56,13 @@ def test_injected_fault_is_caught_and_named(run_dir, tmp_path, kind):
     report = read_report(tmp_path / "cmp")
     assert report["verdict"] == "fail"
     worst = report["worst"][0]
-    assert worst["sequence_id"] == SEQUENCE and worst["position"] >= FROM_POSITION
+    assert worst["sequence_id"] == sequence and worst["position"] >= from_position
     causes = {f["cause"]: f for f in report["diagnosis"]}
     assert list(causes) == [CAUSE_OF_KIND[kind]]
     finding = causes[CAUSE_OF_KIND[kind]]
-    assert finding["sequences"] == [SEQUENCE]
-    assert finding["first_position"]["sequence_id"] == SEQUENCE
-    assert finding["first_position"]["position"] >= FROM_POSITION
+    assert finding["sequences"] == [sequence]
+    assert finding["first_position"]["sequence_id"] == sequence
+    assert finding["first_position"]["position"] >= from_position
     assert finding["evidence"]
 
 
@@ -83,21 +86,26 @@ def test_injecting_into_a_replay_works_too(run_dir, tmp_path):
     assert finding["cause"] == "token_shift" and finding["details"]["shift"] == 1
 
 
-def test_replay_with_other_weights_is_bad_input_unless_allowed(run_dir, tiny_model, tmp_path):
+def perturbed_model(tiny_model, out_dir):
+    """A copy of the tiny model with every weight nudged (an older or wrongly converted policy)."""
     import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
 
-    stale = tmp_path / "stale-model"
-    shutil.copytree(tiny_model, stale)
-    weights = load_file(stale / "model.safetensors")
+    shutil.copytree(tiny_model, out_dir)
+    weights = load_file(out_dir / "model.safetensors")
     generator = torch.Generator().manual_seed(0)
     for name, tensor in weights.items():
         weights[name] = tensor + 0.02 * tensor.std() * torch.randn(
             tensor.shape, generator=generator
         )
-    save_file(weights, stale / "model.safetensors", metadata={"format": "pt"})
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
+def test_replay_with_other_weights_is_bad_input_unless_allowed(run_dir, tiny_model, tmp_path):
+    stale = perturbed_model(tiny_model, tmp_path / "stale-model")
     replay = tmp_path / "replay-stale.parquet"
     assert (
         run_lpx("replay", run_dir / "fixture.parquet", "--model", stale, "--out", replay).exit_code
@@ -123,18 +131,19 @@ def test_replay_with_other_weights_is_bad_input_unless_allowed(run_dir, tiny_mod
     assert report["metrics"]["mean_abs_diff"] > 1e-3
 
 
-def test_uniform_drift_without_fingerprints_points_at_weights(run_dir, tiny_model, tmp_path):
-    """A wrong weight conversion keeps the file fingerprint: the drift pattern must say it."""
+def test_other_weights_behind_an_equal_fingerprint_are_still_named(run_dir, tiny_model, tmp_path):
+    """An engine that converts or shards weights wrongly still reports the file's fingerprint:
+    the drift pattern alone must point at the weights."""
     from pipeline.fixture.io import read_table, write_table
 
-    replay = read_table(run_dir / "replay-float32.parquet")
-    rng = __import__("numpy").random.default_rng(0)
-    replay.channels["replay"] = (
-        replay.channels["replay"] - rng.uniform(0.05, 0.5, replay.num_completion_tokens)
-    ).astype("float32")
+    stale = perturbed_model(tiny_model, tmp_path / "stale-model")
+    fixture = read_table(run_dir / "fixture.parquet")
+    replay = HFScoringEngine().score(fixture, stale, {})
+    replay.metadata["model"] = fixture.metadata["model"]
     path = write_table(replay, tmp_path / "replay.parquet")
     result = run_lpx("compare", run_dir / "fixture.parquet", path, "--out", tmp_path / "cmp")
     assert result.exit_code == 1
     findings = read_report(tmp_path / "cmp")["diagnosis"]
     assert [f["cause"] for f in findings] == ["stale_weights"]
-    assert len(findings[0]["sequences"]) == 16
+    assert len(findings[0]["sequences"]) >= 12
+    assert "equal weight fingerprints" in findings[0]["evidence"]

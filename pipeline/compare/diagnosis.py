@@ -18,6 +18,7 @@ FAULT_CAUSES = ("token_shift", "mask_padding", "position_ids", "temperature", "s
 # Fraction of a sequence's drifting tokens a signature must explain.
 EXPLAINS = 0.75
 MIN_TOKENS = 2
+LIKELY_LOGPROB = float(np.log(0.3))
 # Typical drift RMS when one side runs in a lower precision (shared/notes/metrics.md).
 DTYPE_NOISE_CEILING = {"bfloat16": 0.1, "float16": 0.02, "float32": 1e-4}
 
@@ -170,13 +171,32 @@ def detect_weight_version(view: SequenceView, context: dict):
 
 
 def detect_temperature(view: SequenceView, context: dict):
+    """Raw vs processed logprobs, from the numbers alone.
+
+    Processed logprobs are log p^(1/T) - log sum_j p_j^(1/T) (plus a log 1/S renormaliser
+    under top-k/top-p). Two signatures, either suffices: the gap is linear in the logprob
+    (peaked distributions, where the normaliser barely moves), or the likely tokens all
+    move the same way (T < 1 and top-k/top-p raise them, T > 1 lowers them), where noise,
+    other weights or position bugs move them both ways.
+    """
     bad = view.bad
     if bad.sum() < 3 or context.get("weights_differ"):
         return None  # different weights can rescale logits too: the fingerprint says more
     rollout, train = view.rollout[bad].astype(np.float64), view.train[bad].astype(np.float64)
-    # Processed logprobs are logp / T minus a per-position log-normaliser that stays small,
-    # so the gap itself is linear in the raw logprob. R^2 is taken on the gap, not on the
-    # logprobs: noise or other weights leave the gap uncorrelated with the logprob.
+    found = _temperature_fit(rollout, train) or _sharpening(rollout, train)
+    if found is None:
+        return None
+    summary, details = found
+    return (
+        "temperature",
+        f"{summary} over the {int(bad.sum())} drifting tokens of {view.where()}: one side's "
+        f"logprobs are processed (temperature/top-k/top-p) and the other's are raw"
+        f"{_sampling_hint(context)}",
+        details,
+    )
+
+
+def _temperature_fit(rollout: np.ndarray, train: np.ndarray):
     gap = rollout - train
     gap_slope, intercept = np.polyfit(train, gap, 1)
     residual = gap - (gap_slope * train + intercept)
@@ -187,14 +207,31 @@ def detect_temperature(view: SequenceView, context: dict):
     # near-constant, which is not a temperature.
     if r2 < 0.8 or abs(gap_slope) < 0.05 or not 0.2 <= slope <= 5.0:
         return None
-    temperature = 1.0 / slope
-    return (
-        "temperature",
-        f"rollout = {slope:.3f} x replay {intercept:+.3f} (R^2 of the gap {r2:.3f}) over {int(bad.sum())} "
-        f"drifting tokens of {view.where()}: one side's logprobs are processed at temperature "
-        f"~{temperature:.2f} and the other's are raw{_sampling_hint(context)}",
-        {"slope": float(slope), "estimated_temperature": float(temperature), "r2": float(r2)},
+    summary = (
+        f"rollout = {slope:.3f} x replay {intercept:+.3f} (R^2 of the gap {r2:.3f}, "
+        f"temperature ~{1 / slope:.2f})"
     )
+    return summary, {
+        "slope": float(slope),
+        "estimated_temperature": float(1 / slope),
+        "r2": float(r2),
+    }
+
+
+def _sharpening(rollout: np.ndarray, train: np.ndarray):
+    likely = (rollout + train) / 2 > LIKELY_LOGPROB
+    if likely.sum() < 6:
+        return None
+    up = float(np.mean(rollout[likely] > train[likely]))
+    if max(up, 1 - up) < 0.9:
+        return None
+    side = "rollout" if up >= 0.9 else "replay"
+    summary = (
+        f"on the {int(likely.sum())} likely tokens (p > {np.exp(LIKELY_LOGPROB):.2f}) the {side} "
+        f"logprob is higher in {max(up, 1 - up):.0%} (the {side} distribution is sharpened: "
+        "temperature < 1 or top-k/top-p renormalisation applied on that side only)"
+    )
+    return summary, {"sharpened_side": side, "agreement": max(up, 1 - up)}
 
 
 def detect_temperature_metadata(view: SequenceView, context: dict):

@@ -9,7 +9,7 @@ from pathlib import Path
 ARCHITECTURES = ("llama", "qwen2")
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
-TRAIN_STEPS = 300
+TRAIN_STEPS = 150
 SEQUENCE_LENGTH = 48
 
 
@@ -71,8 +71,8 @@ def _model_config(arch: str):
 
     common = dict(
         vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=176,
+        hidden_size=128,
+        intermediate_size=352,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
