@@ -90,8 +90,8 @@ def _rescore(
         for parameter in model.parameters():
             noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
             parameter.add_(noise * parameter.std() * STALE_WEIGHT_NOISE)
-    ((logprobs, _),) = score_batch(model, [(prompt, completion)], settings, position_ids=positions)
-    return logprobs
+    (scored,) = score_batch(model, [(prompt, completion)], settings, position_ids=positions)
+    return scored.completion
 
 
 def _mark_stale(table: TokenTable, span: slice, from_position: int) -> None:

@@ -36,6 +36,9 @@ class Aligned:
     prompt: Region | None
     kl_channels: dict[str, np.ndarray]
     weight_versions: np.ndarray | None
+    # Most likely token per compared completion position on each side, when both recorded it.
+    top1_rollout: np.ndarray | None = None
+    top1_train: np.ndarray | None = None
 
 
 def align(
@@ -83,6 +86,7 @@ def align(
             rollout=fixture.prompt_logprobs[scored],
             train=replay.prompt_logprobs[prompt_index][scored],
         )
+    both_top = fixture.top_ids is not None and replay.top_ids is not None
     return Aligned(
         sequence_ids=fixture.sequence_ids,
         completion=completion,
@@ -91,6 +95,8 @@ def align(
         weight_versions=None
         if fixture.weight_versions is None
         else fixture.weight_versions[active],
+        top1_rollout=fixture.top_ids[active, 0] if both_top else None,
+        top1_train=replay.top_ids[completion_index][active, 0] if both_top else None,
     )
 
 

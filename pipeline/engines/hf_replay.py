@@ -21,6 +21,14 @@ from pipeline.progress import progress_bar
 PADDING_SIDES = ("right", "left")
 
 
+@dataclass
+class ScoredSequence:
+    completion: np.ndarray  # selected-token logprobs of the completion
+    prompt: np.ndarray | None  # of the prompt (NaN first) when asked
+    top_id: np.ndarray  # the most likely token at each completion position
+    top_logprob: np.ndarray
+
+
 @dataclass(frozen=True)
 class ReplayKnobs:
     """Every setting of the HF replay that can change a logprob."""
@@ -65,30 +73,32 @@ class HFScoringEngine:
     def score(self, fixture: TokenTable, model_dir: Path, knobs: dict) -> TokenTable:
         settings = ReplayKnobs.from_dict(knobs)
         model = load_model(model_dir, settings.dtype, settings.attn_implementation)
-        completions, prompts_lp = [], []
+        scored: list[ScoredSequence] = []
         batches = range(0, fixture.num_sequences, settings.micro_batch_size)
         for start in progress_bar(batches, desc="hf replay", unit="batch"):
             indices = range(start, min(start + settings.micro_batch_size, fixture.num_sequences))
             pairs = [(fixture.prompt_of(i), fixture.completion_of(i)) for i in indices]
-            for completion_lp, prompt_lp in score_batch(model, pairs, settings):
-                completions.append(completion_lp)
-                prompts_lp.append(prompt_lp)
-        return table_from_sequences(
+            scored.extend(score_batch(model, pairs, settings))
+        table = table_from_sequences(
             "replay",
             fixture.sequence_ids,
             [fixture.prompt_of(i) for i in range(fixture.num_sequences)],
             [fixture.completion_of(i) for i in range(fixture.num_sequences)],
-            {REPLAY_CHANNEL: completions},
+            {REPLAY_CHANNEL: [s.completion for s in scored]},
             masks=np.split(fixture.completion_mask, fixture.completion_offsets[1:-1]),
-            prompt_logprobs=prompts_lp if settings.prompt_logprobs else None,
+            prompt_logprobs=[s.prompt for s in scored] if settings.prompt_logprobs else None,
             metadata=replay_metadata(model, model_dir, settings),
         )
+        if scored:
+            table.top_ids = np.concatenate([s.top_id for s in scored])[:, None].astype(np.int32)
+            table.top_logprobs = np.concatenate([s.top_logprob for s in scored])[:, None]
+        return table
 
 
 def score_batch(model, pairs, settings: ReplayKnobs, position_ids=None):
     """Selected-token logprobs for a micro-batch of (prompt ids, completion ids) pairs.
 
-    Returns one (completion logprobs, prompt logprobs or None) per pair. Logits are computed
+    Returns one ScoredSequence per pair. Logits are computed
     only at the positions that predict a scored token, so the harness costs less than a
     full-vocabulary forward. ``position_ids`` (one array per pair) overrides the default
     0..len-1 rule; fault injection uses it to reproduce position-id bugs.
@@ -122,7 +132,9 @@ def _score_batch(model, pairs, settings: ReplayKnobs, position_ids):
     )
     targets = np.concatenate([s[f:] for s, f in zip(sequences, firsts, strict=True)])
     selected = hidden[torch.from_numpy(row_index), torch.from_numpy(column_index)]
-    logprobs = _selected_logprobs(model, selected, torch.from_numpy(targets), settings)
+    logprobs, top_ids, top_logprobs = _selected_logprobs(
+        model, selected, torch.from_numpy(targets), settings
+    )
     results, cursor = [], 0
     for (prompt, _), first, count in zip(pairs, firsts, counts, strict=True):
         values = logprobs[cursor : cursor + count]
@@ -132,11 +144,20 @@ def _score_batch(model, pairs, settings: ReplayKnobs, position_ids):
         if settings.prompt_logprobs:
             # The first prompt token has no context, hence no logprob.
             prompt_lp = np.concatenate([[np.nan], values[:split]]).astype(np.float32)
-        results.append((values[split:].astype(np.float32), prompt_lp))
+        span = slice(cursor - count + split, cursor)
+        results.append(
+            ScoredSequence(
+                values[split:].astype(np.float32),
+                prompt_lp,
+                top_ids[span],
+                top_logprobs[span].astype(np.float32),
+            )
+        )
     return results
 
 
-def _selected_logprobs(model, hidden_rows, targets, settings: ReplayKnobs) -> np.ndarray:
+def _selected_logprobs(model, hidden_rows, targets, settings: ReplayKnobs):
+    """Selected-token logprobs, plus the top-1 token and its logprob at each row."""
     import torch
 
     head = model.get_output_embeddings()
@@ -149,8 +170,10 @@ def _selected_logprobs(model, hidden_rows, targets, settings: ReplayKnobs) -> np
     else:
         logits = head(hidden_rows).float()
     logits = process_logits(logits, settings.temperature, settings.top_k, settings.top_p)
-    logprobs = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
-    return logprobs.numpy()
+    all_logprobs = logits.log_softmax(-1)
+    selected = all_logprobs.gather(-1, targets[:, None]).squeeze(-1)
+    top_logprob, top_id = all_logprobs.max(-1)
+    return selected.numpy(), top_id.numpy(), top_logprob.numpy()
 
 
 def _padded_inputs(model, sequences, positions, padding_side: str):

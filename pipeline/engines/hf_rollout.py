@@ -63,7 +63,7 @@ class HFRolloutEngine:
             "attn_implementation": model.config._attn_implementation,
             "kv_cache": True,
         }
-        return table_from_sequences(
+        table = table_from_sequences(
             "fixture",
             [sequence_id for sequence_id, _ in work],
             [prompt for _, prompt in work],
@@ -86,6 +86,12 @@ class HFRolloutEngine:
                 "position_id_rule": "arange",
             },
         )
+        # The most likely token of the raw distribution at each step (top-1 flip analysis).
+        table.top_ids = np.array([t for r in results for t in r["top_id"]], dtype=np.int32)[:, None]
+        table.top_logprobs = np.array(
+            [lp for r in results for lp in r["top_logprob"]], dtype=np.float32
+        )[:, None]
+        return table
 
 
 def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, generator):
@@ -107,7 +113,17 @@ def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, g
         position_ids=position_ids,
         use_cache=True,
     )
-    rows = [{"tokens": [], "raw": [], "processed": [], "finish_reason": "length"} for _ in prompts]
+    rows = [
+        {
+            "tokens": [],
+            "raw": [],
+            "processed": [],
+            "top_id": [],
+            "top_logprob": [],
+            "finish_reason": "length",
+        }
+        for _ in prompts
+    ]
     done = torch.zeros(len(prompts), dtype=torch.bool)
     next_position = position_ids[:, -1] + 1
     for _ in range(sampling.max_tokens):
@@ -120,8 +136,11 @@ def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, g
                 logits, sampling.temperature, sampling.top_k, sampling.top_p
             ).log_softmax(-1)
             token = torch.multinomial(processed.exp(), 1, generator=generator).squeeze(-1)
+        top_id = raw.argmax(-1)
         for i in np.flatnonzero(~done.numpy()):
             t = int(token[i])
+            rows[i]["top_id"].append(int(top_id[i]))
+            rows[i]["top_logprob"].append(float(raw[i, top_id[i]]))
             rows[i]["tokens"].append(t)
             rows[i]["raw"].append(float(raw[i, t]))
             rows[i]["processed"].append(float(processed[i, t]))

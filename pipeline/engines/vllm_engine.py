@@ -1,0 +1,206 @@
+"""vLLM adapters: sampling rollouts, and teacher-forced scoring through prompt logprobs.
+
+Both use the offline ``LLM`` API with token-id prompts and no tokenizer. Scoring lets a
+user separate "vLLM samples differently" from "vLLM scores differently".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.engines.base import SamplingParams
+from pipeline.engines.hf_common import model_metadata
+from pipeline.engines.vllm_common import (
+    VLLMKnobs,
+    applied_knobs,
+    chunks,
+    create_llm,
+    release_llm,
+    stop_token_ids,
+    vllm_versions,
+)
+from pipeline.errors import BadInput
+from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable, table_from_sequences
+from pipeline.progress import progress_bar
+
+
+class VLLMRolloutEngine:
+    name = "vllm"
+
+    def rollout(
+        self, model_dir: Path, prompts: list[list[int]], sampling: SamplingParams, knobs: dict
+    ) -> TokenTable:
+        settings = VLLMKnobs.from_dict({"logprobs_mode": sampling.logprobs_mode, **knobs})
+        llm = create_llm(model_dir, settings, seed=sampling.seed)
+        try:
+            return rollout_with(llm, model_dir, prompts, sampling, settings)
+        finally:
+            release_llm(llm)
+
+
+def rollout_with(
+    llm, model_dir: Path, prompts, sampling: SamplingParams, settings: VLLMKnobs
+) -> TokenTable:
+    """Sample with an engine that is already loaded (sweeps reuse one engine)."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    work = [
+        (f"{p}-{s}", list(prompt), sampling.seed + p * sampling.samples_per_prompt + s)
+        for p, prompt in enumerate(prompts)
+        for s in range(sampling.samples_per_prompt)
+    ]
+    stops = [] if sampling.ignore_eos else stop_token_ids(model_dir)
+    rows = []
+    for batch in progress_bar(chunks(work, settings.batch_size), desc="vllm rollout", unit="batch"):
+        requests = [TokensPrompt(prompt_token_ids=prompt) for _, prompt, _ in batch]
+        params = [
+            VSamplingParams(
+                max_tokens=sampling.max_tokens,
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+                # One seed per trajectory: the same trajectory samples the same tokens
+                # whatever else shares its batch.
+                seed=seed,
+                ignore_eos=sampling.ignore_eos,
+                stop_token_ids=stops,
+                logprobs=settings.top_logprobs,
+                detokenize=False,
+            )
+            for _, _, seed in batch
+        ]
+        for output in llm.generate(requests, params, use_tqdm=False):
+            rows.append(_sampled(output.outputs[0], settings.top_logprobs))
+    channel = f"{settings.logprobs_mode} logprob of the sampled token"
+    metadata = {
+        "engine": {"name": "vllm", "role": "rollout", "versions": vllm_versions()},
+        "dtype": applied_knobs(llm, settings)["dtype"],
+        "knobs": applied_knobs(llm, settings),
+        "sampling": sampling.as_dict(),
+        "logprob_channels": {"rollout": channel},
+        "model": model_metadata(model_dir),
+        "position_id_rule": "arange",
+    }
+    table = table_from_sequences(
+        "fixture",
+        [sequence_id for sequence_id, _, _ in work],
+        [prompt for _, prompt, _ in work],
+        [r["tokens"] for r in rows],
+        {"rollout": [r["logprobs"] for r in rows]},
+        finish_reasons=[r["finish_reason"] for r in rows],
+        metadata=metadata,
+    )
+    if settings.top_logprobs:
+        table.top_ids = np.concatenate([r["top_ids"] for r in rows]).astype(np.int32)
+        table.top_logprobs = np.concatenate([r["top_logprobs"] for r in rows]).astype(np.float32)
+    return table
+
+
+def _sampled(completion, k: int) -> dict:
+    tokens = list(completion.token_ids)
+    if completion.logprobs is None or len(completion.logprobs) != len(tokens):
+        raise BadInput("vLLM returned no logprob for some sampled tokens; is logprobs=0 supported?")
+    row = {
+        "tokens": tokens,
+        "logprobs": [
+            position[token].logprob
+            for token, position in zip(tokens, completion.logprobs, strict=True)
+        ],
+        "finish_reason": str(completion.finish_reason),
+    }
+    if k:
+        top_ids, top_values = (
+            np.zeros((len(tokens), k), np.int64),
+            np.full((len(tokens), k), np.nan),
+        )
+        for i, position in enumerate(completion.logprobs):
+            ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
+            ranked = [(t, lp) for t, lp in ranked if lp.rank and lp.rank <= k][:k]
+            for j, (token, logprob) in enumerate(ranked):
+                top_ids[i, j], top_values[i, j] = token, logprob.logprob
+        row["top_ids"], row["top_logprobs"] = top_ids, top_values
+    return row
+
+
+class VLLMScoringEngine:
+    name = "vllm"
+
+    def score(self, fixture: TokenTable, model_dir: Path, knobs: dict) -> TokenTable:
+        knobs = dict(knobs)
+        want_prompt = str(knobs.pop("prompt_logprobs", False)).lower() in ("1", "true", "yes")
+        knobs.pop("micro_batch_size", None)  # vLLM schedules its own batches
+        temperature = float(knobs.pop("temperature", 1.0))
+        if temperature != 1.0:
+            raise BadInput(
+                "vllm scoring returns raw prompt logprobs; temperature must be 1.0 "
+                "(compare against the fixture's raw channel instead)."
+            )
+        settings = VLLMKnobs.from_dict(knobs)
+        llm = create_llm(model_dir, settings)
+        try:
+            return score_with(llm, fixture, model_dir, settings, want_prompt)
+        finally:
+            release_llm(llm)
+
+
+def score_with(
+    llm, fixture: TokenTable, model_dir: Path, settings: VLLMKnobs, want_prompt: bool
+) -> TokenTable:
+    """Teacher-forced logprobs of the fixture's tokens from prompt logprobs (max_tokens=1)."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    indices = list(range(fixture.num_sequences))
+    completions, prompts_lp = [], []
+    for batch in progress_bar(
+        chunks(indices, settings.batch_size), desc="vllm scoring", unit="batch"
+    ):
+        requests = [
+            TokensPrompt(
+                prompt_token_ids=np.concatenate(
+                    [fixture.prompt_of(i), fixture.completion_of(i)]
+                ).tolist()
+            )
+            for i in batch
+        ]
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        for i, request, output in zip(batch, requests, outputs, strict=True):
+            sequence = request["prompt_token_ids"]
+            # prompt_logprobs[t] holds the logprob of token t given tokens < t (None at 0).
+            scored = [np.nan] + [
+                position[token].logprob
+                for token, position in zip(sequence[1:], output.prompt_logprobs[1:], strict=True)
+            ]
+            split = len(fixture.prompt_of(i))
+            completions.append(np.asarray(scored[split:], dtype=np.float32))
+            prompts_lp.append(np.asarray(scored[:split], dtype=np.float32))
+    applied = applied_knobs(llm, settings)
+    return table_from_sequences(
+        "replay",
+        fixture.sequence_ids,
+        [fixture.prompt_of(i) for i in indices],
+        [fixture.completion_of(i) for i in indices],
+        {REPLAY_CHANNEL: completions},
+        masks=np.split(fixture.completion_mask, fixture.completion_offsets[1:-1]),
+        prompt_logprobs=prompts_lp if want_prompt else None,
+        metadata={
+            "engine": {"name": "vllm", "role": "replay", "versions": vllm_versions()},
+            "dtype": applied["dtype"],
+            "knobs": {**applied, "prompt_logprobs": want_prompt, "temperature": 1.0},
+            "layout": {
+                "world_size": applied["tensor_parallel_size"] * applied["pipeline_parallel_size"],
+                "tensor_parallel_size": applied["tensor_parallel_size"],
+                "pipeline_parallel_size": applied["pipeline_parallel_size"],
+                "micro_batch_size": settings.batch_size or fixture.num_sequences,
+                "padding_side": "none (vLLM packs sequences)",
+                "packing": True,
+                "attn_implementation": "vllm",
+            },
+            "model": model_metadata(model_dir),
+            "position_id_rule": "arange",
+        },
+    )
