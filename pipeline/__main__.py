@@ -1,3 +1,5 @@
 from pipeline.cli import main
 
-main()
+# Guarded: engines that spawn worker processes re-import the main module.
+if __name__ == "__main__":
+    main()

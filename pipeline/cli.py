@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import click
 
 from pipeline import __version__
@@ -13,6 +16,8 @@ from pipeline.commands.make_model import make_model
 from pipeline.commands.replay import replay
 from pipeline.commands.rollout import rollout
 from pipeline.commands.smoke import smoke
+from pipeline.commands.sweep import sweep
+from pipeline.errors import EXIT_BAD_INPUT
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "LPX"})
@@ -34,9 +39,20 @@ def cli() -> None:
     """
 
 
-for command in (make_model, rollout, replay, compare, fixture, ingest, inject, smoke):
+for command in (make_model, rollout, replay, compare, sweep, fixture, ingest, inject, smoke):
     cli.add_command(command)
 
 
 def main() -> None:
-    cli(prog_name="lpx")
+    try:
+        cli(prog_name="lpx")
+    except Exception as error:  # an engine or library failed underneath: one line, exit 2
+        if os.environ.get("LPX_DEBUG"):
+            raise
+        message = (str(error).strip().splitlines() or [""])[0]
+        click.echo(
+            f"Error: {type(error).__name__}: {message} (an engine or library failed; "
+            "rerun with LPX_DEBUG=1 for the traceback)",
+            err=True,
+        )
+        sys.exit(EXIT_BAD_INPUT)

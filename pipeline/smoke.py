@@ -52,9 +52,11 @@ def run_smoke(out_dir: Path, model_dir: Path | None = None, rollout_engine: str 
         model_dir, prompts, SamplingParams(**SMOKE_SAMPLING), {}
     )
     fixture_path = write_table(fixture, out_dir / "fixture.parquet")
+    versions = fixture.metadata["engine"]["versions"]
     click.echo(
-        f"rollout {rollout_engine}: {fixture.num_sequences} sequences, "
-        f"{fixture.num_completion_tokens} completion tokens -> {fixture_path}"
+        f"rollout {rollout_engine} {versions.get(rollout_engine, versions.get('transformers'))}: "
+        f"{fixture.num_sequences} sequences, {fixture.num_completion_tokens} completion tokens "
+        f"-> {fixture_path}\n  knobs as applied: {json.dumps(fixture.metadata.get('knobs', {}))}"
     )
     results = {}
     for dtype in SMOKE_REPLAY_DTYPES:

@@ -14,7 +14,7 @@ from pipeline.errors import BadInput, EngineNotInstalled
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 # Knobs that only change how requests are submitted: settings that differ only in these
 # share one engine in a sweep.
-REQUEST_KNOBS = ("batch_size", "top_logprobs")
+REQUEST_KNOBS = ("batch_size", "top_logprobs", "per_request_seed")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,9 @@ class VLLMKnobs:
     batch_size: int = 0
     # Capture the top-k logprobs per sampled position (top-1 flip analysis); 0 = off.
     top_logprobs: int = 0
+    # One seed per trajectory (sampling independent of batch composition). vLLM-CPU cannot
+    # combine it with a prompt split by chunked prefill; off = the engine seed drives sampling.
+    per_request_seed: bool = True
 
     @classmethod
     def from_dict(cls, knobs: dict) -> VLLMKnobs:
@@ -135,14 +138,15 @@ def applied_knobs(llm, knobs: VLLMKnobs) -> dict:
         "tensor_parallel_size": int(parallel.tensor_parallel_size),
         "pipeline_parallel_size": int(parallel.pipeline_parallel_size),
         "enforce_eager": bool(model.enforce_eager),
-        "compilation_mode": str(getattr(compilation, "mode", getattr(compilation, "level", "?"))),
-        "cudagraph_mode": str(getattr(compilation, "cudagraph_mode", "?")),
+        "compilation_mode": _name(getattr(compilation, "mode", getattr(compilation, "level", None))),
+        "cudagraph_mode": _name(getattr(compilation, "cudagraph_mode", None)),
         "max_model_len": int(model.max_model_len),
         "seed": model.seed,
         "device": str(config.device_config.device_type),
         "in_process_engine": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
         "batch_size": knobs.batch_size,
         "top_logprobs": knobs.top_logprobs,
+        "per_request_seed": knobs.per_request_seed,
     }
 
 
@@ -185,3 +189,8 @@ def _coerce(name: str, value, annotation: str):
         return str(value)
     except ValueError:
         raise BadInput(f"vllm knob {name}={value!r}: expected {annotation}.") from None
+
+
+def _name(value) -> str:
+    """Enum members by name (CompilationMode.NONE -> 'NONE'), anything else as text."""
+    return str(getattr(value, "name", value))

