@@ -1,0 +1,126 @@
+"""Stand-ins for servers that cannot run on this CPU machine, named as stubs.
+
+SGLangGenerateStub answers SGLang's native `/generate` request shape (input_ids,
+sampling_params, return_logprob -> meta_info.output_token_logprobs, finish_reason,
+weight_version) with real tokens and logprobs from the HF tiny model. SGLang itself needs
+a GPU or an AMX CPU (shared/notes/engines-on-cpu.md); the real adapter runs against it on
+GPU runners.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from pipeline.engines.base import SamplingParams
+from pipeline.engines.hf_common import load_model
+from pipeline.engines.hf_rollout import _generate_batch
+
+
+class SGLangGenerateStub:
+    """A loopback HTTP server in a thread; use as a context manager.
+
+    update_after_tokens: after serving this many tokens in total, the weights "update":
+    the request in flight is cut there and answered with finish_reason abort under the
+    old weight_version; later answers carry the next version (an RL trainer's weight sync).
+    fail_first: answer the first N requests with HTTP 503 (for retry tests).
+    delay_s: wait this long before answering (for timeout tests).
+    """
+
+    def __init__(self, model_dir, update_after_tokens=None, fail_first=0, delay_s=0.0):
+        self.model = load_model(model_dir)
+        self.update_after_tokens = update_after_tokens
+        self.fail_first = fail_first
+        self.delay_s = delay_s
+        self.weight_version = 1
+        self.tokens_served = 0
+        self.requests = 0
+        self.lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def generate(self, body: dict) -> dict:
+        params = body["sampling_params"]
+        sampling = SamplingParams(
+            max_tokens=params["max_new_tokens"],
+            temperature=params.get("temperature", 1.0),
+            top_p=params.get("top_p", 1.0),
+            top_k=max(0, params.get("top_k", -1)),
+            ignore_eos=params.get("ignore_eos", False),
+        )
+        generator = torch.Generator().manual_seed(
+            int(params.get("sampling_seed", 0)) + len(body["input_ids"])
+        )
+        with torch.no_grad():
+            (row,) = _generate_batch(self.model, [body["input_ids"]], sampling, generator)
+        tokens, logprobs, finish = row["tokens"], row["raw"], row["finish_reason"]
+        with self.lock:
+            version = self.weight_version
+            budget = None
+            if self.update_after_tokens is not None and version == 1:
+                budget = self.update_after_tokens - self.tokens_served
+            if budget is not None and budget < len(tokens):
+                tokens, logprobs, finish = (
+                    tokens[: max(budget, 0)],
+                    logprobs[: max(budget, 0)],
+                    "abort",
+                )
+                self.weight_version += 1
+            self.tokens_served += len(tokens)
+        return {
+            "output_ids": tokens,
+            "meta_info": {
+                "output_token_logprobs": [
+                    [lp, t, None] for lp, t in zip(logprobs, tokens, strict=True)
+                ],
+                "finish_reason": {"type": finish},
+                "weight_version": str(version),
+                "completion_tokens": len(tokens),
+            },
+        }
+
+    def _handler(self):
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status: int, payload: dict):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/get_server_info":
+                    self._send(200, {"version": "sglang-generate-stub"})
+                else:
+                    self._send(404, {"error": "not found"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with stub.lock:
+                    stub.requests += 1
+                    failing = stub.requests <= stub.fail_first
+                if failing:
+                    self._send(503, {"error": "stub: warming up"})
+                    return
+                time.sleep(stub.delay_s)
+                self._send(200, stub.generate(body))
+
+        return Handler
