@@ -74,6 +74,7 @@ def create_llm(model_dir: Path, knobs: VLLMKnobs, seed: int = 0):
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local model directories only, never a hub
     in_process = knobs.in_process and knobs.tensor_parallel_size == 1
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     try:
