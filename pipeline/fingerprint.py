@@ -36,3 +36,17 @@ def _hash_files(files: list[Path]) -> str:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
     return "sha256:" + digest.hexdigest()
+
+
+def tensor_fingerprint(named_tensors) -> str:
+    """sha256 over (name, shape, float32 values) in name order: the same for the same weights
+    however they were stored, sharded or cast on the way (an fp32 copy of bf16 is exact)."""
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
+        values = tensor.detach().float().cpu().numpy()
+        digest.update(name.encode())
+        digest.update(np.asarray(values.shape, dtype=np.int64).tobytes())
+        digest.update(np.ascontiguousarray(values).tobytes())
+    return "sha256:" + digest.hexdigest()

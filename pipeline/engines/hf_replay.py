@@ -95,21 +95,23 @@ class HFScoringEngine:
         return table
 
 
-def score_batch(model, pairs, settings: ReplayKnobs, position_ids=None):
+def score_batch(model, pairs, settings: ReplayKnobs, position_ids=None, full_forward: bool = False):
     """Selected-token logprobs for a micro-batch of (prompt ids, completion ids) pairs.
 
     Returns one ScoredSequence per pair. Logits are computed
     only at the positions that predict a scored token, so the harness costs less than a
     full-vocabulary forward. ``position_ids`` (one array per pair) overrides the default
-    0..len-1 rule; fault injection uses it to reproduce position-id bugs.
+    0..len-1 rule; fault injection uses it to reproduce position-id bugs. ``full_forward``
+    runs the model's own forward (all-position logits) instead: sharded wrappers (FSDP,
+    DeepSpeed) gather their parameters in hooks on the root module, so they need it.
     """
     import torch
 
     with torch.no_grad():
-        return _score_batch(model, pairs, settings, position_ids)
+        return _score_batch(model, pairs, settings, position_ids, full_forward)
 
 
-def _score_batch(model, pairs, settings: ReplayKnobs, position_ids):
+def _score_batch(model, pairs, settings: ReplayKnobs, position_ids, full_forward: bool):
     import torch
 
     sequences = [np.concatenate([p, c]).astype(np.int64) for p, c in pairs]
@@ -118,7 +120,6 @@ def _score_batch(model, pairs, settings: ReplayKnobs, position_ids):
         inputs, starts = _packed_inputs(model, sequences, positions)
     else:
         inputs, starts = _padded_inputs(model, sequences, positions, settings.padding_side)
-    hidden = model.base_model(**inputs).last_hidden_state
     # The hidden state at position t predicts the token at t + 1: gather, in one indexing
     # op, the rows that predict each scored token (from `first` on) of every sequence.
     firsts = [1 if settings.prompt_logprobs else len(prompt) for prompt, _ in pairs]
@@ -131,9 +132,14 @@ def _score_batch(model, pairs, settings: ReplayKnobs, position_ids):
         ]
     )
     targets = np.concatenate([s[f:] for s, f in zip(sequences, firsts, strict=True)])
-    selected = hidden[torch.from_numpy(row_index), torch.from_numpy(column_index)]
+    rows, columns = torch.from_numpy(row_index), torch.from_numpy(column_index)
+    if full_forward:
+        logits = model(**inputs, use_cache=False).logits[rows, columns].float()
+    else:
+        hidden = model.base_model(**inputs).last_hidden_state
+        logits = _head_logits(model, hidden[rows, columns], settings)
     logprobs, top_ids, top_logprobs = _selected_logprobs(
-        model, selected, torch.from_numpy(targets), settings
+        logits, torch.from_numpy(targets), settings
     )
     results, cursor = [], 0
     for (prompt, _), first, count in zip(pairs, firsts, counts, strict=True):
@@ -156,19 +162,18 @@ def _score_batch(model, pairs, settings: ReplayKnobs, position_ids):
     return results
 
 
-def _selected_logprobs(model, hidden_rows, targets, settings: ReplayKnobs):
-    """Selected-token logprobs, plus the top-1 token and its logprob at each row."""
+def _head_logits(model, hidden_rows, settings: ReplayKnobs):
     import torch
 
     head = model.get_output_embeddings()
     if settings.lm_head_fp32:
-        logits = torch.nn.functional.linear(
-            hidden_rows.float(),
-            head.weight.float(),
-            None if head.bias is None else head.bias.float(),
-        )
-    else:
-        logits = head(hidden_rows).float()
+        bias = None if head.bias is None else head.bias.float()
+        return torch.nn.functional.linear(hidden_rows.float(), head.weight.float(), bias)
+    return head(hidden_rows).float()
+
+
+def _selected_logprobs(logits, targets, settings: ReplayKnobs):
+    """Selected-token logprobs, plus the top-1 token and its logprob at each row."""
     logits = process_logits(logits, settings.temperature, settings.top_k, settings.top_p)
     all_logprobs = logits.log_softmax(-1)
     selected = all_logprobs.gather(-1, targets[:, None]).squeeze(-1)

@@ -139,7 +139,9 @@ def applied_knobs(llm, knobs: VLLMKnobs) -> dict:
         "tensor_parallel_size": int(parallel.tensor_parallel_size),
         "pipeline_parallel_size": int(parallel.pipeline_parallel_size),
         "enforce_eager": bool(model.enforce_eager),
-        "compilation_mode": _name(getattr(compilation, "mode", getattr(compilation, "level", None))),
+        "compilation_mode": _name(
+            getattr(compilation, "mode", getattr(compilation, "level", None))
+        ),
         "cudagraph_mode": _name(getattr(compilation, "cudagraph_mode", None)),
         "max_model_len": int(model.max_model_len),
         "seed": model.seed,

@@ -1,0 +1,111 @@
+"""FSDP2 replay: the HF model under `fully_shard`, one shard per rank, teacher-forced.
+
+Decoder layers are FSDP units and the root holds embeddings, final norm and lm_head (tied
+or not), so scoring runs the model's own forward, whose root hooks gather those weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from pipeline.engines.base import canonical_dtype
+from pipeline.engines.distributed import DistributedScoringEngine
+from pipeline.engines.hf_common import load_model, model_metadata, torch_dtype
+from pipeline.engines.hf_replay import ReplayKnobs, score_batch
+from pipeline.errors import BadInput
+from pipeline.fingerprint import tensor_fingerprint
+
+
+class FSDPScoringEngine(DistributedScoringEngine):
+    name = "fsdp"
+
+    def open(self, model_dir: Path, knobs: dict, rank: int, world_size: int):
+        return FSDPSession(model_dir, dict(knobs), world_size)
+
+
+class FSDPSession:
+    def __init__(self, model_dir: Path, knobs: dict, world_size: int):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        reduce_dtype = _dtype_knob(knobs.pop("reduce_dtype", "float32"))
+        self.settings = ReplayKnobs.from_dict(knobs)
+        if self.settings.lm_head_fp32:
+            raise BadInput(
+                "fsdp replay: lm_head_fp32 is not supported (lm_head is sharded with the root)."
+            )
+        self.model_dir = Path(model_dir)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        # fp32 master weights; the mixed-precision policy casts them for compute.
+        model = load_model(model_dir, "float32", self.settings.attn_implementation)
+        self.checkpoint_fingerprint = tensor_fingerprint(model.state_dict().items())
+        if device == "cuda":
+            model.to(torch.device("cuda", torch.cuda.current_device()))
+        mesh = init_device_mesh(device, (world_size,))
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch_dtype(self.settings.dtype), reduce_dtype=torch_dtype(reduce_dtype)
+        )
+        for layer in model.base_model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        self.model = model
+        self.world_size = world_size
+        self.dp_rank, self.dp_size = dist.get_rank(), world_size
+        self.micro_batch_size = self.settings.micro_batch_size
+        self.prompt_logprobs = self.settings.prompt_logprobs
+        self.reduce_dtype = reduce_dtype
+
+    def score(self, pairs):
+        return score_batch(self.model, pairs, self.settings, full_forward=True)
+
+    def metadata(self) -> dict:
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # The full weights this engine actually holds, gathered from all shards.
+        full = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        applied = dataclasses.asdict(self.settings)
+        return {
+            "engine": {"name": "fsdp", "role": "replay", "versions": _versions(torch)},
+            "dtype": self.settings.dtype,
+            "knobs": {**applied, "reduce_dtype": self.reduce_dtype, "fsdp": "FSDP2 fully_shard"},
+            "layout": {
+                "world_size": self.world_size,
+                "data_parallel_size": self.dp_size,
+                "tensor_parallel_size": 1,
+                "pipeline_parallel_size": 1,
+                "micro_batch_size": self.settings.micro_batch_size,
+                "padding_side": self.settings.padding_side,
+                "packing": self.settings.packing,
+                "attn_implementation": self.model.config._attn_implementation,
+                "mixed_precision": {
+                    "param_dtype": self.settings.dtype,
+                    "reduce_dtype": self.reduce_dtype,
+                },
+                "sharding": "decoder layers + root (embeddings, norm, lm_head)",
+            },
+            "model": model_metadata(self.model_dir),
+            "weights": {
+                "checkpoint_tensor_fingerprint": self.checkpoint_fingerprint,
+                "held_tensor_fingerprint": tensor_fingerprint(full.items()) if full else None,
+            },
+            "position_id_rule": "arange",
+        }
+
+
+def _dtype_knob(value: str) -> str:
+    try:
+        return canonical_dtype(str(value))
+    except ValueError as error:
+        raise BadInput(str(error)) from None
+
+
+def _versions(torch) -> dict:
+    from pipeline.engines.hf_common import software_versions
+
+    return {**software_versions(), "fsdp": f"FSDP2 (torch {torch.__version__})"}
