@@ -11,7 +11,9 @@ from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
 
 @click.command()
 @click.argument("fixture_path", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("replay_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument(
+    "replay_paths", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path)
+)
 @click.option(
     "--out",
     "out_dir",
@@ -41,36 +43,49 @@ from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
 )
 @click.option("--quiet", is_flag=True, help="Print only the verdict line.")
 def compare(
-    fixture_path, replay_path, out_dir, policy_path, profile, channel, allow_weight_mismatch, quiet
+    fixture_path, replay_paths, out_dir, policy_path, profile, channel, allow_weight_mismatch, quiet
 ):
-    """Compare a replay with its fixture token by token; write the report; exit with the verdict.
+    """Compare replays with their fixture token by token; write the report; exit with the verdict.
 
     Computes drift metrics (|d| tails, k1/k2/k3, IS ratio, ESS, clip fraction, per-sequence
     max/mean/sum), finds the worst tokens, tests semantic causes (off-by-one, mask/padding,
     position ids, temperature, dtype, stale weights) and applies the threshold policy.
-    Exit 0 pass, 1 regression, 2 bad input.
+    Exit 0 pass, 1 regression, 2 bad input. With several replays, each pair gets its own
+    directory under --out and report.json/summary.md hold the matrix, a row per pair.
 
     \b
     Example:
       lpx compare run/fixture.parquet run/replay-bf16.parquet --out run/compare-bf16
       lpx compare run/fixture.parquet run/replay.parquet --profile float32 --out run/strict
+      lpx compare run/fixture.parquet run/hf.parquet run/fsdp.parquet run/megatron-tp2.parquet \\
+          --out run/matrix
     """
+    from pipeline.compare.matrix import render_matrix, write_matrix
     from pipeline.compare.outputs import render_summary, write_outputs
     from pipeline.compare.policy import load_policy
     from pipeline.compare.run import compare_files
 
-    comparison = compare_files(
-        fixture_path,
-        replay_path,
-        policy=load_policy(policy_path),
-        profile=profile,
-        channel=channel,
-        allow_weight_mismatch=allow_weight_mismatch,
-        command_line=shlex.join(["lpx", *sys.argv[1:]]),
-    )
-    paths = write_outputs(comparison, out_dir)
-    report = comparison.report
+    comparisons = [
+        compare_files(
+            fixture_path,
+            replay_path,
+            policy=load_policy(policy_path),
+            profile=profile,
+            channel=channel,
+            allow_weight_mismatch=allow_weight_mismatch,
+            command_line=shlex.join(["lpx", *sys.argv[1:]]),
+        )
+        for replay_path in replay_paths
+    ]
+    if len(comparisons) == 1:
+        report = comparisons[0].report
+        written = write_outputs(comparisons[0], out_dir)["report"]
+        summary = render_summary(report)
+    else:
+        report = write_matrix(comparisons, out_dir)
+        written = out_dir / "report.json"
+        summary = render_matrix(report)
     if not quiet:
-        click.echo(render_summary(report))
-    click.echo(f"verdict: {report['verdict'].upper()} -> {paths['report']}")
+        click.echo(summary)
+    click.echo(f"verdict: {report['verdict'].upper()} -> {written}")
     click.get_current_context().exit(EXIT_PASS if report["verdict"] == "pass" else EXIT_REGRESSION)

@@ -291,8 +291,8 @@ SEQUENCE_DETECTORS = (
 
 def _batch_findings(unexplained: list[SequenceView], views: list[SequenceView], context: dict):
     findings = []
-    fixture_fp, replay_fp = context.get("fixture_weights"), context.get("replay_weights")
-    if fixture_fp and replay_fp and fixture_fp != replay_fp:
+    evidence = weights_evidence(context)
+    if evidence:
         drift = (
             f"drift above tau in {len(unexplained)} sequences" if unexplained else "yet no drift"
         )
@@ -301,8 +301,7 @@ def _batch_findings(unexplained: list[SequenceView], views: list[SequenceView], 
                 "stale_weights",
                 [v.sequence_id for v in unexplained],
                 _first(unexplained),
-                f"weights fingerprint differs: fixture {fixture_fp[:19]}... vs replay "
-                f"{replay_fp[:19]}...; the two sides hold different weights ({drift})",
+                f"{evidence} ({drift})",
                 severity="fault" if unexplained else "info",
             )
         )
@@ -352,6 +351,24 @@ def _batch_findings(unexplained: list[SequenceView], views: list[SequenceView], 
             )
         )
     return findings
+
+
+def weights_evidence(context: dict) -> str | None:
+    """Why the two sides' weights differ, from fingerprints, or None when nothing says so."""
+    fixture_fp, replay_fp = context.get("fixture_weights"), context.get("replay_weights")
+    if fixture_fp and replay_fp and fixture_fp != replay_fp:
+        return (
+            f"weights fingerprint differs: fixture {fixture_fp[:19]}... vs replay {replay_fp[:19]}...; "
+            "the two sides hold different weights"
+        )
+    checkpoint, held = context.get("checkpoint_tensors"), context.get("held_tensors")
+    if checkpoint and held and checkpoint != held:
+        return (
+            f"the replay engine holds weights ({held[:19]}...) that differ from the checkpoint it "
+            f"loaded ({checkpoint[:19]}...), gathered from all its shards: the weight conversion, "
+            "sharding or loading changed them"
+        )
+    return None
 
 
 def _merge(cause: str, hits: list[tuple[SequenceView, str, dict]]) -> Finding:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.compare.align import Aligned, Region, align
-from pipeline.compare.diagnosis import SequenceView, diagnose
+from pipeline.compare.diagnosis import SequenceView, diagnose, weights_evidence
 from pipeline.compare.metrics import (
     SIGN_CONVENTION,
     batch_metrics,
@@ -99,13 +99,14 @@ def compare_tables(
     if aligned.prompt is not None:
         by_region["prompt"] = batch_metrics(aligned.prompt.train, aligned.prompt.rollout, tau)
     context = _diagnosis_context(fixture.metadata, replay.metadata, aligned, dtypes)
+    held = replay.metadata.get("weights") or {}
     context.update(
         fixture_weights=fixture_weights,
         replay_weights=replay_weights,
-        weights_differ=bool(
-            fixture_weights and replay_weights and fixture_weights != replay_weights
-        ),
+        checkpoint_tensors=held.get("checkpoint_tensor_fingerprint"),
+        held_tensors=held.get("held_tensor_fingerprint"),
     )
+    context["weights_differ"] = weights_evidence(context) is not None
     findings = [f.as_dict() for f in diagnose(_views(aligned, per_sequence, tau), context)]
     judgement = judge(policy, profile, metrics, findings)
     report = {

@@ -1,0 +1,87 @@
+"""Several replays against one rollout: one report with a row per engine pair."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from pipeline.compare.outputs import REPORT, SUMMARY, write_outputs
+from pipeline.compare.run import Comparison
+
+MATRIX_METRICS = ("max_abs_diff", "mean_abs_diff", "p99_abs_diff", "k3", "top1_flip_rate")
+
+
+def pair_label(index: int, report: dict) -> str:
+    """A directory-safe name for one pair, e.g. '2-megatron-tp2-float32'."""
+    replay = report["metadata"]["replay"]
+    layout = replay.get("layout") or {}
+    parts = [str(index), (replay.get("engine") or {}).get("name", "replay")]
+    if layout.get("tensor_parallel_size", 1) > 1:
+        parts.append(f"tp{layout['tensor_parallel_size']}")
+    if layout.get("world_size", 1) > 1:
+        parts.append(f"ws{layout['world_size']}")
+    parts.append(str(replay.get("dtype", "")))
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", "-".join(p for p in parts if p))
+
+
+def write_matrix(comparisons: list[Comparison], out_dir: Path) -> dict:
+    """Each pair's full outputs in its own directory, plus the matrix report and summary."""
+    out_dir = Path(out_dir)
+    rows = []
+    for index, comparison in enumerate(comparisons):
+        report = comparison.report
+        label = pair_label(index, report)
+        paths = write_outputs(comparison, out_dir / label)
+        fixture, replay = report["metadata"]["fixture"], report["metadata"]["replay"]
+        rows.append(
+            {
+                "pair": label,
+                "rollout": _engine(fixture),
+                "replay": _engine(replay),
+                "layout": replay.get("layout"),
+                "verdict": report["verdict"],
+                "profile": report["policy"]["profile"],
+                **{name: report["metrics"].get(name) for name in MATRIX_METRICS},
+                "findings": [f["cause"] for f in report["diagnosis"]],
+                "report": str(paths["report"]),
+            }
+        )
+    matrix = {
+        "verdict": "fail" if any(r["verdict"] != "pass" for r in rows) else "pass",
+        "pairs": rows,
+        "metadata": {"fixture": comparisons[0].report["metadata"]["fixture"]["path"]},
+    }
+    (out_dir / REPORT).write_text(json.dumps(matrix, indent=1, default=str) + "\n")
+    (out_dir / SUMMARY).write_text(render_matrix(matrix))
+    return matrix
+
+
+def render_matrix(matrix: dict) -> str:
+    lines = [
+        f"# lpx compare matrix: {matrix['verdict'].upper()}",
+        "",
+        "| rollout | replay | layout | verdict | max abs d | mean abs d | p99 abs d | k3 | top-1 flips | findings |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in matrix["pairs"]:
+        layout = row["layout"] or {}
+        where = f"TP{layout.get('tensor_parallel_size', 1)} x{layout.get('world_size', 1)}"
+        numbers = " | ".join(_fmt(row[name]) for name in MATRIX_METRICS)
+        lines.append(
+            f"| {row['rollout']} | {row['replay']} | {where} | {row['verdict'].upper()} | {numbers} | "
+            f"{', '.join(row['findings']) or '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _engine(side: dict) -> str:
+    engine = side.get("engine") or {}
+    versions = engine.get("versions") or {}
+    name = engine.get("name", "?")
+    version = versions.get(name) or (versions.get("transformers") if name == "hf" else "")
+    return " ".join(part for part in (name, version, side.get("dtype", "")) if part)
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
