@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +98,9 @@ def run_worker(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
         fixture = read_table(fixture_path, expect_kind="fixture")
+        started = time.perf_counter()
         session = scoring_engine(engine_name).open(Path(model_dir), knobs, rank, world_size)
+        loaded = time.perf_counter()
         indices = list(range(fixture.num_sequences))
         size = session.micro_batch_size
         batches = [indices[i : i + size] for i in range(0, len(indices), size)]
@@ -112,7 +115,8 @@ def run_worker(
                 pairs or [(fixture.prompt_of(0)[:1], fixture.completion_of(0)[:1])]
             )
             results.update(zip(batch, scored, strict=False) if batch else ())
-        metadata = session.metadata()
+        timing = {"load_s": loaded - started, "score_s": time.perf_counter() - loaded}
+        metadata = {**session.metadata(), "timing": timing}
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(results, gathered, dst=0)
         if rank == 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,9 @@ class HFScoringEngine:
 
     def score(self, fixture: TokenTable, model_dir: Path, knobs: dict) -> TokenTable:
         settings = ReplayKnobs.from_dict(knobs)
+        started = time.perf_counter()
         model = load_model(model_dir, settings.dtype, settings.attn_implementation)
+        loaded = time.perf_counter()
         scored: list[ScoredSequence] = []
         batches = range(0, fixture.num_sequences, settings.micro_batch_size)
         for start in progress_bar(batches, desc="hf replay", unit="batch"):
@@ -87,7 +90,10 @@ class HFScoringEngine:
             {REPLAY_CHANNEL: [s.completion for s in scored]},
             masks=np.split(fixture.completion_mask, fixture.completion_offsets[1:-1]),
             prompt_logprobs=[s.prompt for s in scored] if settings.prompt_logprobs else None,
-            metadata=replay_metadata(model, model_dir, settings),
+            metadata={
+                **replay_metadata(model, model_dir, settings),
+                "timing": {"load_s": loaded - started, "score_s": time.perf_counter() - loaded},
+            },
         )
         if scored:
             table.top_ids = np.concatenate([s.top_id for s in scored])[:, None].astype(np.int32)

@@ -6,6 +6,7 @@ user separate "vLLM samples differently" from "vLLM scores differently".
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -168,9 +169,16 @@ class VLLMScoringEngine:
                 "(compare against the fixture's raw channel instead)."
             )
         settings = VLLMKnobs.from_dict(knobs)
+        started = time.perf_counter()
         llm = create_llm(model_dir, settings)
+        loaded = time.perf_counter()
         try:
-            return score_with(llm, fixture, model_dir, settings, want_prompt)
+            table = score_with(llm, fixture, model_dir, settings, want_prompt)
+            table.metadata["timing"] = {
+                "load_s": loaded - started,
+                "score_s": time.perf_counter() - loaded,
+            }
+            return table
         finally:
             release_llm(llm)
 
