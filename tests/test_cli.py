@@ -133,11 +133,11 @@ def test_missing_engine_package_names_the_extra(monkeypatch):
     from pipeline.errors import EngineNotInstalled
 
     monkeypatch.setitem(
-        engines.BUILTIN_SCORING, "megatron", "pipeline.engines.not_installed_adapter:X"
+        engines.BUILTIN_SCORING, "absent", "pipeline.engines.absent_adapter:X"
     )
-    monkeypatch.setitem(engines.EXTRA_FOR_ENGINE, "megatron", "megatron")
-    with pytest.raises(EngineNotInstalled, match=r"pip install -e '\.\[megatron\]'"):
-        engines.scoring_engine("megatron")
+    monkeypatch.setitem(engines.EXTRA_FOR_ENGINE, "absent", "absent-extra")
+    with pytest.raises(EngineNotInstalled, match=r"pip install -e '\.\[absent-extra\]'"):
+        engines.scoring_engine("absent")
 
 
 def test_policy_file_errors_and_custom_limits(run_dir, tmp_path):
