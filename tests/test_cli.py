@@ -115,7 +115,7 @@ def test_unknown_engine_and_knob_are_clear(run_dir, tmp_path):
     assert (
         result.exit_code == 2
         and "unknown engine 'nope'" in result.output
-        and "known: hf" in result.output
+        and "known: deepspeed, fsdp, hf, megatron, vllm" in result.output
     )
     result = run_lpx(
         "replay",

@@ -53,3 +53,58 @@ class ScoringEngine(Protocol):
 
     def score(self, fixture: TokenTable, model_dir: Path, knobs: dict) -> TokenTable:
         """Teacher-forced logprobs of the fixture's exact tokens (kind 'replay')."""
+
+
+def knobs_from_dict(cls, knobs: dict, engine: str):
+    """A knob dataclass from `--set`-style strings (or typed values), checked by field type.
+
+    Unknown names and unparsable values raise BadInput naming the engine and the knob; a
+    `dtype` field is canonicalised (fp32 -> float32).
+    """
+    from pipeline.errors import BadInput
+
+    fields = cls.__dataclass_fields__
+    unknown = set(knobs) - set(fields)
+    if unknown:
+        raise BadInput(
+            f"unknown {engine} knob(s) {', '.join(sorted(unknown))}; known: {', '.join(fields)}."
+        )
+    values = {
+        name: _coerce_knob(engine, name, value, str(fields[name].type))
+        for name, value in knobs.items()
+    }
+    if values.get("dtype") is not None:
+        try:
+            values["dtype"] = canonical_dtype(values["dtype"])
+        except ValueError as error:
+            raise BadInput(f"{engine} knob dtype: {error}") from None
+    return cls(**values)
+
+
+def _coerce_knob(engine: str, name: str, value, annotation: str):
+    from pipeline.errors import BadInput
+
+    text = str(value).strip().lower()
+    try:
+        if value is None or ("None" in annotation and text == "none"):
+            return None
+        if annotation.startswith("bool"):
+            if isinstance(value, bool) or text in (
+                "1",
+                "true",
+                "yes",
+                "on",
+                "0",
+                "false",
+                "no",
+                "off",
+            ):
+                return value if isinstance(value, bool) else text in ("1", "true", "yes", "on")
+            raise ValueError(text)
+        if annotation.startswith("int"):
+            return int(value)
+        if annotation.startswith("float"):
+            return float(value)
+        return str(value)
+    except ValueError:
+        raise BadInput(f"{engine} knob {name}={value!r}: expected {annotation}.") from None

@@ -18,11 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table, write_table
-from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable, table_from_sequences
+from pipeline.fixture.table import TokenTable
 
 
 class DistributedScoringEngine:
@@ -91,6 +89,7 @@ def run_worker(
     import torch.distributed as dist
 
     from pipeline.engines import scoring_engine
+    from pipeline.engines.hf_replay import replay_table
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
@@ -121,30 +120,11 @@ def run_worker(
         dist.gather_object(results, gathered, dst=0)
         if rank == 0:
             merged = {i: s for part in gathered for i, s in part.items()}
-            write_table(_replay_table(fixture, merged, metadata, session.prompt_logprobs), out_path)
+            ordered = [merged[i] for i in range(fixture.num_sequences)]
+            write_table(replay_table(fixture, ordered, metadata, session.prompt_logprobs), out_path)
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def _replay_table(
-    fixture: TokenTable, scored: dict, metadata: dict, with_prompt: bool
-) -> TokenTable:
-    ordered = [scored[i] for i in range(fixture.num_sequences)]
-    table = table_from_sequences(
-        "replay",
-        fixture.sequence_ids,
-        [fixture.prompt_of(i) for i in range(fixture.num_sequences)],
-        [fixture.completion_of(i) for i in range(fixture.num_sequences)],
-        {REPLAY_CHANNEL: [s.completion for s in ordered]},
-        masks=np.split(fixture.completion_mask, fixture.completion_offsets[1:-1]),
-        prompt_logprobs=[s.prompt for s in ordered] if with_prompt else None,
-        metadata=metadata,
-    )
-    if ordered:
-        table.top_ids = np.concatenate([s.top_id for s in ordered])[:, None].astype(np.int32)
-        table.top_logprobs = np.concatenate([s.top_logprob for s in ordered])[:, None]
-    return table
 
 
 def _worker_error(output: str) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.engines.base import canonical_dtype
+from pipeline.engines.base import knobs_from_dict
 from pipeline.engines.hf_common import (
     load_model,
     model_metadata,
@@ -47,18 +47,7 @@ class ReplayKnobs:
 
     @classmethod
     def from_dict(cls, knobs: dict) -> ReplayKnobs:
-        unknown = set(knobs) - set(cls.__dataclass_fields__)
-        if unknown:
-            known = ", ".join(cls.__dataclass_fields__)
-            raise BadInput(
-                f"unknown hf replay knob(s) {', '.join(sorted(unknown))}; known: {known}."
-            )
-        values = {}
-        for name, value in knobs.items():
-            default = cls.__dataclass_fields__[name].default
-            values[name] = _coerce(name, value, type(default))
-        values["dtype"] = _checked(canonical_dtype, values.get("dtype", "float32"))
-        knobs_obj = cls(**values)
+        knobs_obj = knobs_from_dict(cls, knobs, "hf replay")
         if knobs_obj.padding_side not in PADDING_SIDES:
             raise BadInput(f"padding_side must be one of {', '.join(PADDING_SIDES)}.")
         if knobs_obj.micro_batch_size < 1:
@@ -82,23 +71,32 @@ class HFScoringEngine:
             indices = range(start, min(start + settings.micro_batch_size, fixture.num_sequences))
             pairs = [(fixture.prompt_of(i), fixture.completion_of(i)) for i in indices]
             scored.extend(score_batch(model, pairs, settings))
-        table = table_from_sequences(
-            "replay",
-            fixture.sequence_ids,
-            [fixture.prompt_of(i) for i in range(fixture.num_sequences)],
-            [fixture.completion_of(i) for i in range(fixture.num_sequences)],
-            {REPLAY_CHANNEL: [s.completion for s in scored]},
-            masks=np.split(fixture.completion_mask, fixture.completion_offsets[1:-1]),
-            prompt_logprobs=[s.prompt for s in scored] if settings.prompt_logprobs else None,
-            metadata={
-                **replay_metadata(model, model_dir, settings),
-                "timing": {"load_s": loaded - started, "score_s": time.perf_counter() - loaded},
-            },
-        )
-        if scored:
-            table.top_ids = np.concatenate([s.top_id for s in scored])[:, None].astype(np.int32)
-            table.top_logprobs = np.concatenate([s.top_logprob for s in scored])[:, None]
-        return table
+        metadata = {
+            **replay_metadata(model, model_dir, settings),
+            "timing": {"load_s": loaded - started, "score_s": time.perf_counter() - loaded},
+        }
+        return replay_table(fixture, scored, metadata, settings.prompt_logprobs)
+
+
+def replay_table(
+    fixture: TokenTable, scored: list[ScoredSequence], metadata: dict, with_prompt: bool
+) -> TokenTable:
+    """A replay of `fixture` from one ScoredSequence per fixture sequence, in fixture order."""
+    indices = range(fixture.num_sequences)
+    table = table_from_sequences(
+        "replay",
+        fixture.sequence_ids,
+        [fixture.prompt_of(i) for i in indices],
+        [fixture.completion_of(i) for i in indices],
+        {REPLAY_CHANNEL: [s.completion for s in scored]},
+        masks=np.split(fixture.completion_mask, fixture.completion_offsets[1:-1]),
+        prompt_logprobs=[s.prompt for s in scored] if with_prompt else None,
+        metadata=metadata,
+    )
+    if scored:
+        table.top_ids = np.concatenate([s.top_id for s in scored])[:, None].astype(np.int32)
+        table.top_logprobs = np.concatenate([s.top_logprob for s in scored])[:, None]
+    return table
 
 
 def score_batch(model, pairs, settings: ReplayKnobs, position_ids=None, full_forward: bool = False):
@@ -260,26 +258,3 @@ def replay_metadata(model, model_dir: Path, settings: ReplayKnobs) -> dict:
         "model": model_metadata(model_dir),
         "position_id_rule": "arange",
     }
-
-
-def _coerce(name: str, value, kind: type):
-    if isinstance(value, kind) or kind is str:
-        return value if kind is not str else str(value)
-    text = str(value).strip().lower()
-    try:
-        if kind is bool:
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
-        return kind(value)
-    except ValueError:
-        raise BadInput(f"knob {name}={value!r}: expected a {kind.__name__}.") from None
-
-
-def _checked(function, value):
-    try:
-        return function(value)
-    except ValueError as error:
-        raise BadInput(str(error)) from None

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline.engines.base import SamplingParams, canonical_dtype
+from pipeline.engines.base import SamplingParams, knobs_from_dict
 from pipeline.engines.hf_common import model_metadata, software_versions
 from pipeline.errors import BadInput
 from pipeline.fixture.table import TokenTable, table_from_sequences
@@ -45,35 +45,13 @@ class HTTPKnobs:
 
     @classmethod
     def from_dict(cls, knobs: dict) -> HTTPKnobs:
-        fields_ = cls.__dataclass_fields__
-        unknown = set(knobs) - set(fields_)
-        if unknown:
-            raise BadInput(
-                f"unknown http knob(s) {', '.join(sorted(unknown))}; known: {', '.join(fields_)}."
-            )
-        values = {}
-        for name, value in knobs.items():
-            default = fields_[name].default
-            try:
-                if isinstance(default, bool):
-                    values[name] = str(value).lower() in ("1", "true", "yes", "on")
-                else:
-                    values[name] = type(default)(value)
-            except ValueError:
-                raise BadInput(
-                    f"http knob {name}={value!r}: expected {type(default).__name__}."
-                ) from None
-        knobs_obj = cls(**values)
+        knobs_obj = knobs_from_dict(cls, knobs, "http")
         if not knobs_obj.url.startswith(("http://", "https://")):
             raise BadInput(
                 "the http engine needs --set url=http://HOST:PORT (the fleet's base URL)."
             )
         if knobs_obj.api not in APIS:
             raise BadInput(f"http api must be one of {', '.join(APIS)}.")
-        try:
-            canonical_dtype(knobs_obj.dtype)
-        except ValueError as error:
-            raise BadInput(str(error)) from None
         return knobs_obj
 
 
@@ -136,7 +114,7 @@ class HTTPRolloutEngine:
                     "versions": {**software_versions(), "server": server.get("version", "unknown")},
                     "server": server,
                 },
-                "dtype": canonical_dtype(settings.dtype),
+                "dtype": settings.dtype,
                 "dtype_source": "declared (--set dtype=...); not readable over HTTP",
                 "knobs": {**asdict(settings), "served_model": model_name},
                 "sampling": sampling.as_dict(),

@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipeline.engines.base import canonical_dtype
+from pipeline.engines.base import knobs_from_dict
 from pipeline.engines.hf_common import software_versions
 from pipeline.errors import BadInput, EngineNotInstalled
 
@@ -46,19 +46,7 @@ class VLLMKnobs:
 
     @classmethod
     def from_dict(cls, knobs: dict) -> VLLMKnobs:
-        fields = cls.__dataclass_fields__
-        unknown = set(knobs) - set(fields)
-        if unknown:
-            raise BadInput(
-                f"unknown vllm knob(s) {', '.join(sorted(unknown))}; known: {', '.join(fields)}."
-            )
-        values = {name: _coerce(name, value, fields[name].type) for name, value in knobs.items()}
-        if "dtype" in values:
-            try:
-                values["dtype"] = canonical_dtype(values["dtype"])
-            except ValueError as error:
-                raise BadInput(str(error)) from None
-        knobs_obj = cls(**values)
+        knobs_obj = knobs_from_dict(cls, knobs, "vllm")
         if knobs_obj.logprobs_mode not in LOGPROBS_MODES:
             raise BadInput("vllm logprobs_mode must be 'raw' or 'processed'.")
         return knobs_obj
@@ -172,26 +160,6 @@ def chunks(items: list, size: int) -> list[list]:
     if size <= 0:
         return [items]
     return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def _coerce(name: str, value, annotation: str):
-    text = str(value).strip().lower()
-    try:
-        if value is None or text == "none":
-            return None
-        if "bool" in annotation:
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
-        if "int" in annotation:
-            return int(value)
-        if "float" in annotation:
-            return float(value)
-        return str(value)
-    except ValueError:
-        raise BadInput(f"vllm knob {name}={value!r}: expected {annotation}.") from None
 
 
 def _name(value) -> str:
