@@ -132,9 +132,7 @@ def test_missing_engine_package_names_the_extra(monkeypatch):
     from pipeline import engines
     from pipeline.errors import EngineNotInstalled
 
-    monkeypatch.setitem(
-        engines.BUILTIN_SCORING, "absent", "pipeline.engines.absent_adapter:X"
-    )
+    monkeypatch.setitem(engines.BUILTIN_SCORING, "absent", "pipeline.engines.absent_adapter:X")
     monkeypatch.setitem(engines.EXTRA_FOR_ENGINE, "absent", "absent-extra")
     with pytest.raises(EngineNotInstalled, match=r"pip install -e '\.\[absent-extra\]'"):
         engines.scoring_engine("absent")
