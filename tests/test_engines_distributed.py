@@ -147,3 +147,43 @@ def test_missing_engine_package_is_a_clear_error(run_dir, tmp_path, monkeypatch)
     with pytest.raises(Exception, match=r"pip install -e '\.\[megatron\]'") as error:
         MegatronSession(run_dir, {}, 1)
     assert getattr(error.value, "exit_code", None) == 2
+
+
+def test_runs_as_ranks_of_an_existing_torchrun_launch(run_dir, tmp_path):
+    """Started by the user's own torchrun, `lpx replay` is one rank of that launch."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "under-torchrun.parquet"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "pipeline",
+        "replay",
+        str(run_dir / "fixture.parquet"),
+        "--engine",
+        "fsdp",
+        "--set",
+        "packing=true",
+        "--out",
+        str(out),
+    ]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = read_table(out)
+    assert (
+        table.metadata["layout"]["world_size"] == 2 and table.metadata["layout"]["packing"] is True
+    )
+    assert max_gap(table, read_table(run_dir / "replay-float32.parquet")) < 1e-5  # measured 2.9e-6
