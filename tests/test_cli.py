@@ -16,6 +16,7 @@ COMMANDS = [
     ["rollout"],
     ["replay"],
     ["compare"],
+    ["sweep"],
     ["fixture", "show"],
     ["ingest"],
     ["inject"],
