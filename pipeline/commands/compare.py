@@ -63,13 +63,18 @@ def compare(
     from pipeline.compare.matrix import render_matrix, write_matrix
     from pipeline.compare.outputs import render_summary, write_outputs
     from pipeline.compare.policy import load_policy
-    from pipeline.compare.run import compare_files
+    from pipeline.compare.run import compare_tables
+    from pipeline.fixture.io import read_table
 
+    fixture = read_table(fixture_path, expect_kind="fixture")  # once, however many replays
+    policy = load_policy(policy_path)
     comparisons = [
-        compare_files(
+        compare_tables(
+            fixture,
+            read_table(replay_path, expect_kind="replay"),
             fixture_path,
             replay_path,
-            policy=load_policy(policy_path),
+            policy=policy,
             profile=profile,
             channel=channel,
             allow_weight_mismatch=allow_weight_mismatch,
