@@ -108,3 +108,16 @@ def _coerce_knob(engine: str, name: str, value, annotation: str):
         return str(value)
     except ValueError:
         raise BadInput(f"{engine} knob {name}={value!r}: expected {annotation}.") from None
+
+
+def trajectories(
+    prompts: list[list[int]], sampling: SamplingParams
+) -> list[tuple[str, list[int], int]]:
+    """(sequence id, prompt, seed) for every sample to draw: ids are 'PROMPT-SAMPLE' and
+    seeds `seed + index`, the same for every rollout engine so their fixtures line up."""
+    n = sampling.samples_per_prompt
+    return [
+        (f"{p}-{s}", list(prompt), sampling.seed + p * n + s)
+        for p, prompt in enumerate(prompts)
+        for s in range(n)
+    ]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.engines.base import SamplingParams, canonical_dtype
+from pipeline.engines.base import SamplingParams, canonical_dtype, trajectories
 from pipeline.engines.hf_common import (
     load_model,
     model_metadata,
@@ -43,11 +43,7 @@ class HFRolloutEngine:
             raise BadInput("logprobs_mode must be 'raw' or 'processed'.")
         model = load_model(model_dir, settings["dtype"], settings["attn_implementation"])
         generator = torch.Generator().manual_seed(sampling.seed)
-        work = [
-            (f"{p}-{s}", list(prompt))
-            for p, prompt in enumerate(prompts)
-            for s in range(sampling.samples_per_prompt)
-        ]
+        work = [(sequence_id, prompt) for sequence_id, prompt, _ in trajectories(prompts, sampling)]
         results = []
         batches = range(0, len(work), settings["batch_size"])
         for start in progress_bar(batches, desc="hf rollout", unit="batch"):

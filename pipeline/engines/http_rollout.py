@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline.engines.base import SamplingParams, knobs_from_dict
+from pipeline.engines.base import SamplingParams, knobs_from_dict, trajectories
 from pipeline.engines.hf_common import model_metadata, software_versions
 from pipeline.errors import BadInput
 from pipeline.fixture.table import TokenTable, table_from_sequences
@@ -76,11 +76,7 @@ class HTTPRolloutEngine:
         client = _Client(settings)
         server = client.server_info()
         model_name = settings.model or (client.first_model() if settings.api == "openai" else "")
-        work = [
-            (f"{p}-{s}", list(prompt), sampling.seed + p * sampling.samples_per_prompt + s)
-            for p, prompt in enumerate(prompts)
-            for s in range(sampling.samples_per_prompt)
-        ]
+        work = trajectories(prompts, sampling)
         generate = (
             client.openai_trajectory if settings.api == "openai" else client.sglang_trajectory
         )
@@ -89,24 +85,22 @@ class HTTPRolloutEngine:
                 pool.submit(generate, prompt, sampling, seed, model_name)
                 for _, prompt, seed in work
             ]
-            trajectories = [
-                f.result() for f in progress_bar(futures, desc="http rollout", unit="seq")
-            ]
-        if all(t.error for t in trajectories):
+            results = [f.result() for f in progress_bar(futures, desc="http rollout", unit="seq")]
+        if all(t.error for t in results):
             raise BadInput(
-                f"{settings.url}: no trajectory succeeded; first error: {trajectories[0].error}"
+                f"{settings.url}: no trajectory succeeded; first error: {results[0].error}"
             )
-        with_versions = any(t.weight_versions for t in trajectories)
+        with_versions = any(t.weight_versions for t in results)
         table = table_from_sequences(
             "fixture",
             [sequence_id for sequence_id, _, _ in work],
             [prompt for _, prompt, _ in work],
-            [t.tokens for t in trajectories],
-            {"rollout": [t.logprobs for t in trajectories]},
-            weight_versions=[t.weight_versions or ["unknown"] * len(t.tokens) for t in trajectories]
+            [t.tokens for t in results],
+            {"rollout": [t.logprobs for t in results]},
+            weight_versions=[t.weight_versions or ["unknown"] * len(t.tokens) for t in results]
             if with_versions
             else None,
-            finish_reasons=[t.finish_reason for t in trajectories],
+            finish_reasons=[t.finish_reason for t in results],
             metadata={
                 "engine": {
                     "name": "http",
@@ -124,19 +118,17 @@ class HTTPRolloutEngine:
                 "model": model_metadata(model_dir),
                 "model_source": "declared: the local checkpoint the fleet is meant to serve",
                 "errors": {
-                    sid: t.error
-                    for (sid, _, _), t in zip(work, trajectories, strict=True)
-                    if t.error
+                    sid: t.error for (sid, _, _), t in zip(work, results, strict=True) if t.error
                 },
                 "position_id_rule": "arange",
             },
         )
-        if all(len(t.top_ids) == len(t.tokens) for t in trajectories) and any(
-            t.top_ids for t in trajectories
+        if all(len(t.top_ids) == len(t.tokens) for t in results) and any(
+            t.top_ids for t in results
         ):
             import numpy as np
 
-            table.top_ids = np.array([i for t in trajectories for i in t.top_ids], dtype=np.int32)[
+            table.top_ids = np.array([i for t in results for i in t.top_ids], dtype=np.int32)[
                 :, None
             ]
             table.top_logprobs = np.full(table.top_ids.shape, np.nan, dtype=np.float32)

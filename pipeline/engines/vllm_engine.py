@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.engines.base import SamplingParams
+from pipeline.engines.base import SamplingParams, trajectories
 from pipeline.engines.hf_common import model_metadata
 from pipeline.engines.vllm_common import (
     VLLMKnobs,
@@ -65,11 +65,7 @@ def rollout_with(
     from vllm import SamplingParams as VSamplingParams
     from vllm.inputs import TokensPrompt
 
-    work = [
-        (f"{p}-{s}", list(prompt), sampling.seed + p * sampling.samples_per_prompt + s)
-        for p, prompt in enumerate(prompts)
-        for s in range(sampling.samples_per_prompt)
-    ]
+    work = trajectories(prompts, sampling)
     stops = [] if sampling.ignore_eos else stop_token_ids(model_dir)
     rows = []
     for batch in progress_bar(chunks(work, settings.batch_size), desc="vllm rollout", unit="batch"):
