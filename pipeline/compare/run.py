@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from pipeline.compare.policy import Policy, judge, load_policy, profile_for
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table, validate_table
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
+from pipeline.testbed import describe_testbed
 
 WORST_TOKENS = 20
 
@@ -124,12 +126,25 @@ def compare_tables(
         "diagnosis": findings,
         "policy": judgement,
         "metadata": {
-            "fixture": {"path": str(fixture_path), "channel": channel, **fixture.metadata},
+            "fixture": {
+                "path": str(fixture_path),
+                "channel": channel,
+                "prompt_set_fingerprint": prompt_set_fingerprint(fixture),
+                **fixture.metadata,
+            },
             "replay": {"path": str(replay_path), "channel": REPLAY_CHANNEL, **replay.metadata},
             "command_line": command_line,
+            "testbed": describe_testbed(),
         },
     }
     return Comparison(report, aligned, tau)
+
+
+def prompt_set_fingerprint(table: TokenTable) -> str:
+    """sha256 over the prompts' token ids in sequence order: the run history's prompt set."""
+    digest = hashlib.sha256(np.asarray(table.prompt_offsets, dtype=np.int64).tobytes())
+    digest.update(np.asarray(table.prompt_ids, dtype=np.int64).tobytes())
+    return "sha256:" + digest.hexdigest()
 
 
 def worst_tokens(aligned: Aligned, k: int) -> list[dict]:

@@ -1,0 +1,242 @@
+"""Read a run directory into plain data for the history: its manifest, its compare outputs
+(single pairs and matrices) and the stages that did not finish.
+
+Nothing here touches the database, so a broken directory is refused (BadInput, exit 2)
+before any transaction starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pipeline.errors import BadInput
+from pipeline.run_manifest import MANIFEST, RUN_KINDS, read_manifest
+from pipeline.testbed import describe_testbed
+
+REPORT = "report.json"
+COMPARE_PARTS = ("tokens.parquet", "summary.md")  # written before report.json
+MAX_DEPTH = 4
+
+
+@dataclass
+class PairInput:
+    """One finished comparison: a single-pair report.json and the files beside it."""
+
+    pair: str  # its directory relative to the run directory
+    report: dict
+    report_path: Path
+    tokens_path: Path | None
+
+
+@dataclass
+class RunInput:
+    run_dir: Path
+    key: str
+    kind: str
+    status: str  # pass | fail | error
+    trigger: str
+    started_at: datetime
+    ended_at: datetime | None
+    command_line: str
+    lpx_version: str
+    lpx_revision: str
+    testbed: dict
+    pairs: list[PairInput]
+    errors: list[dict] = field(default_factory=list)
+    manifest: dict = field(default_factory=dict)
+
+
+def collect_run(
+    run_dir: Path,
+    kind: str | None = None,
+    trigger: str | None = None,
+    error: str | None = None,
+    testbed_name: str | None = None,
+) -> RunInput:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise BadInput(f"{run_dir}: no such run directory; pass the --out of lpx smoke/compare.")
+    manifest = read_manifest(run_dir)
+    pairs, unfinished = _find_reports(run_dir)
+    errors = [
+        {"stage": stage.get("name", "?"), "message": stage.get("message", "")}
+        for stage in (manifest or {}).get("stages", [])
+        if stage["status"] == "error"
+    ]
+    errors += [
+        {"stage": "compare", "message": f"{path}: compare did not finish (no report.json)"}
+        for path in unfinished
+    ]
+    if manifest is not None and manifest.get("status") == "running":
+        errors.append({"stage": "run", "message": "the run never finished (manifest says running)"})
+    if error:
+        errors.append({"stage": "run", "message": error})
+    if not pairs and not errors:
+        raise BadInput(
+            f"{run_dir}: no compare outputs (no {REPORT} in it or its subdirectories, no "
+            f"{MANIFEST}); run `lpx compare ... --out {run_dir}/compare` first, or record a "
+            "failed run with --error MESSAGE."
+        )
+    manifest = manifest or {}
+    kind = kind or manifest.get("kind") or "manual"
+    if kind not in RUN_KINDS:
+        raise BadInput(f"--kind {kind!r}: use one of {', '.join(RUN_KINDS)}.")
+    testbed = dict(
+        manifest.get("testbed")
+        or (pairs[0].report["metadata"].get("testbed") if pairs else None)
+        or describe_testbed()
+    )
+    if testbed_name:
+        testbed["name"] = testbed_name
+    reports = [p.report_path for p in pairs]
+    started, ended = _times(manifest, run_dir, reports)
+    first = pairs[0].report["metadata"] if pairs else {}
+    versions = ((first.get("replay") or {}).get("engine") or {}).get("versions") or {}
+    status = (
+        "error"
+        if errors
+        else "fail"
+        if any(p.report["verdict"] != "pass" for p in pairs)
+        else "pass"
+    )
+    return RunInput(
+        run_dir=run_dir,
+        key=_run_key(manifest, pairs, errors, run_dir),
+        kind=kind,
+        status=status,
+        trigger=trigger or manifest.get("trigger") or "manual",
+        started_at=started,
+        ended_at=ended,
+        command_line=str(manifest.get("command_line") or first.get("command_line") or ""),
+        lpx_version=str(manifest.get("lpx_version") or versions.get("lpx") or "unknown"),
+        lpx_revision=str(manifest.get("lpx_revision") or "unknown"),
+        testbed=testbed,
+        pairs=pairs,
+        errors=errors,
+        manifest=manifest,
+    )
+
+
+def _find_reports(run_dir: Path) -> tuple[list[PairInput], list[Path]]:
+    """Every single-pair report under ``run_dir`` (a matrix report's rows live in their own
+    subdirectories and are found there), plus compare directories that never finished."""
+    pairs, unfinished = [], []
+    for directory in sorted(_walk(run_dir)):
+        report_path = directory / REPORT
+        if report_path.is_file():
+            report = _load_report(report_path)
+            if "pairs" in report:
+                continue  # a matrix: its pairs are single reports in subdirectories
+            tokens = directory / "tokens.parquet"
+            pairs.append(
+                PairInput(
+                    pair=str(directory.relative_to(run_dir)) if directory != run_dir else ".",
+                    report=report,
+                    report_path=report_path,
+                    tokens_path=tokens if tokens.is_file() else None,
+                )
+            )
+        elif any((directory / part).is_file() for part in COMPARE_PARTS):
+            unfinished.append(directory)
+    return pairs, unfinished
+
+
+def _walk(root: Path, depth: int = 0):
+    yield root
+    if depth >= MAX_DEPTH:
+        return
+    try:
+        children = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink()]
+    except OSError as error:
+        raise BadInput(f"{root}: cannot list the directory ({error.strerror}).") from None
+    for child in children:
+        if not child.name.startswith("."):
+            yield from _walk(child, depth + 1)
+
+
+def _load_report(path: Path) -> dict:
+    try:
+        report = json.loads(path.read_text(), parse_constant=_constant)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise BadInput(
+            f"{path}: corrupt report ({error}); rerun `lpx compare` for this directory or remove "
+            "it. Nothing was recorded."
+        ) from None
+    if not isinstance(report, dict):
+        raise BadInput(f"{path}: a report must be a JSON object; nothing was recorded.")
+    if "pairs" in report:
+        return report
+    problems = []
+    if report.get("verdict") not in ("pass", "fail"):
+        problems.append("`verdict` pass|fail")
+    if not isinstance(report.get("metrics"), dict):
+        problems.append("`metrics` object")
+    meta = report.get("metadata")
+    if not isinstance(meta, dict) or not all(
+        isinstance(meta.get(side), dict) for side in ("fixture", "replay")
+    ):
+        problems.append("`metadata.fixture` and `metadata.replay` objects")
+    if not isinstance(report.get("policy"), dict):
+        problems.append("`policy` object")
+    for name in ("diagnosis", "worst", "sequences"):
+        if not isinstance(report.get(name, []), list):
+            problems.append(f"`{name}` list")
+    if problems:
+        raise BadInput(
+            f"{path}: not an lpx compare report (needs {', '.join(problems)}); rerun "
+            "`lpx compare` for this directory. Nothing was recorded."
+        )
+    return report
+
+
+def _constant(name: str) -> float:
+    return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[name]
+
+
+def _run_key(manifest: dict, pairs: list[PairInput], errors: list[dict], run_dir: Path) -> str:
+    """The manifest's run id, else a digest of the reports: recording the same outputs twice
+    is one run."""
+    if manifest.get("run_id"):
+        return hashlib.sha256(f"run:{manifest['run_id']}".encode()).hexdigest()
+    digest = hashlib.sha256(b"reports:")
+    for pair in pairs:
+        digest.update(pair.pair.encode() + b"\0" + pair.report_path.read_bytes() + b"\0")
+    if not pairs:  # an error run with nothing to hash: its directory and its errors
+        digest.update(str(run_dir.resolve()).encode())
+        digest.update(json.dumps(errors, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def _times(manifest: dict, run_dir: Path, reports: list[Path]) -> tuple[datetime, datetime | None]:
+    started = _parse_time(manifest.get("started_at"), run_dir / MANIFEST)
+    ended = _parse_time(manifest.get("ended_at"), run_dir / MANIFEST)
+    if started is None:
+        # No manifest: the run started with its oldest file and ended with its last report.
+        files = [p for p in run_dir.rglob("*") if p.is_file()] or [run_dir]
+        started = _utc_from_timestamp(min(p.stat().st_mtime for p in files))
+        if reports:
+            ended = _utc_from_timestamp(max(p.stat().st_mtime for p in reports))
+    return started, ended
+
+
+def _parse_time(value, where: Path) -> datetime | None:
+    if value in (None, ""):
+        return None
+    try:
+        parsed = datetime.fromisoformat(str(value))
+    except ValueError:
+        raise BadInput(
+            f"{where}: time {value!r} is not ISO 8601 (e.g. 2026-11-22T03:00:00)."
+        ) from None
+    if parsed.tzinfo is not None:
+        parsed = parsed.astimezone(UTC).replace(tzinfo=None)
+    return parsed
+
+
+def _utc_from_timestamp(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC).replace(tzinfo=None)

@@ -1,0 +1,206 @@
+"""Open the run history: resolve the URL, migrate on first use, hand out transactions.
+
+SQLite (a file, the embedded default) and PostgreSQL (the shared-team backend) run the same
+Alembic migrations. Writers are serialised — SQLite with ``BEGIN IMMEDIATE``, PostgreSQL with
+a transaction-scoped advisory lock — so two `lpx record` processes never interleave their
+detection updates, and every write is one transaction that commits whole or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event, exc, make_url, text
+from sqlalchemy.orm import Session
+
+from pipeline.errors import BadInput
+
+DEFAULT_DB = Path("runs") / "lpx.db"
+WRITE_LOCK_ID = 0x6C7078  # "lpx": the advisory lock every PostgreSQL writer takes
+SQLITE_BUSY_TIMEOUT_S = 120
+DETECTION_REVISION = "0002"  # points recorded before it are re-evaluated after upgrading
+
+
+def resolve_url(db: str | None) -> str:
+    """A SQLAlchemy URL from --db: a URL as is, a plain path as a SQLite file, None -> default."""
+    value = db or os.environ.get("LPX_DB") or str(DEFAULT_DB)
+    if "://" in value:
+        return value
+    return f"sqlite:///{Path(value).expanduser().resolve()}"
+
+
+def describe(url: str) -> str:
+    """The URL for messages, password hidden."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except exc.ArgumentError:
+        return url
+
+
+class History:
+    """A migrated history database: `read()` and `write()` sessions, one transaction each."""
+
+    def __init__(self, url: str, engine: Engine):
+        self.url = url
+        self.engine = engine
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        with self.engine.connect() as connection, Session(bind=connection) as session:
+            yield session
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """One serialised write transaction: committed when the block ends, rolled back on
+        any error, so a failed record leaves the database as it was."""
+        with self.engine.connect() as connection:
+            connection = connection.execution_options(lpx_write=True)
+            with Session(bind=connection) as session, session.begin():
+                _take_write_lock(session)
+                yield session
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def open_history(db: str | None = None, migrate: bool = True) -> History:
+    """Connect, check the schema, and bring it to this lpx's head (never dropping anything)."""
+    url = resolve_url(db)
+    engine = _create_engine(url)
+    try:
+        with engine.connect() as connection:
+            current = _current_revision(connection)
+    except (exc.OperationalError, exc.DatabaseError, exc.InterfaceError) as error:
+        engine.dispose()
+        reason = (str(error.orig) if getattr(error, "orig", None) else str(error)).strip()
+        raise BadInput(
+            f"cannot open the history database {describe(url)}: "
+            f"{reason.splitlines()[0] if reason else type(error).__name__}; "
+            "check --db / LPX_DB (a SQLite path or a postgresql+psycopg:// URL) and that the "
+            "server is up."
+        ) from None
+    head, known = _script_revisions()
+    if current is not None and current not in known:
+        engine.dispose()
+        raise BadInput(
+            f"the history database {describe(url)} is at schema revision {current}, newer than "
+            f"this lpx knows (up to {head}); upgrade lpx to read or write it."
+        )
+    if current != head:
+        if not migrate:
+            engine.dispose()
+            raise BadInput(f"the history database {describe(url)} needs migrating to {head}.")
+        _upgrade(engine)
+    return History(url, engine)
+
+
+def schema_revision(history: History) -> str | None:
+    with history.engine.connect() as connection:
+        return _current_revision(connection)
+
+
+def head_revision() -> str:
+    return _script_revisions()[0]
+
+
+def upgrade_to(history: History, revision: str) -> None:
+    """Upgrade to a given revision (tests migrate step by step through this)."""
+    _upgrade(history.engine, revision)
+
+
+def _create_engine(url: str) -> Engine:
+    try:
+        parsed = make_url(url)
+    except exc.ArgumentError:
+        raise BadInput(
+            f"--db {url!r} is not a database URL or path; use e.g. runs/lpx.db or "
+            "postgresql+psycopg://user@host/lpx."
+        ) from None
+    if parsed.get_backend_name() == "sqlite":
+        return _create_sqlite_engine(parsed)
+    try:
+        return create_engine(parsed, pool_pre_ping=True)
+    except (exc.NoSuchModuleError, ImportError, exc.ArgumentError) as error:
+        raise BadInput(
+            f"cannot use the history database {describe(url)}: {error}; lpx supports SQLite "
+            "and PostgreSQL (postgresql+psycopg://)."
+        ) from None
+
+
+def _create_sqlite_engine(parsed) -> Engine:
+    database = parsed.database
+    if database and database != ":memory:":
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record):
+        # Let SQLAlchemy's begin event, not the sqlite3 module, start transactions, so a
+        # writer can take the write lock up front (BEGIN IMMEDIATE) instead of failing to
+        # upgrade a read lock later with "database is locked".
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection):
+        write = connection.get_execution_options().get("lpx_write")
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    return engine
+
+
+def _take_write_lock(session: Session) -> None:
+    """Begin the transaction now (SQLite: BEGIN IMMEDIATE), so the lock is held before the
+    first read and anything run on the connection (Alembic) joins this transaction."""
+    session.connection()
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": WRITE_LOCK_ID})
+
+
+def _current_revision(connection) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    return MigrationContext.configure(connection).get_current_revision()
+
+
+def _alembic_config(connection=None):
+    from alembic.config import Config
+
+    from pipeline.db import MIGRATIONS
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["connection"] = connection
+    return config
+
+
+def _script_revisions() -> tuple[str, set[str]]:
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(_alembic_config())
+    return script.get_current_head(), {rev.revision for rev in script.walk_revisions()}
+
+
+def _upgrade(engine: Engine, revision: str = "head") -> None:
+    """Run the migrations inside one locked transaction; a concurrent first use waits for it
+    and then finds the schema current."""
+    from alembic import command
+
+    with engine.connect() as connection:
+        connection = connection.execution_options(lpx_write=True)
+        with Session(bind=connection) as session, session.begin():
+            _take_write_lock(session)
+            before = _current_revision(connection)
+            command.upgrade(_alembic_config(connection), revision)
+            if before is not None and before < DETECTION_REVISION <= (
+                _current_revision(connection) or ""
+            ):
+                from pipeline.history.evaluate import reevaluate_all
+
+                reevaluate_all(session)

@@ -1,0 +1,227 @@
+"""History-relative regression detection: robust baselines, bands and point statuses.
+
+Pure functions over plain numbers; the history code (evaluate.py) feeds them one series
+point at a time and stores what they return. The rule, per series and metric:
+
+* baseline: the median of the last ``lookback`` healthy points (healthy = judged inside
+  its band, or judged before the series had ``min_points``; never an excluded point or a
+  point of an error run), counted from the latest reset (a "distribution change"
+  annotation or an acknowledged alert);
+* band: ``max(k * 1.4826 * MAD, relative_floor * |median - ideal|, absolute_floor)``, where
+  1.4826 * MAD estimates the standard deviation of normal noise (robust to the spikes that
+  mean/std baselines absorb), ``ideal`` is the metric's perfect value (0 for drifts, 1 for
+  IS ratios and ESS) and the absolute floor scales with the policy profile's tau, so a
+  metric that sits at fp32 noise (1e-6) never alarms on noise;
+* status: outside the band on the bad side -> ``suspicious``; ``consecutive`` violating
+  points in a row -> ``regression``; fewer than ``min_points`` baseline points ->
+  ``insufficient_data`` (judged healthy, so the baseline can form).
+
+References: the PyTorch HUD's regression/suspicious/insufficient_data labels; conbench's
+lookback z-score (we use median/MAD instead of mean/std: one spike moves neither);
+Bencher's stored per-point boundaries. Defaults and their reasons: docs/history.md.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+MAD_TO_SIGMA = 1.4826  # MAD * 1.4826 = sigma for normal noise
+
+OK = "ok"
+SUSPICIOUS = "suspicious"
+REGRESSION = "regression"
+INSUFFICIENT = "insufficient_data"
+EXCLUDED = "excluded"
+ERROR_RUN = "error_run"
+UNTRACKED = "untracked"
+HEALTHY = (OK, INSUFFICIENT)
+VIOLATING = (SUSPICIOUS, REGRESSION)
+
+
+@dataclass(frozen=True)
+class DetectionConfig:
+    lookback: int = 20  # healthy points in the baseline (about three weeks of nightlies)
+    min_points: int = 5  # below this the series has insufficient_data
+    mad_multiplier: float = 5.0  # k: conbench alerts at |z| >= 5
+    relative_floor: float = 0.2  # 20 % of the baseline's distance from ideal
+    consecutive: int = 2  # violating points in a row that make a regression
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """How one metric is judged: its unit, which way is better, its ideal value and the
+    absolute floor of its band as a function of the policy profile's tau."""
+
+    unit: str
+    better: str  # lower | higher | none (a move either way is drift)
+    ideal: float
+    floor: Callable[[float], float]
+    detect: bool = True
+
+
+def _diff_tail(tau: float) -> float:  # tails of |d|: one token at tau is the policy's line
+    return tau
+
+
+def _diff_mean(tau: float) -> float:  # means of |d| sit an order below the tails
+    return tau / 10
+
+
+def _diff_square(tau: float) -> float:  # k2/k3 ~ mean(d^2)/2
+    return (tau / 10) ** 2 / 2
+
+
+def _fraction(_tau: float) -> float:  # one percentage point of tokens
+    return 0.01
+
+
+NATS, NATS2, PROB, RATIO, FRACTION = "nats", "nats^2", "prob", "ratio", "fraction"
+CATALOG: dict[str, MetricSpec] = {
+    "max_abs_diff": MetricSpec(NATS, "lower", 0.0, _diff_tail),
+    "p99_abs_diff": MetricSpec(NATS, "lower", 0.0, _diff_tail),
+    "p999_abs_diff": MetricSpec(NATS, "lower", 0.0, _diff_tail),
+    "p50_abs_diff": MetricSpec(NATS, "lower", 0.0, _diff_mean),
+    "mean_abs_diff": MetricSpec(NATS, "lower", 0.0, _diff_mean),
+    "rms_diff": MetricSpec(NATS, "lower", 0.0, _diff_mean),
+    "max_seq_mean_abs_diff": MetricSpec(NATS, "lower", 0.0, _diff_mean),
+    "mean_diff": MetricSpec(NATS, "none", 0.0, _diff_mean),
+    "k1": MetricSpec(NATS, "none", 0.0, _diff_mean),
+    "k2": MetricSpec(NATS2, "lower", 0.0, _diff_square),
+    "k3": MetricSpec(NATS2, "lower", 0.0, _diff_square),
+    "chi2_token": MetricSpec(RATIO, "lower", 0.0, lambda tau: 2 * _diff_square(tau)),
+    "is_ratio_mean": MetricSpec(RATIO, "none", 1.0, _diff_mean),
+    "token_mult_prob_error": MetricSpec(RATIO, "lower", 1.0, _diff_mean),
+    "ess": MetricSpec(FRACTION, "higher", 1.0, lambda tau: 2 * _diff_square(tau)),
+    "max_prob_diff": MetricSpec(PROB, "lower", 0.0, _diff_tail),
+    "mean_prob_diff": MetricSpec(PROB, "lower", 0.0, _diff_mean),
+    "frac_over_tau": MetricSpec(FRACTION, "lower", 0.0, _fraction),
+    "clip_frac": MetricSpec(FRACTION, "lower", 0.0, _fraction),
+    "top1_flip_rate": MetricSpec(FRACTION, "lower", 0.0, _fraction),
+    # |d| / |logp| explodes near logp = 0: charted, never judged (as in the policy).
+    "max_rel_diff": MetricSpec(RATIO, "lower", 0.0, _diff_tail, detect=False),
+    "mean_rel_diff": MetricSpec(RATIO, "lower", 0.0, _diff_tail, detect=False),
+}
+KEY_METRICS = ("max_abs_diff", "mean_abs_diff", "k3", "top1_flip_rate")
+
+
+def metric_spec(name: str) -> MetricSpec:
+    """The catalog entry; a metric lpx does not know is judged two-sided with floor tau."""
+    base = name.split(".")[-1]  # "prompt.max_abs_diff" is judged like max_abs_diff
+    return CATALOG.get(base, MetricSpec("", "none", 0.0, _diff_tail))
+
+
+@dataclass(frozen=True)
+class Boundary:
+    baseline: float
+    band: float
+    lower: float
+    upper: float
+    points: int
+
+
+def robust_boundary(
+    window: Sequence[float], spec: MetricSpec, tau: float, config: DetectionConfig
+) -> Boundary | None:
+    """The band around the median of ``window``; None with fewer than min_points values."""
+    values = [v for v in window if v is not None and math.isfinite(v)]
+    if len(values) < config.min_points:
+        return None
+    # statistics.median on <= lookback floats: ~10x faster than numpy at this size, and
+    # recording a year of nightlies judges a few hundred thousand points.
+    median = statistics.median(values)
+    mad = statistics.median([abs(v - median) for v in values])
+    band = max(
+        config.mad_multiplier * MAD_TO_SIGMA * mad,
+        config.relative_floor * abs(median - spec.ideal),
+        spec.floor(tau),
+    )
+    return Boundary(median, band, median - band, median + band, len(values))
+
+
+def violates(value: float | None, boundary: Boundary, better: str) -> bool:
+    """Outside the band on the bad side; a non-finite value always violates."""
+    if value is None or not math.isfinite(value):
+        return True
+    if better == "lower":
+        return value > boundary.upper
+    if better == "higher":
+        return value < boundary.lower
+    return not boundary.lower <= value <= boundary.upper
+
+
+@dataclass(frozen=True)
+class PointResult:
+    status: str
+    boundary: Boundary | None
+    first_bad: int | None  # the episode's first violating point (violating statuses)
+    last_good: int | None  # the last healthy point before it
+
+
+def new_state() -> dict:
+    """Detection state of one series metric: JSON-able, stored with the series."""
+    return {"window": [], "streak": [], "last_good": None, "alert": None}
+
+
+def step(
+    state: dict,
+    point_id: int,
+    value: float | None,
+    spec: MetricSpec,
+    tau: float,
+    config: DetectionConfig,
+    *,
+    reset: bool = False,
+    excluded: bool = False,
+    error_run: bool = False,
+) -> tuple[dict, PointResult]:
+    """Judge one new point of a series metric against the state before it.
+
+    Returns the state after it and the point's result. ``reset`` starts a new baseline at
+    this point (distribution change, acknowledged alert); an excluded point or a point of
+    an error run is recorded with its status and changes nothing.
+    """
+    state = {**new_state(), **state}
+    if reset:
+        state = {**new_state(), "last_good": state["last_good"], "alert": state["alert"]}
+    if error_run or excluded or not spec.detect:
+        status = ERROR_RUN if error_run else EXCLUDED if excluded else UNTRACKED
+        return state, PointResult(status, None, None, None)
+    window = [v for _, v in state["window"]]
+    boundary = robust_boundary(window, spec, tau, config)
+    if boundary is not None and violates(value, boundary, spec.better):
+        streak = [*state["streak"], point_id]
+        status = REGRESSION if len(streak) >= config.consecutive else SUSPICIOUS
+        state = {**state, "streak": streak}
+        return state, PointResult(status, boundary, streak[0], state["last_good"])
+    status = OK if boundary is not None else INSUFFICIENT
+    if value is not None and math.isfinite(value):
+        window = [*state["window"], [point_id, value]][-config.lookback :]
+    else:
+        window = state["window"]  # a non-finite value before the baseline formed
+    state = {**state, "window": window, "streak": [], "last_good": point_id}
+    return state, PointResult(status, boundary, None, None)
+
+
+def policy_step(
+    state: dict, point_id: int, verdict: str, *, excluded: bool = False, error_run: bool = False
+) -> tuple[dict, PointResult]:
+    """The absolute rule as a series of its own: a failing verdict is a policy_violation."""
+    state = {**new_state(), **state}
+    if error_run or excluded:
+        return state, PointResult(ERROR_RUN if error_run else EXCLUDED, None, None, None)
+    if verdict != "pass":
+        streak = [*state["streak"], point_id]
+        state = {**state, "streak": streak}
+        return state, PointResult("policy_violation", None, streak[0], state["last_good"])
+    state = {**state, "streak": [], "last_good": point_id}
+    return state, PointResult(OK, None, None, None)
+
+
+def factor(before: float | None, after: float | None) -> float | None:
+    """after / before, the regressions table's "factor"; None where it means nothing."""
+    if before is None or after is None or not math.isfinite(after) or before == 0:
+        return None
+    return after / before
