@@ -8,12 +8,18 @@ import sys
 import click
 
 from pipeline import __version__
+from pipeline.commands.ack import ack
+from pipeline.commands.annotate import annotate
 from pipeline.commands.compare import compare
 from pipeline.commands.fixture import fixture
+from pipeline.commands.gate import gate
+from pipeline.commands.history import history
 from pipeline.commands.ingest import ingest
 from pipeline.commands.inject import inject
 from pipeline.commands.make_model import make_model
+from pipeline.commands.record import record
 from pipeline.commands.replay import replay
+from pipeline.commands.report import report
 from pipeline.commands.rollout import rollout
 from pipeline.commands.smoke import smoke
 from pipeline.commands.sweep import sweep
@@ -36,10 +42,30 @@ def cli() -> None:
       lpx replay run/fixture.parquet --dtype bf16 --out run/replay.parquet
       lpx compare run/fixture.parquet run/replay.parquet --out run/compare
     or just:  lpx smoke --out run/smoke
+
+    \b
+    History (nightly): lpx record RUN_DIR; lpx report --out site; lpx gate --fail-on regression
     """
 
 
-for command in (make_model, rollout, replay, compare, sweep, fixture, ingest, inject, smoke):
+COMMANDS = (
+    make_model,
+    rollout,
+    replay,
+    compare,
+    sweep,
+    fixture,
+    ingest,
+    inject,
+    smoke,
+    record,
+    report,
+    history,
+    gate,
+    ack,
+    annotate,
+)
+for command in COMMANDS:
     cli.add_command(command)
 
 

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import click
 
-from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
+from pipeline.errors import EXIT_PASS, EXIT_REGRESSION, BadInput
+from pipeline.run_manifest import add_stage, finish, new_manifest, write_manifest
 
 SMOKE_SAMPLING = {"max_tokens": 32, "temperature": 1.0, "seed": 0, "samples_per_prompt": 2}
 SMOKE_REPLAY_DTYPES = ("float32", "bfloat16")
+DEFAULT_REPORT = Path("runs") / "report"
 
 
 def default_model_dir() -> Path:
@@ -36,7 +38,54 @@ def ensure_tiny_model(model_dir: Path, arch: str = "llama", seed: int = 0) -> Pa
     return model_dir
 
 
-def run_smoke(out_dir: Path, model_dir: Path | None = None, rollout_engine: str = "hf") -> int:
+def run_smoke(
+    out_dir: Path,
+    model_dir: Path | None = None,
+    rollout_engine: str = "hf",
+    db: str | None = None,
+    report_dir: Path | None = DEFAULT_REPORT,
+) -> int:
+    """The smoke's stages, each noted in the run manifest as it ends; then the run goes into
+    the history and the report is rendered (``report_dir=None`` skips both). A failing stage
+    still records the run, as an error run, before its error is raised."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = new_manifest("smoke", f"lpx smoke --out {out_dir}")
+    write_manifest(out_dir, manifest)
+    try:
+        code = _smoke_stages(out_dir, model_dir, rollout_engine, manifest)
+    except BaseException as error:
+        message = str(error.format_message() if isinstance(error, BadInput) else error)
+        add_stage(manifest, "smoke", "error", f"{type(error).__name__}: {message}".strip())
+        write_manifest(out_dir, finish(manifest))
+        if report_dir is not None and not isinstance(error, KeyboardInterrupt):
+            _record_and_report(out_dir, db, report_dir)
+        raise
+    write_manifest(out_dir, finish(manifest))
+    if report_dir is not None:
+        _record_and_report(out_dir, db, report_dir)
+    return code
+
+
+def _record_and_report(out_dir: Path, db: str | None, report_dir: Path) -> None:
+    from pipeline.history.collect import collect_run
+    from pipeline.history.database import describe, open_history
+    from pipeline.history.record import record_runs
+    from pipeline.report.site import build_site
+
+    history = open_history(db)
+    try:
+        (result,) = record_runs(history, [collect_run(out_dir)])
+        click.echo(f"history: run {result.run_id} ({result.status}) -> {describe(history.url)}")
+        index = build_site(history, report_dir)
+    finally:
+        history.dispose()
+    click.echo(f"report: {index}")
+
+
+def _smoke_stages(
+    out_dir: Path, model_dir: Path | None, rollout_engine: str, manifest: dict
+) -> int:
     from pipeline.compare.outputs import write_outputs
     from pipeline.compare.run import compare_files
     from pipeline.engines import rollout_engine as load_rollout
@@ -45,13 +94,14 @@ def run_smoke(out_dir: Path, model_dir: Path | None = None, rollout_engine: str 
     from pipeline.fixture.io import write_table
     from pipeline.prompts import smoke_prompt_texts, tokenize
 
-    out_dir = Path(out_dir)
     model_dir = ensure_tiny_model(Path(model_dir) if model_dir else default_model_dir())
     prompts = tokenize(model_dir, smoke_prompt_texts())
     fixture = load_rollout(rollout_engine).rollout(
         model_dir, prompts, SamplingParams(**SMOKE_SAMPLING), {}
     )
     fixture_path = write_table(fixture, out_dir / "fixture.parquet")
+    add_stage(manifest, "rollout", "ok", outputs=[str(fixture_path)])
+    write_manifest(out_dir, manifest)
     versions = fixture.metadata["engine"]["versions"]
     click.echo(
         f"rollout {rollout_engine} {versions.get(rollout_engine, versions.get('transformers'))}: "
@@ -62,11 +112,14 @@ def run_smoke(out_dir: Path, model_dir: Path | None = None, rollout_engine: str 
     for dtype in SMOKE_REPLAY_DTYPES:
         replay = scoring_engine("hf").score(fixture, model_dir, {"dtype": dtype})
         replay_path = write_table(replay, out_dir / f"replay-hf-{dtype}.parquet")
+        add_stage(manifest, f"replay-hf-{dtype}", "ok", outputs=[str(replay_path)])
         comparison = compare_files(
             fixture_path, replay_path, command_line=f"lpx smoke --out {out_dir}"
         )
         paths = write_outputs(comparison, out_dir / f"compare-hf-{dtype}")
         report = comparison.report
+        add_stage(manifest, f"compare-hf-{dtype}", "ok" if report["verdict"] == "pass" else "fail")
+        write_manifest(out_dir, manifest)
         metrics = report["metrics"]
         causes = ", ".join(f["cause"] for f in report["diagnosis"]) or "none"
         click.echo(

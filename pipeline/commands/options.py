@@ -26,3 +26,15 @@ def parse_knobs(pairs: tuple[str, ...]) -> dict[str, str]:
             raise BadInput(f"--set {pair!r}: expected KNOB=VALUE, e.g. --set padding_side=left.")
         knobs[key.strip()] = value.strip()
     return knobs
+
+
+def db_option(command: str):
+    """`--db URL|PATH`, also from LPX_<COMMAND>_DB or LPX_DB (the history every command shares)."""
+    variable = f"LPX_{command.upper().replace('-', '_')}_DB"
+    return click.option(
+        "--db",
+        envvar=[variable, "LPX_DB"],
+        metavar="URL|PATH",
+        help="History database: a SQLite path or a SQLAlchemy URL such as "
+        "postgresql+psycopg://user@host/lpx [env LPX_DB; default runs/lpx.db].",
+    )

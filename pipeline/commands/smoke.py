@@ -4,6 +4,8 @@ from pathlib import Path
 
 import click
 
+from pipeline.commands.options import db_option
+
 
 @click.command()
 @click.option(
@@ -23,11 +25,30 @@ import click
 @click.option(
     "--rollout", "rollout_engine", default="hf", show_default=True, help="Rollout engine."
 )
-def smoke(out_dir: Path, model_dir: Path | None, rollout_engine: str) -> None:
-    """End to end on CPU: tiny model, rollout, hf replay in fp32 and bf16, compare, verdict.
+@db_option("smoke")
+@click.option(
+    "--report-out",
+    "report_dir",
+    default="runs/report",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the history's HTML report is rendered after recording the run.",
+)
+@click.option("--no-history", is_flag=True, help="Do not record the run or render the report.")
+def smoke(
+    out_dir: Path,
+    model_dir: Path | None,
+    rollout_engine: str,
+    db: str | None,
+    report_dir: Path,
+    no_history: bool,
+) -> None:
+    """End to end on CPU: tiny model, rollout, hf replay in fp32 and bf16, compare, verdict,
+    then record the run into the history (SQLite runs/lpx.db by default) and render the report.
 
-    Writes the fixture, both replays and one compare directory per replay under --out,
-    prints one line per comparison, and exits with the verdict (0 pass, 1 fail).
+    Writes the fixture, both replays, one compare directory per replay and the run manifest
+    (lpx-run.json) under --out, prints one line per comparison, and exits with the verdict
+    (0 pass, 1 fail, 2 error). The last line is the report's path.
 
     \b
     Example:
@@ -35,4 +56,5 @@ def smoke(out_dir: Path, model_dir: Path | None, rollout_engine: str) -> None:
     """
     from pipeline.smoke import run_smoke
 
-    click.get_current_context().exit(run_smoke(out_dir, model_dir, rollout_engine))
+    code = run_smoke(out_dir, model_dir, rollout_engine, db, None if no_history else report_dir)
+    click.get_current_context().exit(code)

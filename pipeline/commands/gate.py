@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import click
+
+from pipeline.commands.options import db_option
+
+
+@click.command()
+@db_option("gate")
+@click.option(
+    "--fail-on",
+    multiple=True,
+    type=click.Choice(["regression", "suspicious", "policy", "never"]),
+    default=("regression", "policy"),
+    show_default=True,
+    help="What fails the gate (repeatable): regression; suspicious (and regression); policy "
+    "(a policy violation); never.",
+)
+@click.option(
+    "--kind",
+    type=click.Choice(["nightly", "smoke", "manual"]),
+    help="Gate the latest run of this kind.",
+)
+@click.option("--run", "run_ref", help="Gate this run (id or key prefix) instead of the latest.")
+def gate(db, fail_on, kind, run_ref):
+    """Exit 1 when the latest run has what --fail-on names, 2 when it is an error run, else 0.
+
+    Reads only the history (run `lpx record` first). Acknowledged and silenced alerts never
+    fail the gate.
+
+    \b
+    Example:
+      lpx gate --fail-on regression --fail-on policy --kind nightly
+    """
+    from pipeline.errors import BadInput
+    from pipeline.history.database import open_history
+    from pipeline.history.gate import decide, latest_run, open_alerts_of_run
+    from pipeline.history.people import resolve_run
+
+    history = open_history(db)
+    try:
+        with history.read() as session:
+            run = resolve_run(session, run_ref) if run_ref else latest_run(session, kind)
+            if run is None:
+                raise BadInput(
+                    f"the history has no {kind + ' ' if kind else ''}runs; record one with "
+                    "`lpx record RUN_DIR` first."
+                )
+            decision = decide(run.status, run.errors, open_alerts_of_run(session, run.id), fail_on)
+            header = f"run {run.id} ({run.kind}, {run.started_at:%Y-%m-%d %H:%M}, {run.status})"
+    finally:
+        history.dispose()
+    for reason in decision.reasons:
+        click.echo(reason)
+    word = {0: "PASS", 1: "FAIL", 2: "ERROR"}[decision.exit_code]
+    click.echo(f"gate: {word} {header} --fail-on {','.join(fail_on)}")
+    click.get_current_context().exit(decision.exit_code)

@@ -1,0 +1,219 @@
+"""Load the whole history once, in a few bulk queries, into plain structures the pages use.
+
+A year of nightlies is ~400k metric values: they are read as tuples in one query and
+grouped per series here, rather than queried page by page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from pipeline.db.models import (
+    Alert,
+    Annotation,
+    Case,
+    Comparison,
+    EngineBuild,
+    MetricValue,
+    Run,
+    Series,
+    Testbed,
+)
+from pipeline.history.evaluate import build_as_dict
+
+
+@dataclass
+class Point:
+    comparison_id: int
+    run_id: int
+    at: str
+    verdict: str
+    profile: str
+    pair: str
+    rollout_build: int
+    replay_build: int
+    findings: list[str]
+    metrics: dict[str, tuple] = field(default_factory=dict)  # name -> (value, status, lo, up, base)
+
+
+@dataclass
+class SeriesData:
+    id: int
+    key: str
+    label: str
+    rollout_engine: str
+    replay_engine: str
+    rollout_dtype: str
+    replay_dtype: str
+    profile: str
+    model: str
+    testbed: str
+    case: dict
+    points: list[Point] = field(default_factory=list)
+
+
+@dataclass
+class HistoryData:
+    runs: dict[int, dict]
+    run_order: list[int]  # oldest first
+    series: dict[int, SeriesData]
+    builds: dict[int, dict]
+    alerts: list[dict]
+    annotations: list[dict]
+    metric_names: list[str]
+    point_index: dict[int, tuple[SeriesData, Point]] = field(default_factory=dict)
+
+
+def load_history(session: Session) -> HistoryData:
+    runs = {}
+    for run in session.scalars(select(Run).order_by(Run.started_at, Run.id)):
+        runs[run.id] = {
+            "id": run.id,
+            "key": run.key[:12],
+            "kind": run.kind,
+            "status": run.status,
+            "started_at": run.started_at.isoformat(timespec="seconds"),
+            "ended_at": run.ended_at.isoformat(timespec="seconds") if run.ended_at else "",
+            "trigger": run.trigger,
+            "command_line": run.command_line,
+            "lpx_version": run.lpx_version,
+            "lpx_revision": run.lpx_revision,
+            "run_dir": run.run_dir,
+            "errors": run.errors or [],
+            "testbed": (run.manifest or {}).get("testbed") or {},
+        }
+    builds = {b.id: build_as_dict(b) for b in session.scalars(select(EngineBuild))}
+    series = {}
+    for s, case, testbed in session.execute(
+        select(Series, Case, Testbed)
+        .join(Case, Case.id == Series.case_id)
+        .join(Testbed, Testbed.id == Series.testbed_id)
+        .order_by(Series.id)
+    ):
+        series[s.id] = SeriesData(
+            s.id,
+            s.key[:12],
+            s.label,
+            s.rollout_engine,
+            s.replay_engine,
+            case.rollout_dtype,
+            case.replay_dtype,
+            "",
+            case.label,
+            testbed.name,
+            {
+                "model": case.model,
+                "weights_fingerprint": case.weights_fingerprint,
+                "tokenizer_fingerprint": case.tokenizer_fingerprint,
+                "prompt_set": case.prompt_set,
+                "channel": case.channel,
+                "knobs": case.knobs,
+                "layout": case.layout,
+            },
+        )
+    points, point_index = {}, {}
+    for row in session.execute(
+        select(
+            Comparison.id,
+            Comparison.series_id,
+            Comparison.run_id,
+            Comparison.started_at,
+            Comparison.verdict,
+            Comparison.profile,
+            Comparison.pair,
+            Comparison.rollout_build_id,
+            Comparison.replay_build_id,
+            Comparison.findings,
+        ).order_by(Comparison.started_at, Comparison.id)
+    ):
+        point = Point(
+            row.id,
+            row.run_id,
+            row.started_at.isoformat(timespec="seconds"),
+            row.verdict,
+            row.profile,
+            row.pair,
+            row.rollout_build_id,
+            row.replay_build_id,
+            [f.get("cause", "?") for f in row.findings or [] if isinstance(f, dict)],
+        )
+        points[row.id] = point
+        target = series[row.series_id]
+        point_index[row.id] = (target, point)
+        target.points.append(point)
+        target.profile = row.profile or target.profile
+    names = set()
+    for row in session.execute(
+        select(
+            MetricValue.comparison_id,
+            MetricValue.name,
+            MetricValue.value,
+            MetricValue.status,
+            MetricValue.lower,
+            MetricValue.upper,
+            MetricValue.baseline,
+        )
+    ):
+        points[row[0]].metrics[row[1]] = row[2:]
+        names.add(row[1])
+    alerts = []
+    for alert in session.scalars(select(Alert).order_by(Alert.id)):
+        alerts.append(
+            {
+                "id": alert.id,
+                "series_id": alert.series_id,
+                "metric": alert.metric,
+                "kind": alert.kind,
+                "status": alert.status,
+                "first_bad": points.get(alert.first_bad_id),
+                "last_good": points.get(alert.last_good_id),
+                "latest": points.get(alert.latest_id),
+                "value_before": alert.value_before,
+                "value_after": alert.value_after,
+                "rule": alert.rule,
+                "attribution": alert.attribution or [],
+                "note": alert.note,
+                "updated_at": alert.updated_at.isoformat(timespec="seconds"),
+            }
+        )
+    annotations = [
+        {
+            "id": a.id,
+            "series_id": a.series_id,
+            "run": a.run_id,
+            "kind": a.kind,
+            "reason": a.reason,
+            "created_at": a.created_at.isoformat(timespec="seconds"),
+        }
+        for a in session.scalars(select(Annotation).order_by(Annotation.id))
+    ]
+    return HistoryData(
+        runs,
+        list(runs),
+        series,
+        builds,
+        alerts,
+        annotations,
+        sorted(names, key=_metric_order),
+        point_index,
+    )
+
+
+def run_comparisons(session: Session, run_id: int) -> list[Comparison]:
+    """One run's comparisons with their details (worst tokens, heatmap): per run page."""
+    return list(
+        session.scalars(
+            select(Comparison).where(Comparison.run_id == run_id).order_by(Comparison.pair)
+        )
+    )
+
+
+def _metric_order(name: str):
+    from pipeline.history.detection import CATALOG
+
+    order = list(CATALOG)
+    base = name.split(".")[-1]
+    return (name.count("."), order.index(base) if base in order else len(order), name)

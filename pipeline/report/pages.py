@@ -1,0 +1,289 @@
+"""What each page of the report says, as plain dicts for the templates.
+
+The index: status banner, open regressions with attribution, pass->fail changes since the
+previous run, the engine x version matrix per key metric, every series with a sparkline.
+A series page: a trend chart per metric with its band, change points and version changes.
+A run page: each comparison's worst tokens, diagnosis, heatmap and how to reproduce it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+
+from pipeline.history.attribution import summary
+from pipeline.history.changepoints import change_points
+from pipeline.history.detection import KEY_METRICS, factor, metric_spec
+from pipeline.report.data import HistoryData, SeriesData
+
+SPARK_POINTS = 90
+SPARK_WIDTH, SPARK_HEIGHT = 160, 28
+RECENT_RUNS = 30
+
+
+def index_page(data: HistoryData) -> dict:
+    latest_run = data.runs[data.run_order[-1]] if data.run_order else None
+    active = [a for a in data.alerts if a.get("status") == "active"]
+    counts = defaultdict(int)
+    for alert in active:
+        counts[alert["kind"]] += 1
+    recent = [data.runs[i] for i in data.run_order[-RECENT_RUNS:]][::-1]
+    return {
+        "title": "lpx history",
+        "latest_run": latest_run,
+        "banner": {
+            "regressions": counts["regression"],
+            "policy_violations": counts["policy_violation"],
+            "suspicious": counts["suspicious"],
+            "errors": sum(1 for run in recent if run["status"] == "error"),
+            "recent_runs": len(recent),
+        },
+        "regressions": [
+            _alert_row(data, a) for a in active if a["kind"] in ("regression", "policy_violation")
+        ],
+        "suspicious": [_alert_row(data, a) for a in active if a["kind"] == "suspicious"],
+        "decided": [
+            _alert_row(data, a)
+            for a in data.alerts
+            if a.get("status") in ("acknowledged", "silenced")
+        ][::-1],
+        "changes": status_changes(data),
+        "matrices": version_matrices(data),
+        "series": [_series_row(data, s) for s in data.series.values() if s.points],
+        "runs": recent,
+        "engines": sorted(
+            {e for s in data.series.values() for e in (s.rollout_engine, s.replay_engine)}
+        ),
+        "dtypes": sorted(
+            {d for s in data.series.values() for d in (s.rollout_dtype, s.replay_dtype)}
+        ),
+        "key_metrics": [m for m in KEY_METRICS if m in data.metric_names],
+    }
+
+
+def series_page(data: HistoryData, series: SeriesData) -> dict:
+    """A trend chart per metric: values, band, statuses, change points, version changes."""
+    points = series.points
+    runs = [
+        {
+            "run": p.run_id,
+            "at": p.at,
+            "verdict": p.verdict,
+            "rollout": _build_name(data.builds[p.rollout_build]),
+            "replay": _build_name(data.builds[p.replay_build]),
+        }
+        for p in points
+    ]
+    charts = {}
+    for name in data.metric_names:
+        rows = [p.metrics.get(name) for p in points]
+        if not any(rows):
+            continue
+        values = [_short(r[0]) if r else None for r in rows]
+        charts[name] = {
+            "unit": metric_spec(name).unit,
+            "better": metric_spec(name).better,
+            "values": values,
+            "status": [r[1] if r else None for r in rows],
+            "lower": [_short(r[2]) if r else None for r in rows],
+            "upper": [_short(r[3]) if r else None for r in rows],
+            "changepoints": change_points(values) if metric_spec(name).detect else [],
+        }
+    version_changes = [
+        {
+            "index": i,
+            "text": f"{runs[i - 1]['rollout']} / {runs[i - 1]['replay']} -> "
+            f"{runs[i]['rollout']} / {runs[i]['replay']}",
+        }
+        for i in range(1, len(points))
+        if (points[i].rollout_build, points[i].replay_build)
+        != (points[i - 1].rollout_build, points[i - 1].replay_build)
+        and (runs[i]["rollout"], runs[i]["replay"])
+        != (runs[i - 1]["rollout"], runs[i - 1]["replay"])
+    ]
+    return {
+        "title": series.label,
+        "series": series,
+        "alerts": [_alert_row(data, a) for a in data.alerts if a["series_id"] == series.id][::-1],
+        "annotations": [a for a in data.annotations if a["series_id"] == series.id],
+        "chart_data": {
+            "runs": runs,
+            "charts": charts,
+            "version_changes": version_changes,
+            "annotations": [
+                {"index": i, "kind": a["kind"], "reason": a["reason"]}
+                for a in data.annotations
+                if a["series_id"] == series.id
+                for i, p in enumerate(points)
+                if p.run_id == a["run"]
+            ],
+        },
+        "metric_names": list(charts),
+        "key_metrics": [m for m in KEY_METRICS if m in charts],
+        "recent": [
+            {**runs[i], "metrics": points[i].metrics, "findings": points[i].findings}
+            for i in range(len(points) - 1, max(-1, len(points) - 31), -1)
+        ],
+    }
+
+
+def run_page(data: HistoryData, run_id: int, comparisons: list) -> dict:
+    run = data.runs[run_id]
+    position = data.run_order.index(run_id)
+    rows = []
+    for comparison in comparisons:
+        series, point = data.point_index.get(comparison.id, (None, None))
+        details = comparison.details or {}
+        rows.append(
+            {
+                "id": comparison.id,
+                "pair": comparison.pair,
+                "series": series,
+                "verdict": comparison.verdict,
+                "profile": comparison.profile,
+                "tau": comparison.tau,
+                "tokens": comparison.tokens,
+                "rollout": data.builds[comparison.rollout_build_id],
+                "replay": data.builds[comparison.replay_build_id],
+                "metrics": point.metrics if point else {},
+                "violations": comparison.violations or [],
+                "details": details,
+            }
+        )
+    return {
+        "title": f"run {run_id}",
+        "run": run,
+        "previous": data.run_order[position - 1] if position > 0 else None,
+        "next": data.run_order[position + 1] if position + 1 < len(data.run_order) else None,
+        "comparisons": rows,
+        "alerts": [
+            _alert_row(data, a)
+            for a in data.alerts
+            if a.get("latest") is not None and a["latest"].run_id == run_id
+        ],
+    }
+
+
+def status_changes(data: HistoryData) -> list[dict]:
+    """Series whose verdict changed at the latest run, against their previous point."""
+    if not data.run_order:
+        return []
+    latest = data.run_order[-1]
+    changes = []
+    for series in data.series.values():
+        if len(series.points) < 2 or series.points[-1].run_id != latest:
+            continue
+        before, after = series.points[-2], series.points[-1]
+        if before.verdict != after.verdict:
+            changes.append(
+                {
+                    "series": series,
+                    "from": before.verdict,
+                    "to": after.verdict,
+                    "previous_run": before.run_id,
+                    "run": after.run_id,
+                    "findings": after.findings,
+                }
+            )
+    return sorted(changes, key=lambda c: c["to"] == "pass")
+
+
+def version_matrices(data: HistoryData) -> list[dict]:
+    """Per key metric and dtype profile: engine (and role) x version -> median value."""
+    cells = defaultdict(list)  # (metric, profile, role, engine, version) -> values
+    verdicts = defaultdict(set)
+    for series in data.series.values():
+        for p in series.points:
+            for role, build_id in (("rollout", p.rollout_build), ("replay", p.replay_build)):
+                build = data.builds[build_id]
+                for metric in KEY_METRICS:
+                    value = (p.metrics.get(metric) or (None,))[0]
+                    if value is not None:
+                        key = (metric, p.profile, role, build["engine"], build["version"])
+                        cells[key].append(value)
+                        verdicts[key].add(p.verdict)
+    matrices = defaultdict(lambda: defaultdict(dict))
+    for (metric, profile, role, engine, version), values in cells.items():
+        matrices[(metric, profile)][(role, engine)][version] = {
+            "median": statistics.median(values),
+            "n": len(values),
+            "fail": "fail" in verdicts[(metric, profile, role, engine, version)],
+        }
+    return [
+        {
+            "metric": metric,
+            "profile": profile,
+            "rows": [
+                {"role": role, "engine": engine, "versions": list(versions.items())}
+                for (role, engine), versions in sorted(rows.items())
+            ],
+        }
+        for (metric, profile), rows in sorted(matrices.items())
+    ]
+
+
+def sparkline(values: list) -> str:
+    """SVG polyline points for the last SPARK_POINTS finite values (log scale for drifts)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)][-SPARK_POINTS:]
+    if len(finite) < 2:
+        return ""
+    scaled = [math.log10(max(v, 1e-12)) if min(finite) > 0 else v for v in finite]
+    low, high = min(scaled), max(scaled)
+    span = (high - low) or 1.0
+    step = SPARK_WIDTH / (len(scaled) - 1)
+    return " ".join(
+        f"{i * step:.1f},{SPARK_HEIGHT - 2 - (v - low) / span * (SPARK_HEIGHT - 4):.1f}"
+        for i, v in enumerate(scaled)
+    )
+
+
+def _series_row(data: HistoryData, series: SeriesData) -> dict:
+    latest = series.points[-1]
+    return {
+        "series": series,
+        "latest": latest,
+        "latest_run": data.runs.get(latest.run_id),
+        "open_alerts": sum(
+            1 for a in data.alerts if a["series_id"] == series.id and a["status"] == "active"
+        ),
+        "sparks": {
+            metric: {
+                "points": sparkline([(p.metrics.get(metric) or (None,))[0] for p in series.points]),
+                "latest": (latest.metrics.get(metric) or (None,))[0],
+                "status": (latest.metrics.get(metric) or (None, None))[1],
+            }
+            for metric in KEY_METRICS
+        },
+    }
+
+
+def _alert_row(data: HistoryData, alert: dict) -> dict:
+    series = data.series[alert["series_id"]]
+    last_good, first_bad = alert["last_good"], alert["first_bad"]
+    return {
+        **alert,
+        "series": series,
+        "last_good_build": _pair_builds(data, last_good),
+        "first_bad_build": _pair_builds(data, first_bad),
+        "factor": factor(alert["value_before"], alert["value_after"]),
+        "change_summary": summary(alert["attribution"]) if last_good else "no healthy point before",
+        "causes": first_bad.findings if first_bad else [],
+    }
+
+
+def _pair_builds(data: HistoryData, point) -> str:
+    if point is None:
+        return ""
+    return f"{_build_name(data.builds[point.rollout_build])} / {_build_name(data.builds[point.replay_build])}"
+
+
+def _build_name(build: dict) -> str:
+    return f"{build['engine']} {build['version']}"
+
+
+def _short(value):
+    """4 significant digits: what a chart shows, at a third of the bytes of repr()."""
+    if value is None or not math.isfinite(value):
+        return None
+    return float(f"{value:.4g}")

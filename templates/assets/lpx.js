@@ -1,0 +1,166 @@
+// lpx report: filters, trend charts and drift heatmaps, drawn from JSON inlined in each page.
+// No network, no library: the site opens from disk. Every string from the data is set with
+// textContent, never parsed as HTML.
+"use strict";
+
+const SVG = "http://www.w3.org/2000/svg";
+
+function svgElement(name, attributes, parent) {
+  const node = document.createElementNS(SVG, name);
+  for (const [key, value] of Object.entries(attributes || {})) node.setAttribute(key, value);
+  if (parent) parent.appendChild(node);
+  return node;
+}
+
+function readJson(id) {
+  const node = document.getElementById(id);
+  return node ? JSON.parse(node.textContent) : null;
+}
+
+function formatNumber(value) {
+  if (value === null || value === undefined) return "–";
+  return Math.abs(value) >= 1e-3 && Math.abs(value) < 1e4 ? value.toPrecision(4) : value.toExponential(3);
+}
+
+// ---- filters: engine and dtype hide rows; metric picks which sparkline/matrix/chart shows
+function applyFilters() {
+  const wanted = {};
+  document.querySelectorAll("select[data-filter]").forEach((select) => {
+    wanted[select.dataset.filter] = select.value;
+  });
+  const matches = (element, name) => {
+    const want = wanted[name];
+    if (!want || element.dataset[name] === undefined) return true;
+    return element.dataset[name].split(" ").includes(want);
+  };
+  document.querySelectorAll(".filterable tbody tr, .matrix tr").forEach((row) => {
+    row.hidden = !(matches(row, "engine") && matches(row, "dtype"));
+  });
+  document.querySelectorAll(".spark, .matrix, .chart-box").forEach((element) => {
+    const metricOk = !wanted.metric || element.dataset.metric === wanted.metric;
+    const shown = metricOk && (element.classList.contains("matrix") ? matches(element, "dtype") : true);
+    element.classList.toggle("shown", shown);
+    if (element.classList.contains("chart-box")) element.hidden = !shown;
+  });
+}
+
+// ---- tooltip
+const tooltip = () => document.getElementById("tooltip");
+function showTooltip(event, text) {
+  const tip = tooltip();
+  tip.textContent = text;
+  tip.hidden = false;
+  tip.style.left = `${event.clientX + 14}px`;
+  tip.style.top = `${event.clientY + 10}px`;
+}
+function hideTooltip() { tooltip().hidden = true; }
+
+// ---- trend charts: points, threshold band, change points, version changes, annotations
+function drawChart(container, name, data) {
+  const chart = data.charts[name];
+  const runs = data.runs;
+  const width = 900, height = 180, left = 64, right = 10, top = 8, bottom = 18;
+  const finite = (v) => v !== null && v !== undefined && Number.isFinite(v);
+  const all = [...chart.values, ...chart.lower, ...chart.upper].filter(finite);
+  if (!all.length) { container.textContent = "no finite values"; return; }
+  const positive = all.filter((v) => v > 0);
+  let low = Math.min(...all), high = Math.max(...all);
+  const useLog = low > 0 && high / low > 20;
+  const transform = useLog ? (v) => Math.log10(v) : (v) => v;
+  if (!useLog && chart.lower.some(finite)) low = Math.min(low, ...chart.values.filter(finite));
+  let y0 = transform(useLog ? Math.min(...positive) : low), y1 = transform(high);
+  if (y1 === y0) { y0 -= 1; y1 += 1; }
+  const n = chart.values.length;
+  const x = (i) => left + (n === 1 ? (width - left - right) / 2 : (i * (width - left - right)) / (n - 1));
+  const y = (v) => top + (height - top - bottom) * (1 - (transform(v) - y0) / (y1 - y0));
+  const svg = svgElement("svg", { viewBox: `0 0 ${width} ${height}`, preserveAspectRatio: "none", role: "img" }, container);
+  svg.setAttribute("aria-label", `${name} over ${n} runs`);
+  // band: the polygon between lower and upper where detection computed one
+  const upper = [], lower = [];
+  chart.upper.forEach((u, i) => {
+    const l = chart.lower[i];
+    if (finite(u) && finite(l)) { upper.push(`${x(i)},${y(u)}`); lower.unshift(`${x(i)},${y(useLog ? Math.max(l, Math.min(...positive)) : l)}`); }
+  });
+  if (upper.length) svgElement("polygon", { class: "band", points: [...upper, ...lower].join(" ") }, svg);
+  const path = chart.values.map((v, i) => (finite(v) ? `${x(i)},${y(v)}` : null)).filter(Boolean);
+  if (path.length > 1) svgElement("polyline", { class: "line", points: path.join(" ") }, svg);
+  const marker = (index, cls, label) => {
+    const line = svgElement("line", { class: cls, x1: x(index), x2: x(index), y1: top, y2: height - bottom }, svg);
+    svgElement("title", {}, line).textContent = label;
+  };
+  chart.changepoints.forEach((i) => marker(i - 0.5, "cp", `change point before run ${runs[i].run}`));
+  data.version_changes.forEach((c) => marker(c.index - 0.5, "vc", `version change: ${c.text}`));
+  data.annotations.forEach((a) => marker(a.index, "ann", `${a.kind}: ${a.reason}`));
+  // axes: min and max labels, first and last date
+  const label = (text, attributes) => { svgElement("text", { class: "axis", ...attributes }, svg).textContent = text; };
+  label(formatNumber(useLog ? 10 ** y1 : y1), { x: 2, y: top + 8 });
+  label(formatNumber(useLog ? 10 ** y0 : y0), { x: 2, y: height - bottom });
+  label(runs[0].at.slice(0, 10), { x: left, y: height - 4 });
+  label(runs[n - 1].at.slice(0, 10), { x: width - right - 60, y: height - 4 });
+  chart.values.forEach((v, i) => {
+    if (!finite(v)) return;
+    const status = chart.status[i] || "";
+    const link = svgElement("a", { href: `../runs/${runs[i].run}.html` }, svg);
+    const bad = status === "suspicious" || status === "regression";
+    const dot = svgElement("circle", { cx: x(i), cy: y(v), r: bad ? 4 : 2.6, class: bad ? "bad" : status === "excluded" ? "excluded" : "" }, link);
+    dot.dataset.index = i;
+    const text = [
+      `${name} = ${formatNumber(v)} (${status.replace("_", " ")})`,
+      finite(chart.lower[i]) ? `band [${formatNumber(chart.lower[i])}, ${formatNumber(chart.upper[i])}]` : "no band yet",
+      `run ${runs[i].run} · ${runs[i].at} · ${runs[i].verdict}`,
+      `rollout ${runs[i].rollout}`,
+      `replay ${runs[i].replay}`,
+    ].join("\n");
+    dot.addEventListener("mouseenter", (event) => showTooltip(event, text));
+    dot.addEventListener("mousemove", (event) => showTooltip(event, text));
+    dot.addEventListener("mouseleave", hideTooltip);
+  });
+}
+
+function drawCharts() {
+  const data = readJson("chart-data");
+  if (!data) return;
+  document.querySelectorAll(".chart[data-chart]").forEach((container) => drawChart(container, container.dataset.chart, data));
+}
+
+// ---- heatmaps: |d| per position for the most drifting sequences
+function drawHeatmap(container, map) {
+  const cell = 7, rowHeight = 12, labelWidth = 90;
+  const columns = Math.max(...map.rows.map((r) => r.cells.length));
+  const width = labelWidth + columns * cell, height = map.rows.length * rowHeight + 4;
+  const svg = svgElement("svg", { width, height, viewBox: `0 0 ${width} ${height}` }, container);
+  const values = map.rows.flatMap((r) => r.cells).filter((v) => typeof v === "number" && v > 0);
+  const lo = Math.log10(Math.max(Math.min(...values), 1e-9)), hi = Math.log10(Math.max(...values, 1e-9));
+  map.rows.forEach((row, r) => {
+    const text = svgElement("text", { x: 0, y: r * rowHeight + 10 }, svg);
+    text.textContent = row.sequence_id.length > 14 ? `${row.sequence_id.slice(0, 13)}…` : row.sequence_id;
+    row.cells.forEach((v, c) => {
+      if (v === null) return;
+      const value = v === "inf" ? Infinity : v;
+      const t = value === Infinity ? 1 : hi > lo ? (Math.log10(Math.max(value, 1e-9)) - lo) / (hi - lo) : 1;
+      const light = Math.round(96 - 70 * Math.max(0, Math.min(1, t)));
+      const over = map.tau !== null && value > map.tau;
+      const rect = svgElement("rect", {
+        x: labelWidth + c * cell, y: r * rowHeight + 1, width: cell - 1, height: rowHeight - 2,
+        fill: `hsl(4, 80%, ${light}%)`, class: over ? "over" : "",
+      }, svg);
+      const start = c * map.bin;
+      const where = map.bin > 1 ? `positions ${start}-${start + map.bin - 1}` : `position ${start}`;
+      svgElement("title", {}, rect).textContent = `${row.sequence_id} ${where}: |d| ${v === "inf" ? "inf" : formatNumber(value)}`;
+    });
+  });
+}
+
+function drawHeatmaps() {
+  document.querySelectorAll(".heatmap[data-heatmap]").forEach((container) => {
+    const map = readJson(`heatmap-${container.dataset.heatmap}`);
+    if (map && map.rows.length) drawHeatmap(container, map);
+  });
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  document.querySelectorAll("select[data-filter]").forEach((select) => select.addEventListener("change", applyFilters));
+  drawCharts();
+  drawHeatmaps();
+  applyFilters();
+});
