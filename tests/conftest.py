@@ -35,3 +35,28 @@ def run_dir(tmp_path_factory, tiny_model, prompts) -> Path:
         replay = HFScoringEngine().score(fixture, tiny_model, {"dtype": dtype})
         write_table(replay, out / f"replay-{dtype}.parquet")
     return out
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory):
+    """A real PostgreSQL 16 server (the pgserver package's binaries) for the session."""
+    import pgserver
+
+    server = pgserver.get_server(tmp_path_factory.mktemp("pg"), cleanup_mode="delete")
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def history_url(request, tmp_path) -> str:
+    """A fresh, empty history database URL on each backend lpx supports."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'history.db'}"
+    server = request.getfixturevalue("postgres_server")
+    name = f"lpx_{abs(hash(request.node.nodeid)) % 10**12}"
+    server.psql(f"DROP DATABASE IF EXISTS {name};")
+    server.psql(f"CREATE DATABASE {name};")
+    base, query = server.get_uri().split("?", 1)
+    return (
+        f"{base.rsplit('/', 1)[0].replace('postgresql://', 'postgresql+psycopg://')}/{name}?{query}"
+    )

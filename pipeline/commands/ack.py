@@ -14,7 +14,9 @@ from pipeline.commands.options import db_option
 @db_option("ack")
 def ack(alert_id, note, silence, db):
     """Acknowledge an alert with a note: it stops failing the gate and the series starts a new
-    baseline at its first bad point (the new level is accepted). --silence mutes it instead.
+    baseline at its first bad point (the new level is accepted). The other open alerts of the
+    same event (same series, same first bad run) are acknowledged with it. --silence mutes
+    them instead and keeps the baseline.
 
     \b
     Example:
@@ -26,9 +28,9 @@ def ack(alert_id, note, silence, db):
     history = open_history(db)
     try:
         with history.write() as session:
-            alert = acknowledge(session, alert_id, note, silence)
-            click.echo(
-                f"alert {alert.id} {alert.status}: {alert.kind} {alert.metric}: {alert.note}"
-            )
+            for alert in acknowledge(session, alert_id, note, silence):
+                click.echo(
+                    f"alert {alert.id} {alert.status}: {alert.kind} {alert.metric}: {alert.note}"
+                )
     finally:
         history.dispose()

@@ -133,7 +133,13 @@ def _create_engine(url: str) -> Engine:
 def _create_sqlite_engine(parsed) -> Engine:
     database = parsed.database
     if database and database != ":memory:":
-        Path(database).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise BadInput(
+                f"cannot create the history database {database}: {error.strerror} "
+                f"({error.filename}); pass --db a writable path or a database URL."
+            ) from None
     engine = create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
 
     @event.listens_for(engine, "connect")

@@ -16,18 +16,29 @@ from pipeline.history.detection import DetectionConfig
 from pipeline.history.evaluate import CHANGE, EXCLUDE, reevaluate_series, utc_now
 
 
-def acknowledge(session: Session, alert_id: int, note: str, silence: bool = False) -> Alert:
+def acknowledge(session: Session, alert_id: int, note: str, silence: bool = False) -> list[Alert]:
+    """Acknowledge (or silence) an alert and every open alert of the same event: the same
+    series with the same first bad point (one step moves several metrics at once)."""
     alert = session.get(Alert, alert_id)
     if alert is None:
         raise BadInput(f"no alert {alert_id}; `lpx history alerts` lists them.")
     if not note.strip():
         raise BadInput("--note must say why (it is shown beside the alert).")
-    alert.status = "silenced" if silence else "acknowledged"
-    alert.note = note.strip()
-    alert.updated_at = utc_now()
+    same_event = session.scalars(
+        select(Alert).where(
+            Alert.series_id == alert.series_id,
+            Alert.first_bad_id == alert.first_bad_id,
+            Alert.status == "active",
+            Alert.id != alert.id,
+        )
+    ).all()
+    for target in [alert, *same_event]:
+        target.status = "silenced" if silence else "acknowledged"
+        target.note = note.strip()
+        target.updated_at = utc_now()
     session.flush()
     reevaluate_series(session, session.get(Series, alert.series_id), DetectionConfig())
-    return alert
+    return [alert, *same_event]
 
 
 def annotate(session: Session, series_ref: str, run_ref: str, kind: str, reason: str) -> Annotation:

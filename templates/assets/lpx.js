@@ -102,7 +102,8 @@ function drawChart(container, name, data) {
     const status = chart.status[i] || "";
     const link = svgElement("a", { href: `../runs/${runs[i].run}.html` }, svg);
     const bad = status === "suspicious" || status === "regression";
-    const dot = svgElement("circle", { cx: x(i), cy: y(v), r: bad ? 4 : 2.6, class: bad ? "bad" : status === "excluded" ? "excluded" : "" }, link);
+    const classes = [bad ? "bad" : status === "excluded" ? "excluded" : "", runs[i].verdict === "pass" ? "" : "fail"];
+    const dot = svgElement("circle", { cx: x(i), cy: y(v), r: bad ? 4 : 2.6, class: classes.join(" ").trim() }, link);
     dot.dataset.index = i;
     const text = [
       `${name} = ${formatNumber(v)} (${status.replace("_", " ")})`,
@@ -125,20 +126,23 @@ function drawCharts() {
 
 // ---- heatmaps: |d| per position for the most drifting sequences
 function drawHeatmap(container, map) {
-  const cell = 7, rowHeight = 12, labelWidth = 90;
+  const rowHeight = 12, labelWidth = 90;
   const columns = Math.max(...map.rows.map((r) => r.cells.length));
+  const cell = Math.max(5, Math.min(18, Math.floor(900 / columns)));
   const width = labelWidth + columns * cell, height = map.rows.length * rowHeight + 4;
   const svg = svgElement("svg", { width, height, viewBox: `0 0 ${width} ${height}` }, container);
-  const values = map.rows.flatMap((r) => r.cells).filter((v) => typeof v === "number" && v > 0);
-  const lo = Math.log10(Math.max(Math.min(...values), 1e-9)), hi = Math.log10(Math.max(...values, 1e-9));
+  // The colour scale is anchored at tau: white at tau/1000, full at 10 x tau, so fp32 noise
+  // stays pale and a fault stands out the same way on every page.
+  const tau = map.tau || 1e-4;
+  const lo = Math.log10(tau / 1000), hi = Math.log10(tau * 10);
   map.rows.forEach((row, r) => {
     const text = svgElement("text", { x: 0, y: r * rowHeight + 10 }, svg);
     text.textContent = row.sequence_id.length > 14 ? `${row.sequence_id.slice(0, 13)}…` : row.sequence_id;
     row.cells.forEach((v, c) => {
       if (v === null) return;
       const value = v === "inf" ? Infinity : v;
-      const t = value === Infinity ? 1 : hi > lo ? (Math.log10(Math.max(value, 1e-9)) - lo) / (hi - lo) : 1;
-      const light = Math.round(96 - 70 * Math.max(0, Math.min(1, t)));
+      const t = value === Infinity ? 1 : (Math.log10(Math.max(value, 1e-12)) - lo) / (hi - lo);
+      const light = Math.round(97 - 67 * Math.max(0, Math.min(1, t)));
       const over = map.tau !== null && value > map.tau;
       const rect = svgElement("rect", {
         x: labelWidth + c * cell, y: r * rowHeight + 1, width: cell - 1, height: rowHeight - 2,

@@ -1,0 +1,433 @@
+"""The run history on SQLite and on a real PostgreSQL 16: record, detect, attribute,
+acknowledge, annotate, gate, migrate, and refuse bad input without writing anything."""
+
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timedelta
+
+import pytest
+from pipeline.db.models import Alert, Comparison, MetricValue, Run, Series
+from sqlalchemy import create_engine, func, select, text
+
+from pipeline.history import queries
+from pipeline.history.collect import collect_run
+from pipeline.history.database import (
+    _create_engine,
+    _upgrade,
+    head_revision,
+    open_history,
+    schema_revision,
+)
+from pipeline.history.record import record_runs
+from tests.helpers import run_lpx
+from tests.synthetic_runs import BASE_METRICS, nightly_history, pair_report, write_run
+
+START = datetime(2026, 1, 1, 3, 0)
+
+
+def record(url, *dirs):
+    history = open_history(url)
+    try:
+        return record_runs(history, [collect_run(d) for d in dirs])
+    finally:
+        history.dispose()
+
+
+def count(url, model, *where):
+    history = open_history(url)
+    try:
+        with history.read() as session:
+            return session.scalar(select(func.count()).select_from(model).where(*where))
+    finally:
+        history.dispose()
+
+
+def alerts(url, statuses=("active",)):
+    history = open_history(url)
+    try:
+        with history.read() as session:
+            return queries.alerts(session, statuses)
+    finally:
+        history.dispose()
+
+
+def test_a_fresh_database_is_migrated_to_head_on_first_use(history_url):
+    history = open_history(history_url)
+    assert schema_revision(history) == head_revision() == "0002"
+    history.dispose()
+    assert count(history_url, Run) == 0
+
+
+def test_record_is_idempotent_and_keeps_every_number(history_url, tmp_path):
+    runs = nightly_history(tmp_path, 3)
+    first = record(history_url, *runs)
+    assert [r.new for r in first] == [True, True, True]
+    again = record(history_url, *runs)
+    assert [r.new for r in again] == [False, False, False]
+    assert [r.run_id for r in again] == [r.run_id for r in first]
+    assert count(history_url, Run) == 3 and count(history_url, Comparison) == 3
+    assert count(history_url, Series) == 1  # one series spans the three nights
+    report = json.loads((runs[1] / "vllm-hf-bf16" / "report.json").read_text())
+    history = open_history(history_url)
+    with history.read() as session:
+        stored = session.scalar(
+            select(MetricValue.value)
+            .join(Comparison, Comparison.id == MetricValue.comparison_id)
+            .where(Comparison.run_id == first[1].run_id, MetricValue.name == "k3")
+        )
+    history.dispose()
+    assert stored == report["metrics"]["k3"]  # exact, not rounded
+    assert count(history_url, MetricValue, MetricValue.name == "max_abs_diff") == 3
+
+
+def test_step_regression_is_attributed_to_the_engine_upgrade(history_url, tmp_path):
+    """vLLM 0.31 -> 0.32 at night 12 and the drift triples from then on."""
+    runs = nightly_history(tmp_path, 16, step_at=12, upgrade_at=12)
+    record(history_url, *runs)
+    found = [a for a in alerts(history_url) if a["metric"] == "mean_abs_diff"]
+    assert len(found) == 1
+    alert = found[0]
+    assert alert["kind"] == "regression"
+    assert alert["first_bad"]["run"] == 12 + 1 and alert["last_good"]["run"] == 11 + 1
+    assert alert["value_after"] / alert["value_before"] == pytest.approx(3.0, rel=0.15)
+    assert alert["attribution"][0] == {
+        "side": "rollout",
+        "engine": "vllm",
+        "field": "version",
+        "before": "0.31.0",
+        "after": "0.32.0",
+    }
+    # every later night keeps the series in regression against the old baseline
+    history = open_history(history_url)
+    with history.read() as session:
+        statuses = session.scalars(
+            select(MetricValue.status)
+            .where(MetricValue.name == "mean_abs_diff")
+            .order_by(MetricValue.started_at)
+        ).all()
+    history.dispose()
+    assert statuses[:5] == ["insufficient_data"] * 5
+    assert set(statuses[5:12]) == {"ok"}
+    assert statuses[12:] == ["suspicious", "regression", "regression", "regression"]
+    assert run_lpx("gate", "--db", history_url).exit_code == 1
+
+
+def test_noise_and_an_upgrade_without_drift_raise_nothing(history_url, tmp_path):
+    record(history_url, *nightly_history(tmp_path, 30, upgrade_at=15, noise=0.08, seed=3))
+    assert alerts(history_url) == []
+    assert run_lpx("gate", "--db", history_url, "--fail-on", "suspicious").exit_code == 0
+
+
+def test_one_spike_is_suspicious_then_resolves(history_url, tmp_path):
+    runs = nightly_history(tmp_path, 10)
+    spike = pair_report(metrics={"mean_abs_diff": 0.05})
+    runs.append(
+        write_run(
+            tmp_path / "spike", {"vllm-hf-bf16": spike}, started_at=START + timedelta(days=10)
+        )
+    )
+    record(history_url, *runs)
+    active = [a for a in alerts(history_url) if a["metric"] == "mean_abs_diff"]
+    assert [a["kind"] for a in active] == ["suspicious"]
+    gate = run_lpx("gate", "--db", history_url, "--fail-on", "suspicious")
+    assert gate.exit_code == 1 and "suspicious" in gate.output
+    assert run_lpx("gate", "--db", history_url, "--fail-on", "regression").exit_code == 0
+    calm = write_run(
+        tmp_path / "calm", {"vllm-hf-bf16": pair_report()}, started_at=START + timedelta(days=11)
+    )
+    record(history_url, calm)
+    assert [a for a in alerts(history_url) if a["metric"] == "mean_abs_diff"] == []
+    resolved = [a for a in alerts(history_url, ("resolved",)) if a["metric"] == "mean_abs_diff"]
+    assert [a["kind"] for a in resolved] == ["suspicious"]
+
+
+def test_an_acknowledged_alert_stays_quiet_and_resets_the_baseline(history_url, tmp_path):
+    record(history_url, *nightly_history(tmp_path, 14, step_at=10, upgrade_at=10))
+    alert = next(a for a in alerts(history_url) if a["metric"] == "mean_abs_diff")
+    result = run_lpx(
+        "ack", str(alert["id"]), "--note", "new vLLM bf16 path, accepted", "--db", history_url
+    )
+    assert result.exit_code == 0, result.output
+    assert "acknowledged" in result.output
+    # one event, one acknowledgement: the other metrics that stepped at the same run too
+    assert alerts(history_url) == []
+    # the new level is the baseline now: later nights at that level raise nothing
+    later = nightly_history(
+        tmp_path / "later", 12, start=START + timedelta(days=14), step_at=0, upgrade_at=0, seed=9
+    )
+    record(history_url, *later)
+    assert [a for a in alerts(history_url) if a["metric"] == "mean_abs_diff"] == []
+    acked = [a for a in alerts(history_url, ("acknowledged",)) if a["id"] == alert["id"]]
+    assert acked[0]["note"] == "new vLLM bf16 path, accepted"
+    assert run_lpx("gate", "--db", history_url).exit_code == 0
+
+
+def test_annotations_exclude_a_point_or_start_a_new_distribution(history_url, tmp_path):
+    runs = nightly_history(tmp_path, 12)
+    bad = pair_report(metrics={"mean_abs_diff": 0.2})
+    runs.append(
+        write_run(tmp_path / "bad", {"vllm-hf-bf16": bad}, started_at=START + timedelta(days=12))
+    )
+    record(history_url, *runs)
+    assert [a["kind"] for a in alerts(history_url) if a["metric"] == "mean_abs_diff"] == [
+        "suspicious"
+    ]
+    result = run_lpx(
+        "annotate", "1", "--exclude", "13", "--reason", "broken runner", "--db", history_url
+    )
+    assert result.exit_code == 0, result.output
+    assert alerts(history_url) == []
+    assert count(history_url, MetricValue, MetricValue.status == "excluded") == len(BASE_METRICS)
+    result = run_lpx(
+        "annotate", "1", "--change", "5", "--reason", "new kernel", "--db", history_url
+    )
+    assert result.exit_code == 0
+    history = open_history(history_url)
+    with history.read() as session:
+        statuses = session.scalars(
+            select(MetricValue.status)
+            .where(MetricValue.name == "max_abs_diff")
+            .order_by(MetricValue.started_at)
+        ).all()
+    history.dispose()
+    assert statuses[4:9] == ["insufficient_data"] * 5  # a new baseline from run 5 on
+    bad_run = run_lpx("annotate", "1", "--change", "999", "--reason", "x", "--db", history_url)
+    assert bad_run.exit_code == 2 and "no run '999'" in bad_run.output
+
+
+def test_an_error_run_is_recorded_never_a_regression_and_fails_the_gate_with_2(
+    history_url, tmp_path
+):
+    runs = nightly_history(tmp_path, 10)
+    broken = pair_report(metrics={"mean_abs_diff": 5.0, "max_abs_diff": 9.0}, verdict="fail")
+    runs.append(
+        write_run(
+            tmp_path / "broken",
+            {"vllm-hf-bf16": broken},
+            started_at=START + timedelta(days=10),
+            stage_errors=["megatron replay: NCCL timeout after 600 s"],
+        )
+    )
+    results = record(history_url, *runs)
+    assert results[-1].status == "error" and results[-1].comparisons == 1  # what finished is kept
+    assert alerts(history_url) == []
+    assert count(history_url, MetricValue, MetricValue.status == "error_run") == len(BASE_METRICS)
+    gate = run_lpx("gate", "--db", history_url)
+    assert gate.exit_code == 2 and "NCCL timeout" in gate.output
+
+
+def test_a_run_whose_compare_never_finished_is_an_error_run(history_url, tmp_path):
+    run = tmp_path / "half"
+    (run / "compare").mkdir(parents=True)
+    (run / "compare" / "summary.md").write_text("# partial")
+    (run / "ok").mkdir()
+    (run / "ok" / "report.json").write_text(json.dumps(pair_report()))
+    (result,) = record(history_url, run)
+    assert result.status == "error" and result.comparisons == 1
+    runs = queries_runs(history_url)
+    assert "compare did not finish" in runs[0]["errors"][0]["message"]
+
+
+def queries_runs(url):
+    history = open_history(url)
+    with history.read() as session:
+        rows = queries.runs(session)
+    history.dispose()
+    return rows
+
+
+def test_matrix_outputs_record_each_pair_once(history_url, tmp_path):
+    run = tmp_path / "matrix"
+    for i, (engine, tp) in enumerate((("hf", 1), ("megatron", 2))):
+        out = run / f"{i}-{engine}"
+        out.mkdir(parents=True)
+        (out / "report.json").write_text(json.dumps(pair_report(replay=engine, tp=tp)))
+    (run / "report.json").write_text(
+        json.dumps({"verdict": "pass", "pairs": [{"pair": "0-hf"}, {"pair": "1-megatron"}]})
+    )
+    (result,) = record(history_url, run)
+    assert result.comparisons == 2
+    assert count(history_url, Series) == 2
+
+
+def test_record_writes_nothing_when_any_run_is_bad(history_url, tmp_path):
+    good = nightly_history(tmp_path, 2)
+    corrupt = tmp_path / "corrupt" / "compare"
+    corrupt.mkdir(parents=True)
+    (corrupt / "report.json").write_text('{"verdict": "pass", "metrics": ')
+    result = run_lpx("record", *good, corrupt.parent, "--db", history_url)
+    assert result.exit_code == 2
+    assert "corrupt report" in result.output and str(corrupt / "report.json") in result.output
+    assert "Traceback" not in result.output
+    assert count(history_url, Run) == 0
+
+
+def test_a_failure_mid_transaction_rolls_everything_back(history_url, tmp_path, monkeypatch):
+    import pipeline.history.record as record_module
+
+    runs = nightly_history(tmp_path, 3)
+    calls = {"n": 0}
+    real = record_module.comparison_details
+
+    def breaks_on_the_third(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("disk full")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(record_module, "comparison_details", breaks_on_the_third)
+    with pytest.raises(RuntimeError):
+        record(history_url, *runs)
+    assert count(history_url, Run) == 0 and count(history_url, Series) == 0
+
+
+def test_bad_input_is_one_line_and_exit_2(history_url, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run_lpx("record", empty, "--db", history_url)
+    assert result.exit_code == 2 and "no compare outputs" in result.output
+    missing = run_lpx("record", tmp_path / "nope", "--db", history_url)
+    assert missing.exit_code == 2 and "no such run directory" in missing.output
+    wrong_shape = tmp_path / "shape" / "c"
+    wrong_shape.mkdir(parents=True)
+    (wrong_shape / "report.json").write_text(json.dumps({"verdict": "maybe"}))
+    shaped = run_lpx("record", wrong_shape.parent, "--db", history_url)
+    assert shaped.exit_code == 2 and "not an lpx compare report" in shaped.output
+    assert count(history_url, Run) == 0
+
+
+def test_unreachable_database_is_one_line_exit_2(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    (tmp_path / "garbage.db").write_bytes(b"\x00not sqlite" * 200)
+    for url in (
+        "postgresql+psycopg://lpx@127.0.0.1:1/lpx",
+        "mysql+nosuchdriver://x/y",
+        "not a url://",
+        str(tmp_path / "a-file" / "h.db"),
+        str(tmp_path / "garbage.db"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "pipeline", "history", "--db", url],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "CI": "true"},
+        )
+        assert result.returncode == 2, (url, result.stderr)
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_database_newer_than_this_lpx_is_refused(history_url, tmp_path):
+    open_history(history_url).dispose()
+    engine = create_engine(history_url)
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE alembic_version SET version_num = '0099'"))
+    engine.dispose()
+    result = run_lpx("history", "--db", history_url)
+    assert result.exit_code == 2
+    assert "revision 0099, newer than this lpx" in result.output and "upgrade lpx" in result.output
+
+
+def test_upgrade_from_the_previous_revision_keeps_data_and_judges_it(history_url, tmp_path):
+    """Points recorded by a 0001 lpx survive the upgrade and get their boundaries."""
+    engine = _create_engine(history_url)
+    _upgrade(engine, "0001")
+    now = datetime(2026, 1, 1)
+    with engine.begin() as c:
+        c.execute(text("INSERT INTO testbeds (id, key, name, gpu_count) VALUES (1, 't', 'cpu', 0)"))
+        c.execute(
+            text(
+                "INSERT INTO engine_builds (id, key, engine, version, versions) VALUES (1, 'b', 'hf', '5.19', '{}')"
+            )
+        )
+        c.execute(
+            text(
+                "INSERT INTO cases (id, key, label, model, weights_fingerprint, prompt_set, channel, "
+                "rollout_dtype, replay_dtype, knobs, layout) VALUES "
+                "(1, 'c', 'tiny', '/m', 'w', 'p', 'rollout', 'float32', 'bfloat16', '{}', '{}')"
+            )
+        )
+        c.execute(
+            text(
+                "INSERT INTO series (id, key, case_id, rollout_engine, replay_engine, testbed_id, label) "
+                "VALUES (1, 's', 1, 'hf', 'hf', 1, 'old series')"
+            )
+        )
+        for i in range(8):
+            at = now + timedelta(days=i)
+            c.execute(
+                text(
+                    "INSERT INTO runs (id, key, kind, status, started_at, recorded_at, trigger, command_line, "
+                    "lpx_version, lpx_revision, run_dir, errors, manifest) VALUES "
+                    "(:i, :k, 'nightly', 'pass', :at, :at, 'schedule', '', '0.0.9', 'old', '/r', '[]', '{}')"
+                ),
+                {"i": i + 1, "k": f"k{i}", "at": at},
+            )
+            c.execute(
+                text(
+                    "INSERT INTO comparisons (id, run_id, series_id, started_at, pair, rollout_build_id, "
+                    "replay_build_id, verdict, profile, tau, tokens, sequences, findings, violations, details) "
+                    "VALUES (:i, :i, 1, :at, 'c', 1, 1, 'pass', 'bfloat16', 0.1, 64, 2, '[]', '[]', '{}')"
+                ),
+                {"i": i + 1, "at": at},
+            )
+            value = 0.004 if i < 7 else 0.05
+            c.execute(
+                text(
+                    "INSERT INTO metric_values (comparison_id, series_id, started_at, name, value, unit, better) "
+                    "VALUES (:i, 1, :at, 'mean_abs_diff', :v, 'nats', 'lower')"
+                ),
+                {"i": i + 1, "at": at, "v": value},
+            )
+    engine.dispose()
+    history = open_history(history_url)
+    assert schema_revision(history) == "0002"
+    with history.read() as session:
+        rows = session.execute(
+            select(MetricValue.value, MetricValue.status, MetricValue.upper).order_by(
+                MetricValue.id
+            )
+        ).all()
+        assert [r.value for r in rows] == [0.004] * 7 + [0.05]  # data kept
+        assert [r.status for r in rows] == ["insufficient_data"] * 5 + ["ok", "ok", "suspicious"]
+        # 0.05 is far outside; the band came from the floor tau/20 (MAD of a constant is 0)
+        assert rows[-1].upper == pytest.approx(0.004 + 0.005)
+        assert session.scalar(select(func.count()).select_from(Alert)) == 1
+    history.dispose()
+
+
+def test_history_command_lists_runs_series_and_alerts_as_text_and_json(history_url, tmp_path):
+    record(history_url, *nightly_history(tmp_path, 8, step_at=6, upgrade_at=6))
+    runs = run_lpx("history", "runs", "--db", history_url)
+    assert runs.exit_code == 0 and "runs (8)" in runs.output
+    series = json.loads(run_lpx("history", "series", "--json", "--db", history_url).output)
+    assert series[0]["points"] == 8 and series[0]["rollout_engine"] == "vllm"
+    points = run_lpx("history", "series", "1", "--db", history_url)
+    assert "vllm 0.32.0" in points.output and points.output.count("\n") == 9
+    listed = json.loads(run_lpx("history", "alerts", "--json", "--db", history_url).output)
+    assert {a["kind"] for a in listed} >= {"regression"}
+    assert run_lpx("history", "series", "77", "--db", history_url).exit_code == 2
+
+
+def test_concurrent_records_lose_nothing_and_store_a_run_once(history_url, tmp_path):
+    runs = nightly_history(tmp_path, 6)
+    open_history(history_url).dispose()  # migrate first: the race is about the records
+    env = {**os.environ, "CI": "true"}
+
+    def spawn(*dirs):
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "record", *map(str, dirs), "--db", history_url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    # different runs at once, and the same run from two processes at once
+    processes = [spawn(*runs[:3]), spawn(*runs[3:5]), spawn(runs[5]), spawn(runs[5])]
+    outputs = [p.communicate(timeout=240) for p in processes]
+    assert [p.returncode for p in processes] == [0, 0, 0, 0], outputs
+    assert count(history_url, Run) == 6
+    assert count(history_url, Comparison) == 6
+    assert sum("already recorded" in out for out, _ in outputs) == 1
