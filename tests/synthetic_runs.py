@@ -245,13 +245,13 @@ def nightly_history(
         version = "0.32.0" if upgrade_at is not None and night >= upgrade_at else "0.31.0"
         scale = step_factor if step_at is not None and night >= step_at else 1.0
         reports = {}
+        moved = ("max_abs_diff", "mean_abs_diff", "k3", "p99_abs_diff")
         for name in pairs:
-            jitter = lambda v: v * scale * float(np.exp(rng.normal(0, noise)))  # noqa: E731
+            noisy = np.exp(rng.normal(0, noise, len(moved)))
             reports[name] = pair_report(
                 rollout_version=version,
                 metrics={
-                    m: jitter(BASE_METRICS[m])
-                    for m in ("max_abs_diff", "mean_abs_diff", "k3", "p99_abs_diff")
+                    m: BASE_METRICS[m] * scale * float(f) for m, f in zip(moved, noisy, strict=True)
                 },
             )
         dirs.append(
