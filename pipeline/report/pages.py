@@ -81,12 +81,16 @@ def series_page(data: HistoryData, series: SeriesData) -> dict:
         if not any(rows):
             continue
         values = [_short(r[0]) if r else None for r in rows]
+        lower = [_short(r[2]) if r else None for r in rows]
+        if metric_spec(name).better == "lower" and all(v is None or v >= 0 for v in values):
+            # only the upper edge judges a lower-is-better metric: draw the band from 0
+            lower = [None if v is None else max(v, 0.0) for v in lower]
         charts[name] = {
             "unit": metric_spec(name).unit,
             "better": metric_spec(name).better,
             "values": values,
             "status": [r[1] if r else None for r in rows],
-            "lower": [_short(r[2]) if r else None for r in rows],
+            "lower": lower,
             "upper": [_short(r[3]) if r else None for r in rows],
             "changepoints": change_points(values) if metric_spec(name).detect else [],
         }
