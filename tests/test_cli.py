@@ -21,6 +21,12 @@ COMMANDS = [
     ["ingest"],
     ["inject"],
     ["smoke"],
+    ["record"],
+    ["report"],
+    ["history"],
+    ["gate"],
+    ["ack"],
+    ["annotate"],
 ]
 
 
@@ -212,3 +218,21 @@ def test_rollout_and_replay_commands_write_files(tiny_model, tmp_path):
     report = json.loads((tmp_path / "cmp" / "report.json").read_text())
     assert report["policy"]["profile"] == "float16"
     assert 0 < report["metrics"]["max_abs_diff"] < 0.05
+
+
+@pytest.mark.parametrize("command", ["history", "gate", "report", "record"])
+def test_the_history_database_comes_from_lpx_db_or_the_commands_own_variable(command, tmp_path):
+    from datetime import datetime
+
+    from tests.synthetic_runs import pair_report, write_run
+
+    run = write_run(tmp_path / "run", {"c": pair_report()}, started_at=datetime(2026, 1, 1))
+    args = {"history": [], "gate": [], "report": ["--out", tmp_path / "site"], "record": [run]}
+    shared, own = tmp_path / "shared.db", tmp_path / "own.db"
+    env = {**os.environ, "CI": "true", "LPX_DB": str(shared)}
+    command_line = [sys.executable, "-m", "pipeline", command, *map(str, args[command])]
+    subprocess.run(command_line, env=env, capture_output=True, cwd=tmp_path)
+    assert shared.is_file() and not own.exists()
+    env[f"LPX_{command.upper()}_DB"] = str(own)  # the command's own variable wins
+    subprocess.run(command_line, env=env, capture_output=True, cwd=tmp_path)
+    assert own.is_file()

@@ -270,10 +270,15 @@ def _rule(metric: str, result: PointResult, point: Point, value) -> str:
             parts.append("findings: " + ", ".join(point.failing_findings))
         return "policy: " + ("; ".join(parts) or "verdict fail")
     b = result.boundary
-    where = "above" if value is None or value > b.upper else "below"
+    if value is None:
+        where = "is not finite"
+    elif value > b.upper:
+        where = f"> upper bound {_fmt(b.upper)}"
+    else:
+        where = f"< lower bound {_fmt(b.lower)}"
     text = (
-        f"history: {metric} {_fmt(value)} {where} the band [{_fmt(b.lower)}, {_fmt(b.upper)}] "
-        f"around the median {_fmt(b.baseline)} of {b.points} healthy points"
+        f"history: {metric} {_fmt(value)} {where} (median {_fmt(b.baseline)} of {b.points} "
+        f"healthy points +- band {_fmt(b.band)})"
     )
     if result.status == REGRESSION:
         text += "; 2+ violating points in a row"

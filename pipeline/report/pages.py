@@ -25,9 +25,13 @@ RECENT_RUNS = 30
 def index_page(data: HistoryData) -> dict:
     latest_run = data.runs[data.run_order[-1]] if data.run_order else None
     active = [a for a in data.alerts if a.get("status") == "active"]
-    counts = defaultdict(int)
+    # One step moves several metrics at once: the banner counts events (series + first bad
+    # point), the tables list every metric's alert.
+    events = defaultdict(set)
     for alert in active:
-        counts[alert["kind"]] += 1
+        events[alert["kind"]].add((alert["series_id"], alert["first_bad"].comparison_id))
+    counts = {kind: len(found) for kind, found in events.items()}
+    counts = defaultdict(int, counts)
     recent = [data.runs[i] for i in data.run_order[-RECENT_RUNS:]][::-1]
     return {
         "title": "lpx history",
@@ -194,25 +198,38 @@ def status_changes(data: HistoryData) -> list[dict]:
 
 
 def version_matrices(data: HistoryData) -> list[dict]:
-    """Per key metric and dtype profile: engine (and role) x version -> median value."""
-    cells = defaultdict(list)  # (metric, profile, role, engine, version) -> values
-    verdicts = defaultdict(set)
+    """Per key metric and dtype profile: engine (and role) x version -> the worst pair.
+
+    A cell is the largest per-series median of the metric among the series that ran that
+    engine build: one drifting pair shows even when other pairs on the same build are flat.
+    It is flagged when any of its points failed the policy or left its band."""
+    cells = defaultdict(lambda: defaultdict(list))  # (metric, profile, role, engine, version)
+    flagged = set()
     for series in data.series.values():
         for p in series.points:
             for role, build_id in (("rollout", p.rollout_build), ("replay", p.replay_build)):
                 build = data.builds[build_id]
                 for metric in KEY_METRICS:
-                    value = (p.metrics.get(metric) or (None,))[0]
-                    if value is not None:
-                        key = (metric, p.profile, role, build["engine"], build["version"])
-                        cells[key].append(value)
-                        verdicts[key].add(p.verdict)
+                    value, status = (p.metrics.get(metric) or (None, None))[:2]
+                    if value is None:
+                        continue
+                    key = (metric, p.profile, role, build["engine"], build["version"])
+                    cells[key][series.id].append(value)
+                    if p.verdict != "pass" or status in ("suspicious", "regression"):
+                        flagged.add(key)
     matrices = defaultdict(lambda: defaultdict(dict))
-    for (metric, profile, role, engine, version), values in cells.items():
+    for key, by_series in cells.items():
+        metric, profile, role, engine, version = key
+        worst_series, worst = max(
+            ((sid, statistics.median(values)) for sid, values in by_series.items()),
+            key=lambda item: item[1],
+        )
         matrices[(metric, profile)][(role, engine)][version] = {
-            "median": statistics.median(values),
-            "n": len(values),
-            "fail": "fail" in verdicts[(metric, profile, role, engine, version)],
+            "median": worst,
+            "series": data.series[worst_series],
+            "n": sum(len(values) for values in by_series.values()),
+            "pairs": len(by_series),
+            "fail": key in flagged,
         }
     return [
         {
