@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.compare.drift_map import drift_map
+
 BASE_METRICS = {
     "max_abs_diff": 0.08,
     "mean_abs_diff": 0.004,
@@ -59,6 +61,9 @@ def pair_report(
 ) -> dict:
     metrics = {**BASE_METRICS, **(metrics or {})}
     sequence_ids = sequence_ids or ["0-0", "0-1"]
+    positions = 32
+    rng = np.random.default_rng(len(sequence_ids))
+    drift = np.abs(rng.normal(0, metrics["mean_abs_diff"], len(sequence_ids) * positions))
     profile = "bfloat16" if "bfloat16" in (rollout_dtype, replay_dtype) else "float32"
     tau = 0.1 if profile == "bfloat16" else 1e-4
 
@@ -110,9 +115,17 @@ def pair_report(
                 "logprob_rollout": -1.0,
                 "logprob_train": -1.0 - metrics["max_abs_diff"] / (i + 1),
                 "abs_diff": metrics["max_abs_diff"] / (i + 1),
+                "context_ids": [5, 6, 7],
             }
             for i, s in enumerate(sequence_ids)
         ],
+        "drift_map": drift_map(
+            sequence_ids,
+            np.repeat(np.arange(len(sequence_ids)), positions),
+            np.tile(np.arange(positions), len(sequence_ids)),
+            drift,
+            tau,
+        ),
         "diagnosis": findings or [],
         "policy": {
             "verdict": verdict,

@@ -431,3 +431,19 @@ def test_concurrent_records_lose_nothing_and_store_a_run_once(history_url, tmp_p
     assert count(history_url, Run) == 6
     assert count(history_url, Comparison) == 6
     assert sum("already recorded" in out for out, _ in outputs) == 1
+
+
+def test_older_reports_get_their_drift_map_and_context_from_tokens_parquet(tmp_path):
+    report = pair_report(sequence_ids=["a", "b", "c"])
+    del report["drift_map"]
+    for row in report["worst"]:
+        del row["context_ids"]
+    run = write_run(tmp_path / "old", {"c": report}, started_at=START, tokens=True)
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    record(url, run)
+    history = open_history(url)
+    with history.read() as session:
+        details = session.scalar(select(Comparison.details))
+    history.dispose()
+    assert [row["sequence_id"] for row in details["heatmap"]["rows"]] != []
+    assert len(details["heatmap"]["rows"]) == 3 and len(details["heatmap"]["rows"][0]["cells"]) == 32

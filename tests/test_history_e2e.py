@@ -60,6 +60,19 @@ def test_two_smokes_then_a_fault_make_two_healthy_points_and_one_attributed_regr
         assert alert["last_good"]["run"] == 2 and alert["first_bad"]["run"] == 3
         assert "token_shift" in alert["rule"]
         assert alert["attribution"] == [] or all(c["field"] != "version" for c in alert["attribution"])
+    history = open_history(db)
+    with history.read() as session:
+        from sqlalchemy import select
+
+        from pipeline.db.models import Comparison
+
+        details = session.scalars(select(Comparison.details).order_by(Comparison.id)).all()
+    history.dispose()
+    for item in details:  # what compare wrote into report.json, decoded with the tiny tokenizer
+        assert len(item["heatmap"]["rows"]) == 16 and item["heatmap"]["bin"] == 1
+        assert item["decoded"] and all("text" in w and "context" in w for w in item["worst"])
+    faulted = details[-1]["heatmap"]["rows"][0]
+    assert faulted["sequence_id"] == "0-0"  # the planted fault is the most drifting row
     index = (site / "index.html").read_text()
     assert "token_shift" in index and 'id="count-policy">2<' in index
     gate = lpx("gate", "--db", db, cwd=tmp_path)

@@ -11,6 +11,7 @@ import numpy as np
 
 from pipeline.compare.align import Aligned, Region, align
 from pipeline.compare.diagnosis import SequenceView, diagnose, weights_evidence
+from pipeline.compare.drift_map import drift_map
 from pipeline.compare.metrics import (
     SIGN_CONVENTION,
     batch_metrics,
@@ -24,6 +25,7 @@ from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
 from pipeline.testbed import describe_testbed
 
 WORST_TOKENS = 20
+CONTEXT_TOKENS = 6  # left-context token ids kept with each worst token
 
 
 @dataclass
@@ -123,6 +125,7 @@ def compare_tables(
         },
         "sequences": _sequence_rows(aligned, per_sequence, tau),
         "worst": worst_tokens(aligned, WORST_TOKENS),
+        "drift_map": _drift_map(aligned, tau),
         "diagnosis": findings,
         "policy": judgement,
         "metadata": {
@@ -155,6 +158,7 @@ def worst_tokens(aligned: Aligned, k: int) -> list[dict]:
         top = np.argpartition(-diff, min(k, len(diff)) - 1)[:k] if len(diff) else []
         sequence_of = np.searchsorted(region.offsets, top, side="right") - 1
         for flat, seq in zip(top, sequence_of, strict=True):
+            context_start = max(int(region.offsets[seq]), int(flat) - CONTEXT_TOKENS)
             rows.append(
                 {
                     "sequence_id": aligned.sequence_ids[int(seq)],
@@ -164,9 +168,19 @@ def worst_tokens(aligned: Aligned, k: int) -> list[dict]:
                     "logprob_rollout": float(region.rollout[flat]),
                     "logprob_train": float(region.train[flat]),
                     "abs_diff": float(diff[flat]),
+                    # the tokens before it in the same region: decoded as context on run pages
+                    "context_ids": region.token_ids[context_start:flat].tolist(),
                 }
             )
     return sorted(rows, key=lambda row: -row["abs_diff"])[:k]
+
+
+def _drift_map(aligned: Aligned, tau: float) -> dict | None:
+    region = aligned.completion
+    lengths = np.diff(region.offsets)
+    sequence_index = np.repeat(np.arange(len(lengths)), lengths)
+    abs_diff = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
+    return drift_map(aligned.sequence_ids, sequence_index, region.positions, abs_diff, tau)
 
 
 def _regions(aligned: Aligned) -> list[tuple[str, Region]]:

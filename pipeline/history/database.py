@@ -151,6 +151,11 @@ def _create_sqlite_engine(parsed) -> Engine:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+        # WAL + NORMAL is durable across application crashes (only an OS crash can lose the
+        # last commits) and spares an fsync per transaction; a 64 MB page cache keeps a
+        # year of metric-value indexes in memory while recording.
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA cache_size=-65536")
         cursor.close()
 
     @event.listens_for(engine, "begin")

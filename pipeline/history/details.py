@@ -1,28 +1,37 @@
-"""What a run page shows for one comparison, distilled from its compare outputs at record
-time (the run directory may be gone when the report is rendered): worst tokens with their
-decoded text, the diagnosis and its evidence, a per-position drift heatmap per sequence,
-and everything needed to reproduce the comparison.
+"""What a run page shows for one comparison, distilled from its report.json at record time
+(the run directory may be gone when the report is rendered): worst tokens with their
+decoded text, the diagnosis and its evidence, the per-position drift map, and everything
+needed to reproduce the comparison.
+
+Reports written before report.json carried ``drift_map`` and ``context_ids`` get them from
+the tokens.parquet beside them, when it is there.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
 
+from pipeline.compare.drift_map import drift_map
 from pipeline.fingerprint import tokenizer_fingerprint
 
-HEATMAP_SEQUENCES = 64  # the most drifting sequences get a heatmap row
-HEATMAP_COLUMNS = 128  # positions beyond this are binned (max |d| per bin)
 SEQUENCE_ROWS = 200  # per-sequence metric rows kept, worst first
 CONTEXT_TOKENS = 6  # tokens of left context decoded with each worst token
+_TOKENIZER_LOCK = threading.Lock()
 
 
 def comparison_details(report: dict, tokens_path: Path | None, tokenizers: dict) -> dict:
     meta = report.get("metadata") or {}
     fixture, replay = meta.get("fixture") or {}, meta.get("replay") or {}
-    tokens = _read_tokens(tokens_path)
+    heatmap = report.get("drift_map")
+    tokens = None
+    if heatmap is None or not _has_context(report):  # an older report: read its token table
+        tokens = _read_tokens(tokens_path)
+        if heatmap is None and tokens is not None:
+            heatmap = _drift_map_from_tokens(tokens, (report.get("policy") or {}).get("tau"))
     tokenizer = _tokenizer(fixture.get("model") or {}, tokenizers)
     sequences = sorted(
         (row for row in report.get("sequences") or [] if isinstance(row, dict)),
@@ -34,7 +43,7 @@ def comparison_details(report: dict, tokens_path: Path | None, tokenizers: dict)
         "policy": report.get("policy") or {},
         "sequences": sequences[:SEQUENCE_ROWS],
         "sequence_count": len(sequences),
-        "heatmap": _heatmap(tokens, (report.get("policy") or {}).get("tau")),
+        "heatmap": heatmap,
         "by_region": {
             name: _scalars(values)
             for name, values in ((report.get("metrics") or {}).get("by_region") or {}).items()
@@ -109,6 +118,11 @@ def _tokenizer(model: dict, cache: dict):
     path = model.get("path")
     if not path:
         return None
+    with _TOKENIZER_LOCK:  # record reads pairs in threads: load each tokenizer once
+        return _load_tokenizer(path, model, cache)
+
+
+def _load_tokenizer(path: str, model: dict, cache: dict):
     if path not in cache:
         cache[path] = None
         tokenizer_file = Path(path) / "tokenizer.json"
@@ -132,7 +146,10 @@ def _decoded(row: dict, tokens: dict | None, tokenizer) -> dict:
     token_id = row.get("token_id")
     if isinstance(token_id, int):
         row["text"] = tokenizer.decode([token_id], skip_special_tokens=False)
-    if tokens is not None and isinstance(row.get("position"), int):
+    if isinstance(row.get("context_ids"), list):
+        ids = [i for i in row["context_ids"] if isinstance(i, int)]
+        row["context"] = tokenizer.decode(ids, skip_special_tokens=False)
+    elif tokens is not None and isinstance(row.get("position"), int):
         names = list(tokens["names"])
         if row.get("sequence_id") in names:
             index = names.index(row["sequence_id"])
@@ -146,39 +163,20 @@ def _decoded(row: dict, tokens: dict | None, tokenizer) -> dict:
     return row
 
 
-def _heatmap(tokens: dict | None, tau) -> dict | None:
-    """|d| per completion position for the most drifting sequences, binned to fit a row."""
-    if tokens is None or not tokens["completion"].any():
-        return None
+def _drift_map_from_tokens(tokens: dict, tau) -> dict | None:
     mask = tokens["completion"]
-    sequence, position = tokens["sequence"][mask], tokens["position"][mask]
-    drift = np.abs(tokens["diff"][mask].astype(np.float64))
-    drift = np.where(np.isfinite(drift), drift, np.inf)
-    width = int(position.max()) + 1
-    bin_size = max(1, math.ceil(width / HEATMAP_COLUMNS))
-    columns = math.ceil(width / bin_size)
-    grid = np.full((len(tokens["names"]), columns), np.nan)
-    np.fmax.at(grid, (sequence, position // bin_size), drift)
-    worst = np.nan_to_num(grid, nan=-1.0).max(axis=1)
-    rows = [i for i in np.argsort(-worst, kind="stable") if worst[i] >= 0][:HEATMAP_SEQUENCES]
-    return {
-        "tau": tau,
-        "bin": bin_size,
-        "positions": width,
-        "rows": [
-            {
-                "sequence_id": str(tokens["names"][i]),
-                "cells": [None if np.isnan(v) else _round(v) for v in grid[i]],
-            }
-            for i in rows
-        ],
-    }
+    return drift_map(
+        tokens["names"],
+        tokens["sequence"][mask],
+        tokens["position"][mask],
+        tokens["diff"][mask],
+        tau,
+    )
 
 
-def _round(value: float):
-    if not math.isfinite(value):
-        return "inf"
-    return float(f"{value:.3g}")
+def _has_context(report: dict) -> bool:
+    worst = report.get("worst") or []
+    return not worst or all(isinstance(row, dict) and "context_ids" in row for row in worst)
 
 
 def _scalars(values: dict) -> dict:

@@ -36,6 +36,7 @@ RESET_ALL = "*"
 CHANGE, EXCLUDE = "distribution_change", "excluded"
 ALERT_OPEN = ("active",)
 ALERT_KEPT = ("acknowledged", "silenced")  # a person's decision: detection never undoes it
+OPENED_ALERTS = "lpx_opened_alerts"  # session.info key
 
 
 @dataclass
@@ -205,11 +206,19 @@ def _follow_alert(
 
 
 def _find_alert(session: Session, series_id: int, metric: str, first_bad: int | None):
-    return session.scalar(
-        select(Alert).where(
-            Alert.series_id == series_id, Alert.metric == metric, Alert.first_bad_id == first_bad
+    # Alerts opened in this transaction are found in session.info, so a lookup never has
+    # to flush (which would re-encode every series' detection state it touched).
+    opened = session.info.get(OPENED_ALERTS, {}).get((series_id, metric, first_bad))
+    if opened is not None:
+        return opened
+    with session.no_autoflush:
+        return session.scalar(
+            select(Alert).where(
+                Alert.series_id == series_id,
+                Alert.metric == metric,
+                Alert.first_bad_id == first_bad,
+            )
         )
-    )
 
 
 def _open_alert(session, series, metric, result, point, value) -> None:
@@ -224,24 +233,23 @@ def _open_alert(session, series, metric, result, point, value) -> None:
         attribution = changes(
             describe_point(session, result.last_good), describe_point(session, first_bad)
         )
-    session.add(
-        Alert(
-            series_id=series.id,
-            metric=metric,
-            kind=POLICY_VIOLATION if metric == POLICY else result.status,
-            status="active",
-            first_bad_id=first_bad,
-            last_good_id=result.last_good,
-            latest_id=point.comparison_id,
-            value_before=before_value,
-            value_after=after_value,
-            rule=_rule(metric, result, point, value),
-            attribution=attribution,
-            created_at=now,
-            updated_at=now,
-        )
+    alert = Alert(
+        series_id=series.id,
+        metric=metric,
+        kind=POLICY_VIOLATION if metric == POLICY else result.status,
+        status="active",
+        first_bad_id=first_bad,
+        last_good_id=result.last_good,
+        latest_id=point.comparison_id,
+        value_before=before_value,
+        value_after=after_value,
+        rule=_rule(metric, result, point, value),
+        attribution=attribution,
+        created_at=now,
+        updated_at=now,
     )
-    session.flush()
+    session.add(alert)
+    session.info.setdefault(OPENED_ALERTS, {})[(series.id, metric, first_bad)] = alert
 
 
 def _continue_alert(alert: Alert, result: PointResult, point: Point, value) -> None:

@@ -9,6 +9,8 @@ same run twice — even at the same moment from two processes — stores it once
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from sqlalchemy import insert, select
@@ -32,6 +34,7 @@ from pipeline.history.evaluate import Point, judge_point, metric_fields, reevalu
 
 NOT_METRICS = ("tokens", "tau")  # context, not drift: stored on the comparison instead
 NON_FINITE = ("nan", "inf", "-inf")  # how report.json writes non-finite metrics
+DETAIL_THREADS = min(4, os.cpu_count() or 1)
 
 
 @dataclass
@@ -71,8 +74,23 @@ def tracked_metrics(report: dict) -> dict[str, float | None]:
     return values
 
 
+@dataclass
+class _Pair:
+    """One pair's identities, computed before any row is looked up."""
+
+    pair: PairInput
+    case: dict
+    case_key: str
+    series_key: str
+    rollout_build: dict
+    replay_build: dict
+    rollout_build_key: str
+    replay_build_key: str
+
+
 class _Recorder:
-    """Caches the rows every run shares (testbeds, builds, cases, series) across runs."""
+    """Writes runs; the rows runs share (testbeds, builds, cases, series) are looked up in
+    bulk, a few queries a run, and cached for the rest of the transaction."""
 
     def __init__(self, session: Session, config: DetectionConfig):
         self.session = session
@@ -104,13 +122,19 @@ class _Recorder:
             manifest={**run.manifest, "testbed": run.testbed},
         )
         session.add(row)
-        session.flush()
-        images = _stage_images(run.manifest)
+        pairs = self._describe(run, testbed)
+        self._resolve(pairs, testbed)
+        details = self._details(pairs)
+        comparisons = [
+            self._comparison(row, run, p, d) for p, d in zip(pairs, details, strict=True)
+        ]
+        session.add_all(comparisons)
+        session.flush()  # one batched INSERT ... RETURNING for the run and its comparisons
         metric_rows = []
-        for pair in run.pairs:
-            metric_rows += self._comparison(row, run, pair, testbed, images)
+        for p, comparison in zip(pairs, comparisons, strict=True):
+            metric_rows += self._judge(row, run, p, comparison)
         if metric_rows:
-            session.execute(insert(MetricValue), metric_rows)
+            _insert_plain_rows(session, MetricValue.__table__, metric_rows)
         return Recorded(str(run.run_dir), row.id, run.status, len(run.pairs), new=True)
 
     def finish(self) -> None:
@@ -118,49 +142,128 @@ class _Recorder:
         for series_id in sorted(self.out_of_order):
             reevaluate_series(self.session, self.session.get(Series, series_id), self.config)
 
-    def _comparison(
-        self, run_row: Run, run: RunInput, pair: PairInput, testbed: Testbed, images: dict
-    ) -> list[dict]:
-        report = pair.report
-        meta = report["metadata"]
-        fixture, replay = meta["fixture"], meta["replay"]
-        label = (run.manifest.get("cases") or {}).get(pair.pair)
-        case_description = keys.case_description(report, label)
-        case = self._case(case_description)
-        series = self._series(case, case_description, fixture, replay, testbed)
-        rollout_build = self._build(keys.build_description(fixture, _image(images, fixture)))
-        replay_build = self._build(keys.build_description(replay, _image(images, replay)))
+    def _describe(self, run: RunInput, testbed: Testbed) -> list[_Pair]:
+        images = _stage_images(run.manifest)
+        labels = run.manifest.get("cases") or {}
+        pairs = []
+        for pair in run.pairs:
+            meta = pair.report["metadata"]
+            fixture, replay = meta["fixture"], meta["replay"]
+            case = keys.case_description(pair.report, labels.get(pair.pair))
+            case_key = keys.case_key(case)
+            series_key = keys.series_key(
+                case_key, keys.engine_name(fixture), keys.engine_name(replay), testbed.key
+            )
+            rollout_build = keys.build_description(fixture, _image(images, fixture))
+            replay_build = keys.build_description(replay, _image(images, replay))
+            pairs.append(
+                _Pair(
+                    pair,
+                    case,
+                    case_key,
+                    series_key,
+                    rollout_build,
+                    replay_build,
+                    keys.digest(rollout_build),
+                    keys.digest(replay_build),
+                )
+            )
+        return pairs
+
+    def _resolve(self, pairs: list[_Pair], testbed: Testbed) -> None:
+        builds = {p.rollout_build_key: p.rollout_build for p in pairs} | {
+            p.replay_build_key: p.replay_build for p in pairs
+        }
+        self._get_or_create(
+            EngineBuild,
+            {key: lambda b=b, key=key: EngineBuild(key=key, **b) for key, b in builds.items()},
+        )
+        self._get_or_create(Case, {p.case_key: lambda p=p: _new_case(p) for p in pairs})
+        self._get_or_create(
+            Series, {p.series_key: lambda p=p: self._new_series(p, testbed) for p in pairs}
+        )
+
+    def _get_or_create(self, model: type, makers: dict) -> None:
+        missing = [key for key in makers if (model, key) not in self.cache]
+        if not missing:
+            return
+        for found in self.session.scalars(select(model).where(model.key.in_(missing))):
+            self.cache[(model, found.key)] = found
+        created = []
+        for key in missing:
+            if (model, key) not in self.cache:
+                self.cache[(model, key)] = makers[key]()
+                created.append(self.cache[(model, key)])
+        if created:
+            self.session.add_all(created)
+            self.session.flush()
+
+    def _new_series(self, p: _Pair, testbed: Testbed) -> Series:
+        meta = p.pair.report["metadata"]
+        rollout, replay = keys.engine_name(meta["fixture"]), keys.engine_name(meta["replay"])
+        return Series(
+            key=p.series_key,
+            case_id=self.cache[(Case, p.case_key)].id,
+            rollout_engine=rollout,
+            replay_engine=replay,
+            testbed_id=testbed.id,
+            label=keys.series_label(p.case, rollout, replay, testbed.name),
+            detection_state={},
+        )
+
+    def _details(self, pairs: list[_Pair]) -> list[dict]:
+        """Run-page details of every pair; reading tokens.parquet releases the GIL, so a few
+        threads overlap the reads."""
+        if len(pairs) < 4:
+            return [
+                comparison_details(p.pair.report, p.pair.tokens_path, self.tokenizers)
+                for p in pairs
+            ]
+        with ThreadPoolExecutor(max_workers=DETAIL_THREADS) as pool:
+            return list(
+                pool.map(
+                    lambda p: comparison_details(
+                        p.pair.report, p.pair.tokens_path, self.tokenizers
+                    ),
+                    pairs,
+                )
+            )
+
+    def _comparison(self, run_row: Run, run: RunInput, p: _Pair, details: dict) -> Comparison:
+        report = p.pair.report
+        fixture = report["metadata"]["fixture"]
         policy = report.get("policy") or {}
-        tau = _finite(policy.get("tau")) or 0.0
-        comparison = Comparison(
-            run_id=run_row.id,
-            series_id=series.id,
+        return Comparison(
+            run=run_row,
+            series_id=self.cache[(Series, p.series_key)].id,
             started_at=run.started_at,
-            pair=pair.pair,
-            rollout_build_id=rollout_build.id,
-            replay_build_id=replay_build.id,
+            pair=p.pair.pair,
+            rollout_build_id=self.cache[(EngineBuild, p.rollout_build_key)].id,
+            replay_build_id=self.cache[(EngineBuild, p.replay_build_key)].id,
             verdict=report["verdict"],
             profile=str(policy.get("profile", "")),
-            tau=tau,
+            tau=_finite(policy.get("tau")) or 0.0,
             tokens=int((report.get("metrics") or {}).get("tokens") or 0),
             sequences=len(report.get("sequences") or []),
             seed=(fixture.get("sampling") or {}).get("seed"),
             findings=report.get("diagnosis") or [],
             violations=policy.get("violations") or [],
-            details=comparison_details(report, pair.tokens_path, self.tokenizers),
+            details=details,
         )
-        self.session.add(comparison)
-        self.session.flush()
-        values = tracked_metrics(report)
+
+    def _judge(self, run_row: Run, run: RunInput, p: _Pair, comparison: Comparison) -> list[dict]:
+        """Judge the new point against its series; the metric rows to insert."""
+        series = self.cache[(Series, p.series_key)]
+        values = tracked_metrics(p.pair.report)
         point = Point(
             comparison.id,
             run_row.id,
-            report["verdict"],
-            tau,
+            comparison.verdict,
+            comparison.tau,
             run.status == "error",
             values,
             comparison.violations,
-            policy.get("failing_findings") or [],
+            (p.pair.report.get("policy") or {}).get("failing_findings") or [],
         )
         if series.last_started_at is not None and run.started_at < series.last_started_at:
             self.out_of_order.add(series.id)
@@ -187,58 +290,61 @@ class _Recorder:
             )
         return rows
 
-    def _cached(self, model: type, key: str, make):
-        found = self.cache.get((model, key))
-        if found is None:
-            found = self.session.scalar(select(model).where(model.key == key))
-            if found is None:
-                found = make()
-                self.session.add(found)
-                self.session.flush()
-            self.cache[(model, key)] = found
-        return found
-
     def _testbed(self, testbed: dict) -> Testbed:
-        return self._cached(
+        key = keys.testbed_key(testbed)
+        self._get_or_create(
             Testbed,
-            keys.testbed_key(testbed),
-            lambda: Testbed(
-                key=keys.testbed_key(testbed),
-                name=keys.testbed_name(testbed),
-                host=testbed.get("host"),
-                cpu_model=testbed.get("cpu_model"),
-                cpu_count=testbed.get("cpu_count"),
-                gpu_model=testbed.get("gpu_model"),
-                gpu_count=int(testbed.get("gpu_count") or 0),
-            ),
+            {
+                key: lambda: Testbed(
+                    key=key,
+                    name=keys.testbed_name(testbed),
+                    host=testbed.get("host"),
+                    cpu_model=testbed.get("cpu_model"),
+                    cpu_count=testbed.get("cpu_count"),
+                    gpu_model=testbed.get("gpu_model"),
+                    gpu_count=int(testbed.get("gpu_count") or 0),
+                )
+            },
         )
+        return self.cache[(Testbed, key)]
 
-    def _build(self, build: dict) -> EngineBuild:
-        key = keys.digest(build)
-        return self._cached(EngineBuild, key, lambda: EngineBuild(key=key, **build))
 
-    def _case(self, case: dict) -> Case:
-        key = keys.case_key(case)
-        label = case["label"] or case["model"].rstrip("/").split("/")[-1]
-        fields = {k: v for k, v in case.items() if k != "label"}
-        return self._cached(Case, key, lambda: Case(key=key, label=label, **fields))
+def _new_case(p: _Pair) -> Case:
+    case = p.case
+    label = case["label"] or case["model"].rstrip("/").split("/")[-1]
+    fields = {k: v for k, v in case.items() if k != "label"}
+    return Case(key=p.case_key, label=label, **fields)
 
-    def _series(self, case: Case, description: dict, fixture, replay, testbed: Testbed) -> Series:
-        rollout, replay_name = keys.engine_name(fixture), keys.engine_name(replay)
-        key = keys.series_key(case.key, rollout, replay_name, testbed.key)
-        return self._cached(
-            Series,
-            key,
-            lambda: Series(
-                key=key,
-                case_id=case.id,
-                rollout_engine=rollout,
-                replay_engine=replay_name,
-                testbed_id=testbed.id,
-                label=keys.series_label(description, rollout, replay_name, testbed.name),
-                detection_state={},
-            ),
-        )
+
+def _insert_plain_rows(session: Session, table, rows: list[dict]) -> None:
+    """executemany straight to the driver: metric rows are plain numbers and strings, and
+    SQLAlchemy's per-row parameter processing cost ~16 us a row, most of recording a year of
+    nightlies (bench/history.py). Values that need a bind processor (the run's datetime)
+    are converted here with the column type's own processor, so rows read back the same."""
+    connection = session.connection()
+    dialect = connection.dialect
+    columns = list(rows[0])
+    compiled = insert(table).compile(dialect=dialect, column_keys=columns)
+    processors = {
+        name: processor
+        for name in columns
+        if (processor := table.c[name].type._cached_bind_processor(dialect)) is not None
+    }
+    if processors:
+        converted = {}  # few distinct values (one datetime a run): convert each once
+        for row in rows:
+            for name, processor in processors.items():
+                value = row[name]
+                key = (name, value)
+                if key not in converted:
+                    converted[key] = processor(value)
+                row[name] = converted[key]
+    if compiled.positional:
+        order = compiled.positiontup
+        parameters = [tuple(row[name] for name in order) for row in rows]
+    else:
+        parameters = rows
+    connection.exec_driver_sql(compiled.string, parameters)
 
 
 def _stage_images(manifest: dict) -> dict:
