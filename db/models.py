@@ -15,7 +15,7 @@ from datetime import datetime
 
 from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # JSONB on PostgreSQL (indexable, compact), plain JSON text elsewhere.
 Json = JSON().with_variant(JSONB(), "postgresql")
@@ -126,7 +126,6 @@ class Comparison(Base):
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    run: Mapped[Run] = relationship()
     series_id: Mapped[int] = mapped_column(ForeignKey("series.id"))
     started_at: Mapped[datetime]  # the run's, copied so the series index orders by it
     pair: Mapped[str] = mapped_column(String(512))  # the compare directory inside the run

@@ -446,4 +446,6 @@ def test_older_reports_get_their_drift_map_and_context_from_tokens_parquet(tmp_p
         details = session.scalar(select(Comparison.details))
     history.dispose()
     assert [row["sequence_id"] for row in details["heatmap"]["rows"]] != []
-    assert len(details["heatmap"]["rows"]) == 3 and len(details["heatmap"]["rows"][0]["cells"]) == 32
+    assert (
+        len(details["heatmap"]["rows"]) == 3 and len(details["heatmap"]["rows"][0]["cells"]) == 32
+    )

@@ -16,27 +16,60 @@ pytestmark = pytest.mark.engine
 def lpx(*args, cwd):
     result = subprocess.run(
         [sys.executable, "-m", "pipeline", *map(str, args)],
-        capture_output=True, text=True, cwd=cwd, env={**os.environ, "CI": "true"},
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "CI": "true"},
     )
     return result
 
 
-def test_two_smokes_then_a_fault_make_two_healthy_points_and_one_attributed_regression(tiny_model, tmp_path):
+def test_two_smokes_then_a_fault_make_two_healthy_points_and_one_attributed_regression(
+    tiny_model, tmp_path
+):
     db = f"sqlite:///{tmp_path / 'lpx.db'}"
     site = tmp_path / "report"
     for _ in range(2):
-        smoke = lpx("smoke", "--out", tmp_path / "smoke", "--model", tiny_model, "--db", db,
-                    "--report-out", site, cwd=tmp_path)
+        smoke = lpx(
+            "smoke",
+            "--out",
+            tmp_path / "smoke",
+            "--model",
+            tiny_model,
+            "--db",
+            db,
+            "--report-out",
+            site,
+            cwd=tmp_path,
+        )
         assert smoke.returncode == 0, smoke.stderr
         last = smoke.stdout.strip().splitlines()[-1]
         assert last == f"report: {site / 'index.html'}" and (site / "index.html").is_file()
     fault = tmp_path / "fault"
-    injected = lpx("inject", tmp_path / "smoke" / "fixture.parquet", "--kind", "token_shift",
-                   "--sequence", "0-0", "--from-position", "5", "--out", fault / "fixture.parquet", cwd=tmp_path)
+    injected = lpx(
+        "inject",
+        tmp_path / "smoke" / "fixture.parquet",
+        "--kind",
+        "token_shift",
+        "--sequence",
+        "0-0",
+        "--from-position",
+        "5",
+        "--out",
+        fault / "fixture.parquet",
+        cwd=tmp_path,
+    )
     assert injected.returncode == 0, injected.stderr
     for dtype in ("float32", "bfloat16"):
-        compare = lpx("compare", fault / "fixture.parquet", tmp_path / "smoke" / f"replay-hf-{dtype}.parquet",
-                      "--out", fault / f"compare-hf-{dtype}", "--quiet", cwd=tmp_path)
+        compare = lpx(
+            "compare",
+            fault / "fixture.parquet",
+            tmp_path / "smoke" / f"replay-hf-{dtype}.parquet",
+            "--out",
+            fault / f"compare-hf-{dtype}",
+            "--quiet",
+            cwd=tmp_path,
+        )
         assert compare.returncode == 1  # the fault fails the policy
     recorded = lpx("record", fault, "--kind", "manual", "--db", db, cwd=tmp_path)
     assert recorded.returncode == 0 and "recorded: run 3 (fail, 2 comparisons)" in recorded.stdout
@@ -59,12 +92,13 @@ def test_two_smokes_then_a_fault_make_two_healthy_points_and_one_attributed_regr
         assert alert["kind"] == "policy_violation"
         assert alert["last_good"]["run"] == 2 and alert["first_bad"]["run"] == 3
         assert "token_shift" in alert["rule"]
-        assert alert["attribution"] == [] or all(c["field"] != "version" for c in alert["attribution"])
+        assert alert["attribution"] == [] or all(
+            c["field"] != "version" for c in alert["attribution"]
+        )
     history = open_history(db)
     with history.read() as session:
-        from sqlalchemy import select
-
         from pipeline.db.models import Comparison
+        from sqlalchemy import select
 
         details = session.scalars(select(Comparison.details).order_by(Comparison.id)).all()
     history.dispose()

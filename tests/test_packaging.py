@@ -15,7 +15,9 @@ MAPPED = {"pipeline.db": ROOT / "db", "pipeline.templates": ROOT / "templates"}
 def test_the_package_list_matches_the_tree():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
-    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "pipeline").rglob("__init__.py")}
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "pipeline").rglob("__init__.py")
+    }
     for name, directory in MAPPED.items():
         found |= {
             ".".join([name, *p.parent.relative_to(directory).parts])
@@ -33,8 +35,20 @@ def test_a_wheel_carries_migrations_and_templates_and_works_outside_the_repo(tmp
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     wheels = tmp_path / "wheels"
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, source],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            wheels,
+            source,
+        ],
+        capture_output=True,
+        text=True,
     )
     assert build.returncode == 0, build.stderr
     (wheel,) = wheels.glob("lpx-*.whl")
@@ -52,7 +66,8 @@ def test_a_wheel_carries_migrations_and_templates_and_works_outside_the_repo(tmp
     target = tmp_path / "site-packages"
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", target, wheel],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert install.returncode == 0, install.stderr
     script = (
@@ -64,8 +79,18 @@ def test_a_wheel_carries_migrations_and_templates_and_works_outside_the_repo(tmp
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     run = subprocess.run(
-        [sys.executable, "-c", script, str(target), f"sqlite:///{tmp_path / 'h.db'}", str(outside / "site")],
-        capture_output=True, text=True, cwd=outside, env={**os.environ, "PYTHONPATH": str(target)},
+        [
+            sys.executable,
+            "-c",
+            script,
+            str(target),
+            f"sqlite:///{tmp_path / 'h.db'}",
+            str(outside / "site"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=outside,
+        env={**os.environ, "PYTHONPATH": str(target)},
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[0] == "0002"

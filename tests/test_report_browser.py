@@ -35,15 +35,31 @@ def site(tmp_path_factory) -> Path:
         version = "0.32.0" if upgraded else "0.31.0"
         hf = pair_report(
             rollout_version=version,
-            metrics={m: BASE_METRICS[m] * (3 if upgraded else 1) * (1 + 0.01 * (night % 3))
-                     for m in ("mean_abs_diff", "k3", "max_abs_diff")},
+            metrics={
+                m: BASE_METRICS[m] * (3 if upgraded else 1) * (1 + 0.01 * (night % 3))
+                for m in ("mean_abs_diff", "k3", "max_abs_diff")
+            },
             sequence_ids=["0-0", HOSTILE],
         )
-        megatron = pair_report(replay="megatron", replay_version="0.16.1", rollout_version=version, tp=2)
-        dirs.append(write_run(root / f"night-{night}", {"vllm-hf": hf, "vllm-megatron-tp2": megatron},
-                              started_at=start + timedelta(days=night), tokens=True))
-    dirs.append(write_run(root / "broken", {"vllm-hf": pair_report(rollout_version="0.32.0")},
-                          started_at=start + timedelta(days=NIGHTS), stage_errors=["megatron: OOM"]))
+        megatron = pair_report(
+            replay="megatron", replay_version="0.16.1", rollout_version=version, tp=2
+        )
+        dirs.append(
+            write_run(
+                root / f"night-{night}",
+                {"vllm-hf": hf, "vllm-megatron-tp2": megatron},
+                started_at=start + timedelta(days=night),
+                tokens=True,
+            )
+        )
+    dirs.append(
+        write_run(
+            root / "broken",
+            {"vllm-hf": pair_report(rollout_version="0.32.0")},
+            started_at=start + timedelta(days=NIGHTS),
+            stage_errors=["megatron: OOM"],
+        )
+    )
     url = f"sqlite:///{root / 'lpx.db'}"
     history = open_history(url)
     record_runs(history, [collect_run(d) for d in dirs])
@@ -61,9 +77,16 @@ def browser():
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                  "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run", "--disable-quic"],
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                "--disable-quic",
+            ],
         )
         yield browser
         browser.close()
@@ -127,7 +150,9 @@ def test_filters_change_what_is_shown(page, site):
     page.select_option("select[data-filter=engine]", "")
     page.select_option("select[data-filter=metric]", "k3")
     shown = page.locator(".spark.shown")
-    assert shown.count() == 2 and all(shown.nth(i).get_attribute("data-metric") == "k3" for i in range(2))
+    assert shown.count() == 2 and all(
+        shown.nth(i).get_attribute("data-metric") == "k3" for i in range(2)
+    )
     assert page.locator(".matrix.shown").first.get_attribute("data-metric") == "k3"
     shot(page, "report-index-filtered")
     assert page.problems == []
@@ -145,7 +170,12 @@ def test_trend_chart_renders_points_band_and_markers_with_hover(page, site):
     tooltip = page.locator("#tooltip")
     assert tooltip.is_visible()
     text = tooltip.inner_text()
-    assert "mean_abs_diff" in text and "vllm 0.32.0" in text and "run 12" in text and "regression" in text
+    assert (
+        "mean_abs_diff" in text
+        and "vllm 0.32.0" in text
+        and "run 12" in text
+        and "regression" in text
+    )
     shot(page, "report-series")
     assert page.problems == []
 

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 MAD_TO_SIGMA = 1.4826  # MAD * 1.4826 = sigma for normal noise
 
 OK = "ok"
@@ -146,6 +148,43 @@ def robust_boundary(
     return Boundary(median, band, median - band, median + band, n)
 
 
+def robust_boundaries(
+    windows: Sequence[Sequence[float]],
+    specs: Sequence[MetricSpec],
+    tau: float,
+    config: DetectionConfig,
+) -> list[Boundary | None]:
+    """``robust_boundary`` of many windows at once (one point's metrics), exactly equal to it:
+    windows of one length are sorted together in numpy, a tenth of the per-window cost."""
+    out: list[Boundary | None] = [None] * len(windows)
+    by_length: dict[int, list[int]] = {}
+    for i, window in enumerate(windows):
+        if len(window) >= config.min_points:
+            by_length.setdefault(len(window), []).append(i)
+    for n, rows in by_length.items():
+        values = np.array([windows[i] for i in rows], dtype=np.float64)
+        median = _medians(np.sort(values, axis=1))
+        mad = _medians(np.sort(np.abs(values - median[:, None]), axis=1))
+        ideal = np.array([specs[i].ideal for i in rows])
+        floor = np.array([specs[i].floor(tau) for i in rows])
+        band = np.maximum(
+            np.maximum(
+                config.mad_multiplier * MAD_TO_SIGMA * mad,
+                config.relative_floor * np.abs(median - ideal),
+            ),
+            floor,
+        )
+        for row, i in enumerate(rows):
+            m, b = float(median[row]), float(band[row])
+            out[i] = Boundary(m, b, m - b, m + b, n)
+    return out
+
+
+def _medians(ordered: np.ndarray) -> np.ndarray:
+    n = ordered.shape[1]
+    return ordered[:, n // 2] if n % 2 else (ordered[:, n // 2 - 1] + ordered[:, n // 2]) / 2
+
+
 def _median(ordered: list[float]) -> float:
     middle = len(ordered) // 2
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
@@ -188,12 +227,14 @@ def step(
     reset: bool = False,
     excluded: bool = False,
     error_run: bool = False,
+    boundary: Boundary | None | bool = False,
 ) -> tuple[dict, PointResult]:
     """Judge one new point of a series metric against the state before it.
 
     Returns the state after it and the point's result. ``reset`` starts a new baseline at
     this point (distribution change, acknowledged alert); an excluded point or a point of
-    an error run is recorded with its status and changes nothing.
+    an error run is recorded with its status and changes nothing. ``boundary`` may pass in
+    the window's boundary computed by ``robust_boundaries`` (False: compute it here).
     """
     if reset:
         state = {"window": [], "streak": [], "last_good": state.get("last_good")}
@@ -201,7 +242,8 @@ def step(
         status = ERROR_RUN if error_run else EXCLUDED if excluded else UNTRACKED
         return state, PointResult(status, None, None, None)
     window = state.get("window") or []
-    boundary = robust_boundary(window, spec, tau, config)
+    if boundary is False:
+        boundary = robust_boundary(window, spec, tau, config)
     if boundary is not None and violates(value, boundary, spec.better):
         streak = [*state.get("streak", []), point_id]
         status = REGRESSION if len(streak) >= config.consecutive else SUSPICIOUS

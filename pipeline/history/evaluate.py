@@ -27,6 +27,7 @@ from pipeline.history.detection import (
     metric_spec,
     new_state,
     policy_step,
+    robust_boundaries,
     step,
 )
 
@@ -67,8 +68,32 @@ def judge_point(
 ) -> dict[str, PointResult]:
     """Step every metric of ``point`` and the policy rule; update the series' state and its
     alerts. ``reset`` names metrics (or RESET_ALL) whose baseline starts again here."""
+    # The few reads judging needs (alerts, attribution) must not flush every series state
+    # touched so far; alerts opened here are found through session.info instead.
+    with session.no_autoflush:
+        return _judge_point(session, series, point, config, reset, excluded)
+
+
+def _judge_point(session, series, point, config, reset, excluded) -> dict[str, PointResult]:
     state = dict(series.detection_state or {})
     results = {}
+    names = list(point.values)
+    resets = {name: RESET_ALL in reset or name in reset for name in names}
+    judged = [
+        n for n in names if not (resets[n] or excluded or point.error_run) and metric_spec(n).detect
+    ]
+    boundaries = dict(
+        zip(
+            judged,
+            robust_boundaries(
+                [(state.get(n) or {}).get("window") or [] for n in judged],
+                [metric_spec(n) for n in judged],
+                point.tau,
+                config,
+            ),
+            strict=True,
+        )
+    )
     for name, value in point.values.items():
         before = state.get(name) or new_state()
         after, result = step(
@@ -78,9 +103,10 @@ def judge_point(
             metric_spec(name),
             point.tau,
             config,
-            reset=RESET_ALL in reset or name in reset,
+            reset=resets[name],
             excluded=excluded,
             error_run=point.error_run,
+            boundary=boundaries.get(name, False),
         )
         state[name] = after
         results[name] = result
@@ -169,16 +195,19 @@ def reevaluate_all(session: Session, config: DetectionConfig | None = None) -> i
     return len(series_rows)
 
 
+BOUNDARY_COLUMNS = ("status", "baseline", "band", "lower", "upper", "baseline_points")
+
+
+def boundary_values(result: PointResult) -> tuple:
+    """A judged point's stored fields, in BOUNDARY_COLUMNS order."""
+    b = result.boundary
+    if b is None:
+        return (result.status, None, None, None, None, 0)
+    return (result.status, b.baseline, b.band, b.lower, b.upper, b.points)
+
+
 def metric_fields(result: PointResult) -> dict:
-    boundary = result.boundary
-    return {
-        "status": result.status,
-        "baseline": boundary.baseline if boundary else None,
-        "band": boundary.band if boundary else None,
-        "lower": boundary.lower if boundary else None,
-        "upper": boundary.upper if boundary else None,
-        "baseline_points": boundary.points if boundary else 0,
-    }
+    return dict(zip(BOUNDARY_COLUMNS, boundary_values(result), strict=True))
 
 
 def _follow_alert(

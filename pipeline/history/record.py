@@ -9,8 +9,6 @@ same run twice — even at the same moment from two processes — stores it once
 from __future__ import annotations
 
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from sqlalchemy import insert, select
@@ -30,11 +28,27 @@ from pipeline.history.collect import PairInput, RunInput
 from pipeline.history.database import History
 from pipeline.history.details import comparison_details
 from pipeline.history.detection import DetectionConfig, metric_spec
-from pipeline.history.evaluate import Point, judge_point, metric_fields, reevaluate_series, utc_now
+from pipeline.history.evaluate import (
+    BOUNDARY_COLUMNS,
+    Point,
+    boundary_values,
+    judge_point,
+    reevaluate_series,
+    utc_now,
+)
 
+METRIC_COLUMNS = (
+    "comparison_id",
+    "series_id",
+    "started_at",
+    "name",
+    "value",
+    "unit",
+    "better",
+    *BOUNDARY_COLUMNS,
+)
 NOT_METRICS = ("tokens", "tau")  # context, not drift: stored on the comparison instead
 NON_FINITE = ("nan", "inf", "-inf")  # how report.json writes non-finite metrics
-DETAIL_THREADS = min(4, os.cpu_count() or 1)
 
 
 @dataclass
@@ -98,6 +112,7 @@ class _Recorder:
         self.cache: dict[tuple[type, str], object] = {}
         self.tokenizers: dict = {}
         self.out_of_order: set[int] = set()
+        self.statements: dict = {}  # compiled INSERTs per table and dialect
 
     def record(self, run: RunInput) -> Recorded:
         session = self.session
@@ -124,17 +139,25 @@ class _Recorder:
         session.add(row)
         pairs = self._describe(run, testbed)
         self._resolve(pairs, testbed)
-        details = self._details(pairs)
-        comparisons = [
-            self._comparison(row, run, p, d) for p, d in zip(pairs, details, strict=True)
-        ]
-        session.add_all(comparisons)
-        session.flush()  # one batched INSERT ... RETURNING for the run and its comparisons
+        session.flush()  # the run's id, and the series states judged at the previous run
+        comparisons = [self._comparison(row, run, p) for p in pairs]
+        if comparisons:
+            # Core, not the unit of work: one batched INSERT ... RETURNING, ids in order.
+            ids = session.execute(
+                insert(Comparison.__table__).returning(
+                    Comparison.__table__.c.id, sort_by_parameter_order=True
+                ),
+                comparisons,
+            ).scalars()
+            for comparison, comparison_id in zip(comparisons, ids, strict=True):
+                comparison["id"] = comparison_id
         metric_rows = []
         for p, comparison in zip(pairs, comparisons, strict=True):
             metric_rows += self._judge(row, run, p, comparison)
         if metric_rows:
-            _insert_plain_rows(session, MetricValue.__table__, metric_rows)
+            started_at = _bound(session, MetricValue.__table__.c.started_at, run.started_at)
+            metric_rows = [(*r[:2], started_at, *r[3:]) for r in metric_rows]
+            self._insert_plain_rows(MetricValue.__table__, METRIC_COLUMNS, metric_rows)
         return Recorded(str(run.run_dir), row.id, run.status, len(run.pairs), new=True)
 
     def finish(self) -> None:
@@ -211,30 +234,12 @@ class _Recorder:
             detection_state={},
         )
 
-    def _details(self, pairs: list[_Pair]) -> list[dict]:
-        """Run-page details of every pair; reading tokens.parquet releases the GIL, so a few
-        threads overlap the reads."""
-        if len(pairs) < 4:
-            return [
-                comparison_details(p.pair.report, p.pair.tokens_path, self.tokenizers)
-                for p in pairs
-            ]
-        with ThreadPoolExecutor(max_workers=DETAIL_THREADS) as pool:
-            return list(
-                pool.map(
-                    lambda p: comparison_details(
-                        p.pair.report, p.pair.tokens_path, self.tokenizers
-                    ),
-                    pairs,
-                )
-            )
-
-    def _comparison(self, run_row: Run, run: RunInput, p: _Pair, details: dict) -> Comparison:
+    def _comparison(self, run_row: Run, run: RunInput, p: _Pair) -> dict:
         report = p.pair.report
         fixture = report["metadata"]["fixture"]
         policy = report.get("policy") or {}
-        return Comparison(
-            run=run_row,
+        return dict(
+            run_id=run_row.id,
             series_id=self.cache[(Series, p.series_key)].id,
             started_at=run.started_at,
             pair=p.pair.pair,
@@ -248,21 +253,21 @@ class _Recorder:
             seed=(fixture.get("sampling") or {}).get("seed"),
             findings=report.get("diagnosis") or [],
             violations=policy.get("violations") or [],
-            details=details,
+            details=comparison_details(report, p.pair.tokens_path, self.tokenizers),
         )
 
-    def _judge(self, run_row: Run, run: RunInput, p: _Pair, comparison: Comparison) -> list[dict]:
-        """Judge the new point against its series; the metric rows to insert."""
+    def _judge(self, run_row: Run, run: RunInput, p: _Pair, comparison: dict) -> list[tuple]:
+        """Judge the new point against its series; the metric rows (METRIC_COLUMNS) to insert."""
         series = self.cache[(Series, p.series_key)]
         values = tracked_metrics(p.pair.report)
         point = Point(
-            comparison.id,
+            comparison["id"],
             run_row.id,
-            comparison.verdict,
-            comparison.tau,
+            comparison["verdict"],
+            comparison["tau"],
             run.status == "error",
             values,
-            comparison.violations,
+            comparison["violations"],
             (p.pair.report.get("policy") or {}).get("failing_findings") or [],
         )
         if series.last_started_at is not None and run.started_at < series.last_started_at:
@@ -271,24 +276,33 @@ class _Recorder:
         else:
             results = judge_point(self.session, series, point, self.config)
             series.last_started_at = run.started_at
+        unevaluated = ("unevaluated", None, None, None, None, 0)
         rows = []
         for name, value in values.items():
             spec = metric_spec(name)
-            fields = metric_fields(results[name]) if name in results else {"status": "unevaluated"}
+            fields = boundary_values(results[name]) if name in results else unevaluated
             rows.append(
-                {
-                    "comparison_id": comparison.id,
-                    "series_id": series.id,
-                    "started_at": run.started_at,
-                    "name": name,
-                    "value": value,
-                    "unit": spec.unit,
-                    "better": spec.better,
-                    "baseline_points": 0,
-                    **fields,
-                }
+                (comparison["id"], series.id, None, name, value, spec.unit, spec.better, *fields)
             )
         return rows
+
+    def _insert_plain_rows(self, table, columns: tuple[str, ...], rows: list[tuple]) -> None:
+        """executemany straight to the driver. Metric rows are plain numbers and strings
+        (the one datetime is bound by the caller), and SQLAlchemy's per-row parameter
+        processing cost several times SQLite's own insert (bench/history.py)."""
+        connection = self.session.connection()
+        key = (table.name, columns, connection.dialect.name)
+        if key not in self.statements:
+            self.statements[key] = insert(table).compile(
+                dialect=connection.dialect, column_keys=list(columns)
+            )
+        compiled = self.statements[key]
+        if compiled.positional:
+            order = [columns.index(name) for name in compiled.positiontup]
+            parameters = [tuple(row[i] for i in order) for row in rows]
+        else:
+            parameters = [dict(zip(columns, row, strict=True)) for row in rows]
+        connection.exec_driver_sql(compiled.string, parameters)
 
     def _testbed(self, testbed: dict) -> Testbed:
         key = keys.testbed_key(testbed)
@@ -316,35 +330,10 @@ def _new_case(p: _Pair) -> Case:
     return Case(key=p.case_key, label=label, **fields)
 
 
-def _insert_plain_rows(session: Session, table, rows: list[dict]) -> None:
-    """executemany straight to the driver: metric rows are plain numbers and strings, and
-    SQLAlchemy's per-row parameter processing cost ~16 us a row, most of recording a year of
-    nightlies (bench/history.py). Values that need a bind processor (the run's datetime)
-    are converted here with the column type's own processor, so rows read back the same."""
-    connection = session.connection()
-    dialect = connection.dialect
-    columns = list(rows[0])
-    compiled = insert(table).compile(dialect=dialect, column_keys=columns)
-    processors = {
-        name: processor
-        for name in columns
-        if (processor := table.c[name].type._cached_bind_processor(dialect)) is not None
-    }
-    if processors:
-        converted = {}  # few distinct values (one datetime a run): convert each once
-        for row in rows:
-            for name, processor in processors.items():
-                value = row[name]
-                key = (name, value)
-                if key not in converted:
-                    converted[key] = processor(value)
-                row[name] = converted[key]
-    if compiled.positional:
-        order = compiled.positiontup
-        parameters = [tuple(row[name] for name in order) for row in rows]
-    else:
-        parameters = rows
-    connection.exec_driver_sql(compiled.string, parameters)
+def _bound(session: Session, column, value):
+    """``value`` as the driver takes it for ``column`` (SQLite stores datetimes as text)."""
+    processor = column.type._cached_bind_processor(session.connection().dialect)
+    return processor(value) if processor else value
 
 
 def _stage_images(manifest: dict) -> dict:

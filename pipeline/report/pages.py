@@ -162,6 +162,17 @@ def run_page(data: HistoryData, run_id: int, comparisons: list) -> dict:
     return {
         "title": f"run {run_id}",
         "run": run,
+        # what lpx.js draws per comparison: the metric table, worst tokens, heatmap, reproduce
+        "details": {
+            f"c{row['id']}": {
+                "metrics": [[name, *values[:2], *values[2:4]] for name, values in row["metrics"].items()],
+                "worst": row["details"].get("worst", []),
+                "decoded": row["details"].get("decoded", False),
+                "heatmap": row["details"].get("heatmap"),
+                "reproduce": row["details"].get("reproduce", {}),
+            }
+            for row in rows
+        },
         "previous": data.run_order[position - 1] if position > 0 else None,
         "next": data.run_order[position + 1] if position + 1 < len(data.run_order) else None,
         "comparisons": rows,

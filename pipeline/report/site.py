@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+from markupsafe import Markup
 
 from pipeline.errors import BadInput
 from pipeline.history.database import History, describe
@@ -39,6 +40,7 @@ def build_site(history: History, out_dir: Path) -> Path:
         trim_blocks=True,
         lstrip_blocks=True,
     )
+    env.filters.update(num=format_number, verdict=verdict_badge, status=status_badge)
     common = {
         "generated_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "database": describe(history.url),
@@ -81,6 +83,23 @@ def build_site(history: History, out_dir: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir / "index.html"
+
+
+def format_number(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def verdict_badge(value) -> Markup:
+    return Markup('<span class="badge {0}">{1}</span>').format(value, str(value).upper())
+
+
+def status_badge(value) -> Markup:
+    text = str(value or "–").replace("_", " ")
+    return Markup('<span class="status {0}">{1}</span>').format(value or "none", text)
 
 
 def _render(env: Environment, template: str, path: Path, common: dict, page: dict) -> None:

@@ -155,16 +155,81 @@ function drawHeatmap(container, map) {
   });
 }
 
-function drawHeatmaps() {
-  document.querySelectorAll(".heatmap[data-heatmap]").forEach((container) => {
-    const map = readJson(`heatmap-${container.dataset.heatmap}`);
-    if (map && map.rows.length) drawHeatmap(container, map);
+// ---- run pages: each comparison's tables, from the page's run-data JSON
+function element(name, attributes, parent, text) {
+  const node = document.createElement(name);
+  for (const [key, value] of Object.entries(attributes || {})) node.setAttribute(key, value);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (parent) parent.appendChild(node);
+  return node;
+}
+
+function table(parent, className, headers, rows) {
+  const t = element("table", { class: className }, parent);
+  const head = element("tr", {}, element("thead", {}, t));
+  headers.forEach((h) => element("th", {}, head, h));
+  const body = element("tbody", {}, t);
+  rows.forEach((cells) => {
+    const tr = element("tr", {}, body);
+    cells.forEach((cell) => {
+      const td = element("td", cell.cls ? { class: cell.cls } : {}, tr);
+      if (cell.build) cell.build(td); else td.textContent = cell.text === undefined ? String(cell) : cell.text;
+    });
+  });
+  return t;
+}
+
+const num = (v) => ({ text: typeof v === "number" ? formatNumber(v) : v === null || v === undefined ? "–" : String(v), cls: "num" });
+const badge = (status) => ({ build: (td) => element("span", { class: `status ${status || "none"}` }, td, (status || "–").replace(/_/g, " ")) });
+
+function drawComparison(container, detail) {
+  const columns = element("div", { class: "cols" }, container);
+  const left = element("div", {}, columns);
+  element("h3", {}, left, "Metrics");
+  table(left, "metrics", ["metric", "value", "band", "status"], detail.metrics.map(([name, value, status, lower, upper]) => [
+    name, num(value), { text: upper === null || upper === undefined ? "–" : `[${formatNumber(lower)}, ${formatNumber(upper)}]`, cls: "num" }, badge(status),
+  ]));
+  const right = element("div", {}, columns);
+  element("h3", {}, right, "Worst tokens");
+  const headers = ["sequence", "position", "region", "token", ...(detail.decoded ? ["text (with left context)"] : []), "rollout", "train", "|d|"];
+  table(right, "worst", headers, detail.worst.map((w) => [
+    { text: w.sequence_id, cls: "seq" }, num(w.position), w.region, num(w.token_id),
+    ...(detail.decoded ? [{ cls: "text", build: (td) => { element("span", { class: "context" }, td, w.context || ""); element("mark", {}, td, w.text || ""); } }] : []),
+    num(w.logprob_rollout), num(w.logprob_train), num(w.abs_diff),
+  ]));
+  const map = detail.heatmap;
+  if (map && map.rows.length) {
+    element("h3", {}, container, "Drift per position");
+    const binned = map.bin > 1 ? ` (max over bins of ${map.bin})` : "";
+    element("p", { class: "muted" }, container,
+      `|d| per completion position${binned}, the ${map.rows.length} most drifting sequences; darker is larger, outlined cells exceed tau ${formatNumber(map.tau)}.`);
+    drawHeatmap(element("div", { class: "heatmap" }, container), map);
+  }
+  const reproduce = detail.reproduce || {};
+  const more = element("details", {}, container);
+  element("summary", {}, more, "Reproduce");
+  element("pre", {}, more, reproduce.command_line || "");
+  const sides = [reproduce.fixture || {}, reproduce.replay || {}];
+  const fields = ["path", "engine", "dtype", "model_path", "weights_fingerprint", "tokenizer_fingerprint", "prompt_set_fingerprint",
+    "versions", "knobs", "sampling", "layout", "logprob_channels", "injected_faults"];
+  const shown = (v) => (v === null || v === undefined ? "–" : typeof v === "object" ? JSON.stringify(v) : String(v));
+  table(more, "reproduce", ["", "rollout (fixture)", "replay"], fields.map((f) => [
+    { text: f, cls: "field" }, { build: (td) => element("code", {}, td, shown(sides[0][f])) }, { build: (td) => element("code", {}, td, shown(sides[1][f])) },
+  ]));
+}
+
+function drawRunDetails() {
+  const data = readJson("run-data");
+  if (!data) return;
+  document.querySelectorAll(".comparison-detail[data-detail]").forEach((container) => {
+    const detail = data[container.dataset.detail];
+    if (detail) drawComparison(container, detail);
   });
 }
 
 document.addEventListener("DOMContentLoaded", () => {
   document.querySelectorAll("select[data-filter]").forEach((select) => select.addEventListener("change", applyFilters));
   drawCharts();
-  drawHeatmaps();
+  drawRunDetails();
   applyFilters();
 });
