@@ -14,11 +14,12 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
-from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-# JSONB on PostgreSQL (indexable, compact), plain JSON text elsewhere.
-Json = JSON().with_variant(JSONB(), "postgresql")
+# Plain JSON on both backends: these columns are written on every point (series detection
+# state, run-page details) and never searched inside, and JSONB's binary conversion made
+# PostgreSQL record a year of nightlies 2x slower (bench/history.py).
+Json = JSON()
 KEY = 64  # sha256 hex digests
 
 

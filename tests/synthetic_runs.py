@@ -41,6 +41,15 @@ BASE_METRICS = {
 WEIGHTS = "sha256:" + "ab" * 32
 TOKENIZER = "sha256:" + "cd" * 32
 PROMPTS = "sha256:" + "ef" * 32
+TESTBED = {
+    "name": None,
+    "host": "runner-1",
+    "cpu_model": "Synthetic CPU",
+    "cpu_count": 2,
+    "gpu_model": "H100",
+    "gpu_count": 8,
+    "driver": "570.1",
+}
 
 
 def pair_report(
@@ -140,15 +149,7 @@ def pair_report(
             "fixture": side(rollout, rollout_version, rollout_dtype, "rollout"),
             "replay": side(replay, replay_version, replay_dtype, "replay"),
             "command_line": "lpx compare fixture.parquet replay.parquet --out compare",
-            "testbed": {
-                "name": None,
-                "host": "runner-1",
-                "cpu_model": "Synthetic CPU",
-                "cpu_count": 2,
-                "gpu_model": "H100",
-                "gpu_count": 8,
-                "driver": "570.1",
-            },
+            "testbed": dict(TESTBED),
         },
     }
 
@@ -196,15 +197,7 @@ def write_run(
         "command_line": "lpx run nightly.yaml",
         "lpx_version": "0.1.0",
         "lpx_revision": "abc123",
-        "testbed": {
-            "name": None,
-            "host": "runner-1",
-            "cpu_model": "Synthetic CPU",
-            "cpu_count": 2,
-            "gpu_model": "H100",
-            "gpu_count": 8,
-            "driver": "570.1",
-        },
+        "testbed": dict(TESTBED),
         "stages": stages,
         "status": status,
     }

@@ -44,6 +44,20 @@ def count(url, model, *where):
         history.dispose()
 
 
+def statuses_of(url, metric):
+    """One metric's point statuses, oldest first."""
+    history = open_history(url)
+    try:
+        with history.read() as session:
+            return session.scalars(
+                select(MetricValue.status)
+                .where(MetricValue.name == metric)
+                .order_by(MetricValue.started_at)
+            ).all()
+    finally:
+        history.dispose()
+
+
 def alerts(url, statuses=("active",)):
     history = open_history(url)
     try:
@@ -100,14 +114,7 @@ def test_step_regression_is_attributed_to_the_engine_upgrade(history_url, tmp_pa
         "after": "0.32.0",
     }
     # every later night keeps the series in regression against the old baseline
-    history = open_history(history_url)
-    with history.read() as session:
-        statuses = session.scalars(
-            select(MetricValue.status)
-            .where(MetricValue.name == "mean_abs_diff")
-            .order_by(MetricValue.started_at)
-        ).all()
-    history.dispose()
+    statuses = statuses_of(history_url, "mean_abs_diff")
     assert statuses[:5] == ["insufficient_data"] * 5
     assert set(statuses[5:12]) == {"ok"}
     assert statuses[12:] == ["suspicious", "regression", "regression", "regression"]
@@ -184,14 +191,7 @@ def test_annotations_exclude_a_point_or_start_a_new_distribution(history_url, tm
         "annotate", "1", "--change", "5", "--reason", "new kernel", "--db", history_url
     )
     assert result.exit_code == 0
-    history = open_history(history_url)
-    with history.read() as session:
-        statuses = session.scalars(
-            select(MetricValue.status)
-            .where(MetricValue.name == "max_abs_diff")
-            .order_by(MetricValue.started_at)
-        ).all()
-    history.dispose()
+    statuses = statuses_of(history_url, "max_abs_diff")
     assert statuses[4:9] == ["insufficient_data"] * 5  # a new baseline from run 5 on
     bad_run = run_lpx("annotate", "1", "--change", "999", "--reason", "x", "--db", history_url)
     assert bad_run.exit_code == 2 and "no run '999'" in bad_run.output

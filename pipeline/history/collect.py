@@ -10,9 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+
+import orjson
 
 from pipeline.errors import BadInput
 from pipeline.run_manifest import MANIFEST, RUN_KINDS, read_manifest
@@ -151,17 +154,21 @@ def _walk(root: Path, depth: int = 0):
     if depth >= MAX_DEPTH:
         return
     try:
-        children = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink()]
+        with os.scandir(root) as entries:  # one syscall a directory, not a stat an entry
+            children = [
+                Path(entry.path)
+                for entry in entries
+                if entry.is_dir(follow_symlinks=False) and not entry.name.startswith(".")
+            ]
     except OSError as error:
         raise BadInput(f"{root}: cannot list the directory ({error.strerror}).") from None
     for child in children:
-        if not child.name.startswith("."):
-            yield from _walk(child, depth + 1)
+        yield from _walk(child, depth + 1)
 
 
 def _load_report(path: Path) -> dict:
     try:
-        report = json.loads(path.read_text(), parse_constant=_constant)
+        report = _parse_json(path.read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise BadInput(
             f"{path}: corrupt report ({error}); rerun `lpx compare` for this directory or remove "
@@ -192,6 +199,15 @@ def _load_report(path: Path) -> dict:
             "`lpx compare` for this directory. Nothing was recorded."
         )
     return report
+
+
+def _parse_json(data: bytes):
+    """orjson (several times faster over a year of reports); the standard parser for JSON
+    that writes NaN/Infinity literals, which orjson refuses."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data.decode(), parse_constant=_constant)
 
 
 def _constant(name: str) -> float:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import orjson
 from sqlalchemy import Engine, create_engine, event, exc, make_url, text
 from sqlalchemy.orm import Session
 
@@ -22,6 +23,14 @@ DEFAULT_DB = Path("runs") / "lpx.db"
 WRITE_LOCK_ID = 0x6C7078  # "lpx": the advisory lock every PostgreSQL writer takes
 SQLITE_BUSY_TIMEOUT_S = 120
 DETECTION_REVISION = "0002"  # points recorded before it are re-evaluated after upgrading
+
+
+def _json_dumps(value) -> str:
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+# orjson for the JSON columns: series detection states are rewritten on every point.
+JSON_CODEC = {"json_serializer": _json_dumps, "json_deserializer": orjson.loads}
 
 
 def resolve_url(db: str | None) -> str:
@@ -122,7 +131,7 @@ def _create_engine(url: str) -> Engine:
     if parsed.get_backend_name() == "sqlite":
         return _create_sqlite_engine(parsed)
     try:
-        return create_engine(parsed, pool_pre_ping=True)
+        return create_engine(parsed, pool_pre_ping=True, **JSON_CODEC)
     except (exc.NoSuchModuleError, ImportError, exc.ArgumentError) as error:
         raise BadInput(
             f"cannot use the history database {describe(url)}: {error}; lpx supports SQLite "
@@ -140,7 +149,7 @@ def _create_sqlite_engine(parsed) -> Engine:
                 f"cannot create the history database {database}: {error.strerror} "
                 f"({error.filename}); pass --db a writable path or a database URL."
             ) from None
-    engine = create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
+    engine = create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S}, **JSON_CODEC)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, _record):

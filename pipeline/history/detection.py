@@ -151,11 +151,13 @@ def robust_boundary(
 def robust_boundaries(
     windows: Sequence[Sequence[float]],
     specs: Sequence[MetricSpec],
-    tau: float,
+    tau: float | Sequence[float],
     config: DetectionConfig,
 ) -> list[Boundary | None]:
-    """``robust_boundary`` of many windows at once (one point's metrics), exactly equal to it:
-    windows of one length are sorted together in numpy, a tenth of the per-window cost."""
+    """``robust_boundary`` of many windows at once (a run's metrics), exactly equal to it:
+    windows of one length are sorted together in numpy, a tenth of the per-window cost.
+    ``tau`` is one value or one per window."""
+    taus = [tau] * len(windows) if isinstance(tau, (int, float)) else list(tau)
     out: list[Boundary | None] = [None] * len(windows)
     by_length: dict[int, list[int]] = {}
     for i, window in enumerate(windows):
@@ -166,7 +168,7 @@ def robust_boundaries(
         median = _medians(np.sort(values, axis=1))
         mad = _medians(np.sort(np.abs(values - median[:, None]), axis=1))
         ideal = np.array([specs[i].ideal for i in rows])
-        floor = np.array([specs[i].floor(tau) for i in rows])
+        floor = np.array([specs[i].floor(taus[i]) for i in rows])
         band = np.maximum(
             np.maximum(
                 config.mad_multiplier * MAD_TO_SIGMA * mad,

@@ -65,35 +65,60 @@ def judge_point(
     config: DetectionConfig,
     reset: frozenset[str] = frozenset(),
     excluded: bool = False,
+    boundaries: dict | None = None,
 ) -> dict[str, PointResult]:
     """Step every metric of ``point`` and the policy rule; update the series' state and its
-    alerts. ``reset`` names metrics (or RESET_ALL) whose baseline starts again here."""
+    alerts. ``reset`` names metrics (or RESET_ALL) whose baseline starts again here.
+    ``boundaries`` may bring the point's boundaries from ``point_boundaries`` (a run's points
+    are bounded in one batch); they are computed here otherwise."""
     # The few reads judging needs (alerts, attribution) must not flush every series state
     # touched so far; alerts opened here are found through session.info instead.
     with session.no_autoflush:
-        return _judge_point(session, series, point, config, reset, excluded)
+        return _judge_point(session, series, point, config, reset, excluded, boundaries)
 
 
-def _judge_point(session, series, point, config, reset, excluded) -> dict[str, PointResult]:
+def point_boundaries(
+    points: list[tuple[Series, Point]],
+    config: DetectionConfig,
+    reset: frozenset[str] = frozenset(),
+    excluded: bool = False,
+) -> list[dict]:
+    """The baseline boundary of every judged metric of many points (each of another series),
+    in one numpy batch: {metric: Boundary | None} per point."""
+    windows, specs, taus, owners = [], [], [], []
+    for index, (series, point) in enumerate(points):
+        state = series.detection_state or {}
+        for name in _judged(point, reset, excluded):
+            windows.append((state.get(name) or {}).get("window") or [])
+            specs.append(metric_spec(name))
+            taus.append(point.tau)
+            owners.append((index, name))
+    out = [{} for _ in points]
+    for (index, name), boundary in zip(
+        owners, robust_boundaries(windows, specs, taus, config), strict=True
+    ):
+        out[index][name] = boundary
+    return out
+
+
+def _judged(point: Point, reset: frozenset[str], excluded: bool) -> list[str]:
+    if excluded or point.error_run:
+        return []
+    return [
+        name
+        for name in point.values
+        if RESET_ALL not in reset and name not in reset and metric_spec(name).detect
+    ]
+
+
+def _judge_point(
+    session, series, point, config, reset, excluded, boundaries
+) -> dict[str, PointResult]:
+    if boundaries is None:
+        boundaries = point_boundaries([(series, point)], config, reset, excluded)[0]
     state = dict(series.detection_state or {})
     results = {}
-    names = list(point.values)
-    resets = {name: RESET_ALL in reset or name in reset for name in names}
-    judged = [
-        n for n in names if not (resets[n] or excluded or point.error_run) and metric_spec(n).detect
-    ]
-    boundaries = dict(
-        zip(
-            judged,
-            robust_boundaries(
-                [(state.get(n) or {}).get("window") or [] for n in judged],
-                [metric_spec(n) for n in judged],
-                point.tau,
-                config,
-            ),
-            strict=True,
-        )
-    )
+    resets = {name: RESET_ALL in reset or name in reset for name in point.values}
     for name, value in point.values.items():
         before = state.get(name) or new_state()
         after, result = step(
@@ -110,7 +135,8 @@ def _judge_point(session, series, point, config, reset, excluded) -> dict[str, P
         )
         state[name] = after
         results[name] = result
-        if metric_spec(name).detect:
+        quiet = result.status in HEALTHY and not before.get("streak")  # the usual night
+        if not quiet and metric_spec(name).detect:
             _follow_alert(session, series, name, before, result, point, value)
     before = state.get(POLICY) or new_state()
     state[POLICY], policy = policy_step(

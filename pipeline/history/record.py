@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import itemgetter
 
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
@@ -33,6 +34,7 @@ from pipeline.history.evaluate import (
     Point,
     boundary_values,
     judge_point,
+    point_boundaries,
     reevaluate_series,
     utc_now,
 )
@@ -151,12 +153,29 @@ class _Recorder:
             ).scalars()
             for comparison, comparison_id in zip(comparisons, ids, strict=True):
                 comparison["id"] = comparison_id
+        points = [self._point(row, run, p, c) for p, c in zip(pairs, comparisons, strict=True)]
+        # Boundaries in one batch for each series' first point of the run (a second point
+        # of the same series is bounded after the first has moved its state).
+        in_order, batched = [], set()
+        for series, point in points:
+            if series.last_started_at is None or run.started_at >= series.last_started_at:
+                if series.id not in batched:
+                    batched.add(series.id)
+                    in_order.append((series, point))
+        bounds = dict(
+            zip(
+                (point.comparison_id for _, point in in_order),
+                point_boundaries(in_order, self.config),
+                strict=True,
+            )
+        )
+        started_at = _bound(session, MetricValue.__table__.c.started_at, run.started_at)
         metric_rows = []
-        for p, comparison in zip(pairs, comparisons, strict=True):
-            metric_rows += self._judge(row, run, p, comparison)
+        for series, point in points:
+            late = series.last_started_at is not None and run.started_at < series.last_started_at
+            bound = None if late else bounds.get(point.comparison_id, {})
+            metric_rows += self._judge(run, series, point, bound, started_at)
         if metric_rows:
-            started_at = _bound(session, MetricValue.__table__.c.started_at, run.started_at)
-            metric_rows = [(*r[:2], started_at, *r[3:]) for r in metric_rows]
             self._insert_plain_rows(MetricValue.__table__, METRIC_COLUMNS, metric_rows)
         return Recorded(str(run.run_dir), row.id, run.status, len(run.pairs), new=True)
 
@@ -256,25 +275,31 @@ class _Recorder:
             details=comparison_details(report, p.pair.tokens_path, self.tokenizers),
         )
 
-    def _judge(self, run_row: Run, run: RunInput, p: _Pair, comparison: dict) -> list[tuple]:
-        """Judge the new point against its series; the metric rows (METRIC_COLUMNS) to insert."""
+    def _point(self, run_row: Run, run: RunInput, p: _Pair, comparison: dict):
         series = self.cache[(Series, p.series_key)]
-        values = tracked_metrics(p.pair.report)
         point = Point(
             comparison["id"],
             run_row.id,
             comparison["verdict"],
             comparison["tau"],
             run.status == "error",
-            values,
+            tracked_metrics(p.pair.report),
             comparison["violations"],
             (p.pair.report.get("policy") or {}).get("failing_findings") or [],
         )
-        if series.last_started_at is not None and run.started_at < series.last_started_at:
+        return series, point
+
+    def _judge(
+        self, run: RunInput, series: Series, point: Point, bounds, started_at
+    ) -> list[tuple]:
+        """Judge the new point against its series; the metric rows (METRIC_COLUMNS) to insert.
+        A point older than the series' newest is left for finish() to replay."""
+        values = point.values
+        if bounds is None:
             self.out_of_order.add(series.id)
             results = {}
         else:
-            results = judge_point(self.session, series, point, self.config)
+            results = judge_point(self.session, series, point, self.config, boundaries=bounds)
             series.last_started_at = run.started_at
         unevaluated = ("unevaluated", None, None, None, None, 0)
         rows = []
@@ -282,7 +307,16 @@ class _Recorder:
             spec = metric_spec(name)
             fields = boundary_values(results[name]) if name in results else unevaluated
             rows.append(
-                (comparison["id"], series.id, None, name, value, spec.unit, spec.better, *fields)
+                (
+                    point.comparison_id,
+                    series.id,
+                    started_at,
+                    name,
+                    value,
+                    spec.unit,
+                    spec.better,
+                    *fields,
+                )
             )
         return rows
 
@@ -291,6 +325,16 @@ class _Recorder:
         (the one datetime is bound by the caller), and SQLAlchemy's per-row parameter
         processing cost several times SQLite's own insert (bench/history.py)."""
         connection = self.session.connection()
+        if connection.dialect.name == "postgresql":
+            # Binary COPY with the column types declared: PostgreSQL's bulk path, and psycopg
+            # dumps each value without looking at it first.
+            cursor = connection.connection.dbapi_connection.cursor()
+            statement = f"COPY {table.name} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)"
+            with cursor.copy(statement) as copy:
+                copy.set_types([_PG_TYPES[type(table.c[name].type).__name__] for name in columns])
+                for row in rows:
+                    copy.write_row(row)
+            return
         key = (table.name, columns, connection.dialect.name)
         if key not in self.statements:
             self.statements[key] = insert(table).compile(
@@ -298,8 +342,8 @@ class _Recorder:
             )
         compiled = self.statements[key]
         if compiled.positional:
-            order = [columns.index(name) for name in compiled.positiontup]
-            parameters = [tuple(row[i] for i in order) for row in rows]
+            reorder = itemgetter(*[columns.index(name) for name in compiled.positiontup])
+            parameters = [reorder(row) for row in rows]
         else:
             parameters = [dict(zip(columns, row, strict=True)) for row in rows]
         connection.exec_driver_sql(compiled.string, parameters)
@@ -328,6 +372,9 @@ def _new_case(p: _Pair) -> Case:
     label = case["label"] or case["model"].rstrip("/").split("/")[-1]
     fields = {k: v for k, v in case.items() if k != "label"}
     return Case(key=p.case_key, label=label, **fields)
+
+
+_PG_TYPES = {"Integer": "int4", "Float": "float8", "String": "varchar", "DateTime": "timestamp"}
 
 
 def _bound(session: Session, column, value):

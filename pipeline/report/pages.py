@@ -165,7 +165,9 @@ def run_page(data: HistoryData, run_id: int, comparisons: list) -> dict:
         # what lpx.js draws per comparison: the metric table, worst tokens, heatmap, reproduce
         "details": {
             f"c{row['id']}": {
-                "metrics": [[name, *values[:2], *values[2:4]] for name, values in row["metrics"].items()],
+                "metrics": [
+                    [name, *values[:2], *values[2:4]] for name, values in row["metrics"].items()
+                ],
                 "worst": row["details"].get("worst", []),
                 "decoded": row["details"].get("decoded", False),
                 "heatmap": row["details"].get("heatmap"),

@@ -11,14 +11,13 @@ Create Date: 2026-11-22
 
 import sqlalchemy as sa
 from alembic import op
-from sqlalchemy.dialects.postgresql import JSONB
 
 revision = "0002"
 down_revision = "0001"
 branch_labels = None
 depends_on = None
 
-Json = sa.JSON().with_variant(JSONB(), "postgresql")
+Json = sa.JSON()  # plain JSON on both backends, see db/models.py
 
 
 def upgrade() -> None:
