@@ -8,7 +8,8 @@ engine builds, and a change in them is a point on the series, not a new series.
 from __future__ import annotations
 
 import hashlib
-import json
+
+import orjson
 
 # The package that carries each engine's own version in metadata.engine.versions.
 ENGINE_VERSION_KEYS = {"hf": "transformers", "fsdp": "torch", "http": "server"}
@@ -18,8 +19,8 @@ SAMPLING_NOT_IN_CASE = ("seed",)
 
 def digest(value) -> str:
     """sha256 of a JSON value with sorted keys: the same description gives the same key."""
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+    text = orjson.dumps(value, default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+    return hashlib.sha256(text).hexdigest()
 
 
 def engine_name(side: dict) -> str:
