@@ -111,3 +111,32 @@ def test_two_smokes_then_a_fault_make_two_healthy_points_and_one_attributed_regr
     assert "token_shift" in index and 'id="count-policy">2<' in index
     gate = lpx("gate", "--db", db, cwd=tmp_path)
     assert gate.returncode == 1 and "policy_violation" in gate.stdout
+
+
+def test_a_smoke_whose_stage_fails_is_recorded_as_an_error_run(tiny_model, tmp_path):
+    db = f"sqlite:///{tmp_path / 'lpx.db'}"
+    smoke = lpx(
+        "smoke",
+        "--out",
+        tmp_path / "smoke",
+        "--model",
+        tiny_model,
+        "--rollout",
+        "nosuch",
+        "--db",
+        db,
+        "--report-out",
+        tmp_path / "report",
+        cwd=tmp_path,
+    )
+    assert smoke.returncode == 2 and "Traceback" not in smoke.stderr
+    assert "nosuch" in smoke.stderr and len(smoke.stderr.strip().splitlines()) == 1
+    assert f"report: {tmp_path / 'report' / 'index.html'}" in smoke.stdout
+    history = open_history(db)
+    with history.read() as session:
+        (run,) = queries.runs(session)
+    history.dispose()
+    assert run["status"] == "error" and run["kind"] == "smoke" and run["comparisons"] == 0
+    assert run["errors"][0]["stage"] == "smoke" and "nosuch" in run["errors"][0]["message"]
+    gate = lpx("gate", "--db", db, cwd=tmp_path)
+    assert gate.returncode == 2 and "error run" in gate.stdout
