@@ -449,3 +449,20 @@ def test_older_reports_get_their_drift_map_and_context_from_tokens_parquet(tmp_p
     assert (
         len(details["heatmap"]["rows"]) == 3 and len(details["heatmap"]["rows"][0]["cells"]) == 32
     )
+
+
+def test_report_replaces_only_a_directory_it_wrote(tmp_path):
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    record(url, *nightly_history(tmp_path / "runs", 2))
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "todo.txt").write_text("keep me")
+    refused = run_lpx("report", "--db", url, "--out", mine)
+    assert refused.exit_code == 2 and "not an lpx report" in refused.output
+    assert (mine / "todo.txt").read_text() == "keep me" and len(list(mine.iterdir())) == 1
+    site = tmp_path / "site"
+    assert run_lpx("report", "--db", url, "--out", site).exit_code == 0
+    (site / "stale.html").write_text("from an older report")
+    assert run_lpx("report", "--db", url, "--out", site).exit_code == 0  # replaced whole
+    assert not (site / "stale.html").exists() and (site / "runs" / "2.html").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
