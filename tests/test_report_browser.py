@@ -185,6 +185,8 @@ def test_hostile_sequence_ids_render_as_text(page, site):
     cells = page.locator("td.seq", has_text=HOSTILE)
     assert cells.count() >= 1
     assert cells.first.inner_text() == HOSTILE
+    row = cells.first.locator("xpath=..").inner_text().split("\t")
+    assert row[1:4] == ["4", "completion", "18"]  # integers as integers
     heat_labels = page.locator(".heatmap text")
     assert heat_labels.count() >= 2
     assert page.locator("script:not([src]):not([type='application/json'])").count() == 0

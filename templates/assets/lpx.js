@@ -19,6 +19,8 @@ function readJson(id) {
 
 function formatNumber(value) {
   if (value === null || value === undefined) return "–";
+  if (typeof value !== "number") return String(value);
+  if (Number.isInteger(value) && Math.abs(value) < 1e15) return String(value);
   return Math.abs(value) >= 1e-3 && Math.abs(value) < 1e4 ? value.toPrecision(4) : value.toExponential(3);
 }
 
