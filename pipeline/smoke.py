@@ -22,19 +22,45 @@ def default_model_dir() -> Path:
     return cache / "models" / "tiny-llama-seed0"
 
 
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
 def ensure_tiny_model(model_dir: Path, arch: str = "llama", seed: int = 0) -> Path:
-    """Build the tiny model unless a complete one is already there."""
+    """The tiny model in lpx's own cache, built on first use. Never deletes anything: an
+    incomplete directory is replaced only when lpx built it (it holds lpx-model.json)."""
     from pipeline.tinymodel.build import build_tiny_model
 
-    if (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file():
+    if all((model_dir / name).is_file() for name in MODEL_FILES):
         return model_dir
+    if model_dir.exists() and not (model_dir / "lpx-model.json").is_file():
+        raise BadInput(
+            f"{model_dir}: exists but is not a model lpx built (no lpx-model.json); move it "
+            "away or set LPX_CACHE to another directory. lpx never deletes what it did not create."
+        )
     click.echo(f"building tiny {arch} model in {model_dir} ...", err=True)
     # Build beside the target and move it in whole, so a crash never leaves half a model.
     staging = model_dir.with_name(f".{model_dir.name}.building-{os.getpid()}")
     build_tiny_model(staging, arch=arch, seed=seed)
-    if model_dir.exists():
-        shutil.rmtree(model_dir)
-    staging.replace(model_dir)
+    if model_dir.exists():  # an incomplete build of lpx's own: set it aside, then drop it
+        stale = model_dir.with_name(f".{model_dir.name}.stale-{os.getpid()}")
+        model_dir.rename(stale)
+        staging.replace(model_dir)
+        shutil.rmtree(stale)
+    else:
+        staging.replace(model_dir)
+    return model_dir
+
+
+def user_model_dir(model_dir: Path) -> Path:
+    """A --model the user named: used as it is, never built or changed."""
+    missing = [name for name in MODEL_FILES if not (model_dir / name).is_file()]
+    if not model_dir.is_dir() or missing:
+        what = "does not exist" if not model_dir.exists() else f"lacks {', '.join(missing)}"
+        raise BadInput(
+            f"--model {model_dir}: {what}; point it at a Hugging Face model directory with a "
+            "tokenizer.json, build one with `lpx make-model DIR`, or leave --model out to use "
+            "lpx's cached tiny model."
+        )
     return model_dir
 
 
@@ -49,6 +75,7 @@ def run_smoke(
     the history and the report is rendered (``report_dir=None`` skips both). A failing stage
     still records the run, as an error run, before its error is raised."""
     out_dir = Path(out_dir)
+    model_dir = user_model_dir(Path(model_dir)) if model_dir else None  # bad input: no run
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = new_manifest("smoke", f"lpx smoke --out {out_dir}")
     write_manifest(out_dir, manifest)
@@ -94,7 +121,7 @@ def _smoke_stages(
     from pipeline.fixture.io import write_table
     from pipeline.prompts import smoke_prompt_texts, tokenize
 
-    model_dir = ensure_tiny_model(Path(model_dir) if model_dir else default_model_dir())
+    model_dir = model_dir or ensure_tiny_model(default_model_dir())
     prompts = tokenize(model_dir, smoke_prompt_texts())
     fixture = load_rollout(rollout_engine).rollout(
         model_dir, prompts, SamplingParams(**SMOKE_SAMPLING), {}

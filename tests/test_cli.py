@@ -236,3 +236,46 @@ def test_the_history_database_comes_from_lpx_db_or_the_commands_own_variable(com
     env[f"LPX_{command.upper()}_DB"] = str(own)  # the command's own variable wins
     subprocess.run(command_line, env=env, capture_output=True, cwd=tmp_path)
     assert own.is_file()
+
+
+def test_smoke_never_builds_into_or_deletes_a_model_dir_it_did_not_create(tmp_path):
+    checkpoint = tmp_path / "my-checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "tokenizer.model").write_bytes(b"sentencepiece")
+    mistyped = tmp_path / "no-such-model"
+    for model in (checkpoint, mistyped):
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "smoke",
+                "--out",
+                tmp_path / "out",
+                "--model",
+                model,
+                "--no-history",
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "CI": "true"},
+            cwd=tmp_path,
+        )
+        assert result.returncode == 2, result.stderr
+        assert f"--model {model}" in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["config.json", "tokenizer.model"]
+    assert not mistyped.exists() and not (tmp_path / "out").exists()
+
+
+def test_the_cached_tiny_model_never_replaces_a_foreign_directory(tmp_path, monkeypatch):
+    from pipeline.errors import BadInput
+    from pipeline.smoke import default_model_dir, ensure_tiny_model
+
+    monkeypatch.setenv("LPX_CACHE", str(tmp_path))
+    target = default_model_dir()
+    target.mkdir(parents=True)
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(BadInput, match="not a model lpx built"):
+        ensure_tiny_model(target)
+    assert [p.name for p in target.iterdir()] == ["notes.txt"]
