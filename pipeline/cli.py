@@ -69,6 +69,22 @@ for command in COMMANDS:
     cli.add_command(command)
 
 
+def name_environment_variables(command: click.Command, prefix: str = "LPX") -> None:
+    """LPX_<COMMAND>_<OPTION> for every option, from the option's long name. Click's
+    auto_envvar_prefix would use the parameter's Python name instead (--policy ->
+    LPX_COMPARE_POLICY_PATH), which is not what the docs promise."""
+    for param in command.params:
+        if isinstance(param, click.Option) and param.envvar is None and not param.hidden:
+            longs = [o for o in param.opts if o.startswith("--")]
+            if longs:
+                param.envvar = f"{prefix}_{longs[0][2:].upper().replace('-', '_')}"
+    for name, sub in getattr(command, "commands", {}).items():
+        name_environment_variables(sub, f"{prefix}_{name.upper().replace('-', '_')}")
+
+
+name_environment_variables(cli)
+
+
 def main() -> None:
     try:
         cli(prog_name="lpx")

@@ -279,3 +279,45 @@ def test_the_cached_tiny_model_never_replaces_a_foreign_directory(tmp_path, monk
     with pytest.raises(BadInput, match="not a model lpx built"):
         ensure_tiny_model(target)
     assert [p.name for p in target.iterdir()] == ["notes.txt"]
+
+
+def _options(command, prefix="LPX"):
+    for param in command.params:
+        if isinstance(param, __import__("click").Option) and "--help" not in param.opts:
+            yield prefix, param
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _options(sub, f"{prefix}_{name.upper().replace('-', '_')}")
+
+
+def test_every_option_reads_lpx_command_option_as_the_readme_says():
+    checked = 0
+    for prefix, param in _options(cli):
+        longs = [o for o in param.opts if o.startswith("--")]
+        expected = f"{prefix}_{longs[0][2:].upper().replace('-', '_')}"
+        names = param.envvar if isinstance(param.envvar, list) else [param.envvar]
+        assert expected in names, (expected, names)
+        checked += 1
+    assert checked > 60
+
+
+def test_lpx_compare_policy_applies_a_strict_policy(run_dir, tmp_path):
+    strict = tmp_path / "strict.yaml"
+    strict.write_text(
+        "version: 1\nprofiles:\n  bfloat16:\n    tau: 0.1\n    limits: {max_abs_diff: 1.0e-9}\n"
+    )
+    args = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "compare",
+        run_dir / "fixture.parquet",
+        run_dir / "replay-bfloat16.parquet",
+        "--out",
+        tmp_path / "c",
+        "--quiet",
+    ]
+    default = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "CI": "true"})
+    assert default.returncode == 0, default.stderr
+    env = {**os.environ, "CI": "true", "LPX_COMPARE_POLICY": str(strict)}
+    strict_run = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert strict_run.returncode == 1 and "FAIL" in strict_run.stdout

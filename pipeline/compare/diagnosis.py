@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 FAULT_CAUSES = ("token_shift", "mask_padding", "position_ids", "temperature", "stale_weights")
+KNOWN_CAUSES = (*FAULT_CAUSES, "dtype", "unexplained")  # what a policy's fail_on_findings may name
 # Fraction of a sequence's drifting tokens a signature must explain.
 EXPLAINS = 0.75
 MIN_TOKENS = 2

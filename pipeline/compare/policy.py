@@ -2,15 +2,45 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Annotated, Literal
 
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from pipeline.compare.diagnosis import KNOWN_CAUSES
 from pipeline.errors import BadInput
 
 PRECISION_ORDER = ("float32", "float16", "bfloat16")  # most to least precise
+# Metrics a profile may limit: compare's batch metrics (pipeline/compare/metrics.py) plus
+# the worst sequence's mean |d| and the top-1 flip rate.
+LIMITED_METRICS = (
+    "max_abs_diff",
+    "mean_abs_diff",
+    "rms_diff",
+    "p50_abs_diff",
+    "p99_abs_diff",
+    "p999_abs_diff",
+    "mean_diff",
+    "frac_over_tau",
+    "max_rel_diff",
+    "mean_rel_diff",
+    "max_prob_diff",
+    "mean_prob_diff",
+    "k1",
+    "k2",
+    "k3",
+    "is_ratio_mean",
+    "chi2_token",
+    "ess",
+    "clip_frac",
+    "token_mult_prob_error",
+    "max_seq_mean_abs_diff",
+    "top1_flip_rate",
+)
 VERDICT_PASS, VERDICT_FAIL = "pass", "fail"
 
 
@@ -29,14 +59,18 @@ class Policy:
 
 
 def load_policy(path: Path | None = None) -> Policy:
-    """Read a policy YAML (the bundled default when ``path`` is None) and check its shape."""
+    """Read a policy YAML (the bundled default when ``path`` is None), validated strictly:
+    unknown keys, metric names and causes, and thresholds that are not finite numbers >= 0
+    (tau > 0) are refused with the key path, so a typo can never quietly pass drift."""
     if path is None:
         source = "default policy"
         text = resources.files("pipeline.compare").joinpath("policies/default.yaml").read_text()
     else:
         source = str(path)
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise BadInput(f"{path}: not UTF-8 text; save the policy as UTF-8 YAML.") from None
         except OSError as error:
             raise BadInput(f"{path}: cannot read the policy file ({error.strerror}).") from None
     try:
@@ -47,20 +81,52 @@ def load_policy(path: Path | None = None) -> Policy:
         raise BadInput(
             f"{source}{where}: not valid YAML ({getattr(error, 'problem', error)})."
         ) from None
-    if not isinstance(data, dict) or data.get("version") != 1:
-        raise BadInput(f"{source}: expected a mapping with `version: 1` (see docs/policy.md).")
-    profiles = data.get("profiles")
-    if not isinstance(profiles, dict) or not profiles:
-        raise BadInput(f"{source}: `profiles` must map profile names to {{tau, limits}}.")
-    for name, profile in profiles.items():
-        if not isinstance(profile, dict) or not isinstance(profile.get("tau"), (int, float)):
-            raise BadInput(f"{source}: profile {name!r} needs a numeric `tau`.")
-        limits = profile.get("limits", {})
-        if not isinstance(limits, dict) or not all(
-            isinstance(v, (int, float)) for v in limits.values()
-        ):
-            raise BadInput(f"{source}: profile {name!r} `limits` must map metric names to numbers.")
-    return Policy(source, profiles, list(data.get("fail_on_findings") or []))
+    try:
+        parsed = PolicyFile.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the file"
+        raise BadInput(f"{source}: {where}: {_reason(first)} (see docs/policy.md).") from None
+    profiles = {
+        name: {"tau": profile.tau, "limits": dict(profile.limits)}
+        for name, profile in parsed.profiles.items()
+    }
+    return Policy(source, profiles, list(parsed.fail_on_findings))
+
+
+def _reason(error: dict) -> str:
+    if error["type"] == "extra_forbidden":
+        return "unknown key"
+    if error["type"] == "literal_error":
+        return f"{error['input']!r} is not one of {error['ctx']['expected']}"
+    return error["msg"]
+
+
+def _plain_number(value):
+    if isinstance(value, bool):
+        raise ValueError("a number, not true/false")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"a finite number, not {value}")
+    return value
+
+
+Threshold = Annotated[float, BeforeValidator(_plain_number), Field(ge=0, allow_inf_nan=False)]
+Tau = Annotated[float, BeforeValidator(_plain_number), Field(gt=0, allow_inf_nan=False)]
+LimitedMetric = Literal[LIMITED_METRICS]
+Cause = Literal[KNOWN_CAUSES]
+
+
+class ProfileSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tau: Tau
+    limits: dict[LimitedMetric, Threshold] = {}
+
+
+class PolicyFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: Literal[1]
+    profiles: dict[str, ProfileSchema] = Field(min_length=1)
+    fail_on_findings: list[Cause] = []
 
 
 def profile_for(dtypes: list[str]) -> str:
