@@ -227,3 +227,16 @@ def test_ingest_errors_name_the_line(tmp_path):
         in result.output
     )
     assert not (tmp_path / "f.parquet").exists()
+
+
+def test_comparing_nothing_is_never_a_pass(run_dir, tmp_path):
+    from pipeline.fixture.io import read_table, write_table
+    from tests.helpers import run_lpx
+
+    fixture = read_table(run_dir / "fixture.parquet", expect_kind="fixture")
+    fixture.completion_mask[:] = False  # every token masked out
+    masked = write_table(fixture, tmp_path / "masked.parquet")
+    result = run_lpx("compare", masked, run_dir / "replay-float32.parquet", "--out", tmp_path / "c")
+    assert result.exit_code == 2
+    assert "no active completion tokens" in result.output and "never a pass" in result.output
+    assert not (tmp_path / "c").exists()

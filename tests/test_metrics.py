@@ -78,3 +78,16 @@ def test_kl_input_drift_moves_with_the_gap():
     k3_rollout = np.expm1(-0.1) + 0.1
     assert drift["ref_kl"]["k3_mean_rollout_as_pi"] == pytest.approx(k3_rollout)
     assert drift["ref_kl"]["mean_abs_delta"] > 0.01
+
+
+def test_one_nan_token_never_hides_the_drift_of_the_others():
+    """-inf on both sides gives d = NaN; Python's max(0.0, nan) is 0.0, which passed."""
+    train = np.array([-1.0, -np.inf, -2.0, -0.5])
+    rollout = np.array([-1.5, -np.inf, -2.0, -0.5])
+    metrics = batch_metrics(train, rollout, tau=0.1)
+    assert np.isnan(metrics["max_abs_diff"])
+    from pipeline.compare.policy import judge, load_policy
+
+    verdict = judge(load_policy(), "bfloat16", {**metrics, "max_seq_mean_abs_diff": 0.0}, [])
+    assert verdict["verdict"] == "fail"
+    assert any(v["metric"] == "max_abs_diff" for v in verdict["violations"])

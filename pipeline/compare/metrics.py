@@ -11,6 +11,8 @@ so memory stays at a few arrays of the input size whatever the batch.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 SIGN_CONVENTION = "d = logp_train - logp_rollout; r = exp(d) = pi_train / pi_rollout"
@@ -36,7 +38,8 @@ def batch_metrics(
     for start in range(0, n, CHUNK):
         t = train[start : start + CHUNK].astype(np.float64)
         r_lp = rollout[start : start + CHUNK].astype(np.float64)
-        d = t - r_lp
+        with np.errstate(invalid="ignore"):  # -inf on both sides is NaN, kept (see below)
+            d = t - r_lp
         a = np.abs(d)
         abs_diff[start : start + len(d)] = a
         em1 = np.expm1(d)  # r - 1, exact near zero
@@ -56,9 +59,9 @@ def batch_metrics(
             prob.sum(),
             np.exp(a).sum(),
         )
-        max_abs = max(max_abs, float(a.max()))
-        max_rel = max(max_rel, float(rel.max()))
-        max_prob = max(max_prob, float(prob.max()))
+        max_abs = _max_keeping_nan(max_abs, float(a.max()))
+        max_rel = _max_keeping_nan(max_rel, float(rel.max()))
+        max_prob = _max_keeping_nan(max_prob, float(prob.max()))
     (s_d, s_d2, s_k3, s_r, s_r2, clipped, over_tau, s_abs, s_rel, s_prob, s_exp_abs) = sums
     mean_ratio = s_r / n
     quantiles = _quantiles(abs_diff)
@@ -111,6 +114,14 @@ def sequence_metrics(
         "log_ppl_diff": np.where(lengths > 0, -sum_d / np.maximum(lengths, 1), 0.0),
         "chi2_seq": chi2,
     }
+
+
+def _max_keeping_nan(current: float, new: float) -> float:
+    """Python's max(0.0, nan) is 0.0: one NaN token (e.g. -inf on both sides) would hide every
+    other token's drift and pass. A NaN anywhere makes the maximum NaN, which fails limits."""
+    if math.isnan(current) or math.isnan(new):
+        return math.nan
+    return max(current, new)
 
 
 def _quantiles(values: np.ndarray) -> list[float]:

@@ -94,6 +94,11 @@ def compare_tables(
     tau = float(policy.profile(profile)["tau"])
 
     completion = aligned.completion
+    if len(completion.train) == 0:
+        raise BadInput(
+            f"{fixture_path}: no active completion tokens to compare (an empty fixture, or "
+            "every token masked); comparing nothing is never a pass."
+        )
     metrics = batch_metrics(completion.train, completion.rollout, tau)
     per_sequence = sequence_metrics(completion.train, completion.rollout, completion.offsets)
     metrics["max_seq_mean_abs_diff"] = float(per_sequence["mean_abs_diff"].max(initial=0.0))
