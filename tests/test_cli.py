@@ -66,6 +66,7 @@ def test_smoke_end_to_end_as_a_user_runs_it(tiny_model, tmp_path):
         text=True,
         env=env,
         timeout=300,
+        cwd=tmp_path,  # the default history and report land under ./runs: not the checkout's
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "smoke: PASS" in result.stdout

@@ -227,6 +227,7 @@ def test_smoke_with_vllm_rollout(tiny_model, tmp_path):
         text=True,
         env={**os.environ, "CI": "true"},
         timeout=600,
+        cwd=tmp_path,  # its history and report land under ./runs, not in the checkout
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "rollout vllm 0.32.0" in result.stdout and "smoke: PASS" in result.stdout

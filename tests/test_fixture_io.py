@@ -240,3 +240,19 @@ def test_comparing_nothing_is_never_a_pass(run_dir, tmp_path):
     assert result.exit_code == 2
     assert "no active completion tokens" in result.output and "never a pass" in result.output
     assert not (tmp_path / "c").exists()
+
+
+def test_a_sequence_id_cannot_inject_markdown_into_the_summary(run_dir, tmp_path):
+    from pipeline.fixture.io import read_table, write_table
+    from tests.helpers import run_lpx
+
+    hostile = "0-0\n# PASS <script>alert(1)</script> | **bold**"
+    paths = {}
+    for name in ("fixture", "replay-bfloat16"):
+        table = read_table(run_dir / f"{name}.parquet")
+        table.sequence_ids = [hostile if s == "0-1" else s for s in table.sequence_ids]
+        paths[name] = write_table(table, tmp_path / f"{name}.parquet")
+    run_lpx("compare", paths["fixture"], paths["replay-bfloat16"], "--out", tmp_path / "c")
+    summary = (tmp_path / "c" / "summary.md").read_text()
+    assert "\n# PASS" not in summary and "<script>" not in summary and "**bold**" not in summary
+    assert r"0-0 # PASS \<script\>alert(1)\</script\> \| \*\*bold\*\*" in summary

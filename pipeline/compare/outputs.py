@@ -47,8 +47,9 @@ def render_summary(report: dict) -> str:
     lines = [
         f"# lpx compare: {report['verdict'].upper()}",
         "",
-        f"- rollout: {_engine(fixture)} ({fixture['path']}, channel `{fixture['channel']}`)",
-        f"- replay: {_engine(replay)} ({replay['path']})",
+        f"- rollout: {_md(_engine(fixture))} ({_md(fixture['path'])}, channel "
+        f"{_md(fixture['channel'])})",
+        f"- replay: {_md(_engine(replay))} ({_md(replay['path'])})",
         f"- policy: {policy['source']}, profile `{policy['profile']}`, tau {policy['tau']:g}",
         f"- sign: {report['sign_convention']}",
         "",
@@ -71,7 +72,9 @@ def render_summary(report: dict) -> str:
     if not report["diagnosis"]:
         lines.append("- no drift above tau; nothing to explain")
     for finding in report["diagnosis"]:
-        lines.append(f"- **{finding['cause']}** ({finding['severity']}): {finding['evidence']}")
+        lines.append(
+            f"- **{_md(finding['cause'])}** ({_md(finding['severity'])}): {_md(finding['evidence'])}"
+        )
     lines += [
         "",
         "## Worst tokens",
@@ -81,10 +84,22 @@ def render_summary(report: dict) -> str:
     ]
     for row in report["worst"][:10]:
         lines.append(
-            f"| {row['sequence_id']} | {row['position']} | {row['region']} | {row['token_id']} | "
+            f"| {_md(row['sequence_id'])} | {row['position']} | {row['region']} | {row['token_id']} | "
             f"{row['logprob_rollout']:.6g} | {row['logprob_train']:.6g} | {row['abs_diff']:.3g} |"
         )
     return "\n".join(lines) + "\n"
+
+
+MARKDOWN_SPECIALS = str.maketrans(
+    {c: "\\" + c for c in "\\`*_[]|<>"} | {"\n": " ", "\r": " ", "\t": " "}
+)
+
+
+def _md(value) -> str:
+    """Text from a fixture or dump as inert markdown: one line (so it can never start a
+    heading or a list) with the characters that act mid-line escaped (emphasis, code,
+    links, table cells, HTML tags)."""
+    return str(value).translate(MARKDOWN_SPECIALS)
 
 
 def _write_tokens(comparison: Comparison, path: Path) -> None:
