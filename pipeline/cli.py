@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import click
@@ -23,7 +24,7 @@ from pipeline.commands.report import report
 from pipeline.commands.rollout import rollout
 from pipeline.commands.smoke import smoke
 from pipeline.commands.sweep import sweep
-from pipeline.errors import EXIT_BAD_INPUT
+from pipeline.errors import EXIT_BAD_INPUT, Interrupted
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "LPX"})
@@ -85,9 +86,18 @@ def name_environment_variables(command: click.Command, prefix: str = "LPX") -> N
 name_environment_variables(cli)
 
 
+def _interrupt(signum, _frame) -> None:
+    raise Interrupted(signum)
+
+
 def main() -> None:
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         cli(prog_name="lpx")
+    except Interrupted as interrupted:
+        click.echo(f"Interrupted ({signal.Signals(interrupted.signum).name}).", err=True)
+        sys.exit(interrupted.exit_code)
     except Exception as error:  # an engine or library failed underneath: one line, exit 2
         if os.environ.get("LPX_DEBUG"):
             raise

@@ -20,3 +20,16 @@ class BadInput(click.ClickException):
 
 class EngineNotInstalled(BadInput):
     """An engine adapter whose Python packages are missing."""
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM: not an Exception, so no handler mistakes it for a failure to record,
+    and click does not turn it into "Aborted!" with exit 1 (1 means "regression")."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # what shells report: 130 for Ctrl-C, 143 for SIGTERM

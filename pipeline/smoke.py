@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.errors import EXIT_PASS, EXIT_REGRESSION, BadInput
+from pipeline.errors import EXIT_PASS, EXIT_REGRESSION, BadInput, Interrupted
 from pipeline.run_manifest import add_stage, finish, new_manifest, write_manifest
 
 SMOKE_SAMPLING = {"max_tokens": 32, "temperature": 1.0, "seed": 0, "samples_per_prompt": 2}
@@ -85,7 +85,7 @@ def run_smoke(
         message = str(error.format_message() if isinstance(error, BadInput) else error)
         add_stage(manifest, "smoke", "error", f"{type(error).__name__}: {message}".strip())
         write_manifest(out_dir, finish(manifest))
-        if report_dir is not None and not isinstance(error, KeyboardInterrupt):
+        if report_dir is not None and not isinstance(error, (KeyboardInterrupt, Interrupted)):
             _record_and_report(out_dir, db, report_dir)
         raise
     write_manifest(out_dir, finish(manifest))

@@ -322,3 +322,24 @@ def test_lpx_compare_policy_applies_a_strict_policy(run_dir, tmp_path):
     env = {**os.environ, "CI": "true", "LPX_COMPARE_POLICY": str(strict)}
     strict_run = subprocess.run(args, capture_output=True, text=True, env=env)
     assert strict_run.returncode == 1 and "FAIL" in strict_run.stdout
+
+
+@pytest.mark.parametrize("sig, code", [(2, 130), (15, 143)])
+def test_an_interrupted_command_exits_128_plus_the_signal_not_1(sig, code, tmp_path):
+    import signal as signals
+    import time
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "make-model", tmp_path / "model"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "CI": "true"},
+    )
+    time.sleep(3)  # imports done, training under way (it takes several seconds)
+    process.send_signal(signals.Signals(sig))
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == code, stderr
+    assert (
+        stderr.strip().splitlines()[-1].startswith("Interrupted (SIG") and "Traceback" not in stderr
+    )
