@@ -21,6 +21,7 @@ from pipeline.engines.base import SamplingParams
 from pipeline.errors import BadInput
 from pipeline.fixture.io import write_table
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable, table_from_sequences
+from pipeline.paths import safe_name
 
 
 @dataclass
@@ -42,7 +43,7 @@ def parse_setting(text: str) -> Setting:
         if not eq:
             raise BadInput(f"--setting {text!r}: {pair!r} is not KNOB=VALUE.")
         knobs[key.strip()] = value.strip()
-    return Setting(name.strip(), knobs)
+    return Setting(safe_name(name.strip(), "--setting name"), knobs)
 
 
 def run_sweep(
@@ -55,6 +56,10 @@ def run_sweep(
 ) -> list[dict]:
     if len(settings) < 2:
         raise BadInput("a sweep needs at least two --setting (the first is the baseline).")
+    names = [setting.name for setting in settings]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise BadInput(f"--setting names must differ; {', '.join(twice)} given more than once.")
     names = [s.name for s in settings]
     if len(set(names)) != len(names):
         raise BadInput(f"setting names must be unique: {', '.join(names)}.")

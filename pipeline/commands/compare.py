@@ -60,6 +60,10 @@ def compare(
       lpx compare run/fixture.parquet run/hf.parquet run/fsdp.parquet run/megatron-tp2.parquet \\
           --out run/matrix
     """
+    from pipeline.paths import check_output
+
+    for name in ("report.json", "tokens.parquet", "summary.md"):
+        check_output(out_dir / name, [fixture_path, *replay_paths])
     from pipeline.compare.matrix import render_matrix, write_matrix
     from pipeline.compare.outputs import render_summary, write_outputs
     from pipeline.compare.policy import load_policy

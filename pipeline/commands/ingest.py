@@ -52,6 +52,9 @@ def ingest(
       lpx ingest dump.jsonl --field rollout=rollout_log_probs --field mask=loss_mask \\
           --model models/tiny --engine-name vllm --engine-version 0.11.0 --out run/fixture.parquet
     """
+    from pipeline.paths import check_output
+
+    check_output(out_path, [jsonl_path])
     from pipeline.commands.options import parse_knobs
     from pipeline.engines.base import canonical_dtype
     from pipeline.errors import BadInput

@@ -44,6 +44,9 @@ def inject(path, kind, sequence_id, from_position, out_path, model_dir) -> None:
           --out run/fixture-shifted.parquet
       lpx compare run/fixture-shifted.parquet run/replay.parquet --out run/shifted   # exits 1
     """
+    from pipeline.paths import check_output
+
+    check_output(out_path, [path])
     from pipeline.fixture.io import read_table, write_table
     from pipeline.inject import inject_fault
 

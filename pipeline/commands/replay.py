@@ -63,6 +63,9 @@ def replay(
       lpx replay run/fixture.parquet --engine megatron --nproc 2 \\
           --set tensor_parallel_size=2 --out run/replay-megatron-tp2.parquet
     """
+    from pipeline.paths import check_output
+
+    check_output(out_path, [fixture_path])
     from pipeline.engines import scoring_engine
     from pipeline.engines.distributed import DistributedScoringEngine, run_worker, under_launcher
     from pipeline.errors import BadInput

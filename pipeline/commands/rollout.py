@@ -65,6 +65,9 @@ def rollout(
       lpx rollout --model models/tiny --prompts prompts.txt --temperature 0.7 \\
           --logprobs-mode processed -n 4 --out run/fixture.parquet
     """
+    from pipeline.paths import check_output
+
+    check_output(out_path, [prompts_path])
     from pipeline.engines import rollout_engine
     from pipeline.engines.base import SamplingParams
     from pipeline.fixture.io import write_table

@@ -1,0 +1,32 @@
+"""Names that become paths, and outputs that must never replace inputs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pipeline.errors import BadInput
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+
+def safe_name(name: str, what: str) -> str:
+    """A name from the command line or a file that becomes part of a file name: letters,
+    digits, '_', '.', '-', starting with a letter or digit, no '..' (so never a path)."""
+    if not SAFE_NAME.fullmatch(name) or ".." in name:
+        raise BadInput(
+            f"{what} {name!r}: use letters, digits, '_', '.' and '-' (it names files under "
+            "--out), starting with a letter or digit."
+        )
+    return name
+
+
+def check_output(out: Path, inputs, option: str = "--out") -> None:
+    """Refuse an output that is one of the inputs: lpx never overwrites what it reads."""
+    target = Path(out).resolve()
+    for given in inputs:
+        if given is not None and Path(given).resolve() == target:
+            raise BadInput(
+                f"{option} {out} is also an input ({given}); write the output to another path. "
+                "lpx never replaces its inputs."
+            )

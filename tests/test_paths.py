@@ -1,0 +1,74 @@
+"""Names never become paths unchecked, and an output never replaces an input (issue 8)."""
+
+import shutil
+
+import pytest
+
+from tests.helpers import run_lpx
+
+
+@pytest.mark.parametrize("name", ["../x", "..", "a/b", "/abs", ".hidden", "x y", "a..b"])
+def test_a_sweep_setting_name_is_never_a_path(name, tiny_model, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    out = tmp_path / "sweep"
+    result = run_lpx(
+        "sweep",
+        "--engine",
+        "hf",
+        "--model",
+        tiny_model,
+        "--prompts",
+        prompts,
+        "--out",
+        out,
+        "--setting",
+        "base:",
+        "--setting",
+        f"{name}:batch_size=1",
+    )
+    assert result.exit_code == 2 and "--setting name" in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.txt"]
+
+
+def test_sweep_setting_names_must_differ(tiny_model, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    result = run_lpx(
+        "sweep",
+        "--engine",
+        "hf",
+        "--model",
+        tiny_model,
+        "--prompts",
+        prompts,
+        "--out",
+        tmp_path / "s",
+        "--setting",
+        "a:",
+        "--setting",
+        "a:batch_size=1",
+    )
+    assert result.exit_code == 2 and "a given more than once" in result.output
+
+
+def test_outputs_never_replace_inputs(run_dir, tiny_model, tmp_path):
+    fixture = shutil.copy(run_dir / "fixture.parquet", tmp_path / "fixture.parquet")
+    before = (tmp_path / "fixture.parquet").read_bytes()
+    dump = tmp_path / "d.jsonl"
+    dump.write_text('{"prompt_ids": [1, 2], "response_ids": [3], "rollout_log_probs": [-0.5]}\n')
+    compare_out = tmp_path / "cmp"
+    compare_out.mkdir()
+    replay_inside = shutil.copy(run_dir / "replay-float32.parquet", compare_out / "tokens.parquet")
+    cases = [
+        ("replay", fixture, "--model", tiny_model, "--out", fixture),
+        ("inject", fixture, "--kind", "mask", "--sequence", "0-0", "--out", fixture),
+        ("ingest", dump, "--model", tiny_model, "--engine-name", "vllm", "--out", dump),
+        ("compare", fixture, replay_inside, "--out", compare_out),
+    ]
+    for command, *args in cases:
+        result = run_lpx(command, *args)
+        assert result.exit_code == 2, (command, result.output)
+        assert "is also an input" in result.output and "never replaces" in result.output
+    assert (tmp_path / "fixture.parquet").read_bytes() == before
+    assert dump.read_text().startswith('{"prompt_ids"')
