@@ -72,3 +72,44 @@ def test_outputs_never_replace_inputs(run_dir, tiny_model, tmp_path):
         assert "is also an input" in result.output and "never replaces" in result.output
     assert (tmp_path / "fixture.parquet").read_bytes() == before
     assert dump.read_text().startswith('{"prompt_ids"')
+
+
+@pytest.mark.parametrize(
+    "command, args, named",
+    [
+        ("rollout", ["--max-tokens", "0"], "--max-tokens"),
+        ("rollout", ["--max-tokens", "-1"], "--max-tokens"),
+        ("rollout", ["-n", "0"], "--samples-per-prompt"),
+        ("rollout", ["--temperature", "-1"], "--temperature"),
+        ("rollout", ["--temperature", "nan"], "--temperature"),
+        ("rollout", ["--temperature", "inf"], "--temperature"),
+        ("rollout", ["--top-p", "0"], "--top-p"),
+        ("rollout", ["--top-p", "nan"], "--top-p"),
+        ("rollout", ["--top-k", "-1"], "--top-k"),
+        ("rollout", ["--set", "batch_size=0"], "batch_size"),
+        ("replay", ["--set", "micro_batch_size=0"], "micro_batch_size"),
+        ("replay", ["--set", "top_k=-1"], "top_k"),
+        ("replay", ["--set", "top_p=nan"], "top_p"),
+        ("replay", ["--temperature", "0"], "--temperature"),
+        ("replay", ["--micro-batch-size", "0"], "--micro-batch-size"),
+    ],
+)
+def test_nonsense_options_are_refused_before_any_work(
+    command, args, named, run_dir, tiny_model, tmp_path
+):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    common = {
+        "rollout": ["--model", tiny_model, "--prompts", prompts, "--out", tmp_path / "f.parquet"],
+        "replay": [
+            run_dir / "fixture.parquet",
+            "--model",
+            tiny_model,
+            "--out",
+            tmp_path / "r.parquet",
+        ],
+    }[command]
+    result = run_lpx(command, *common, *args)
+    assert result.exit_code == 2, result.output
+    assert named in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "f.parquet").exists() and not (tmp_path / "r.parquet").exists()

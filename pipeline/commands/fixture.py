@@ -6,6 +6,8 @@ from pathlib import Path
 import click
 import numpy as np
 
+from pipeline.commands.options import COUNT
+
 
 @click.group()
 def fixture() -> None:
@@ -15,7 +17,7 @@ def fixture() -> None:
 @fixture.command("show")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--sequence", "sequence_id", help="Show this sequence token by token.")
-@click.option("--limit", type=int, default=10, show_default=True, help="Sequences to list.")
+@click.option("--limit", type=COUNT, default=10, show_default=True, help="Sequences to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the metadata as JSON.")
 def show(path: Path, sequence_id: str | None, limit: int, as_json: bool) -> None:
     """Summarise a fixture or replay: schema, metadata, channels, sequences.

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import click
 
+from pipeline.commands.options import NON_NEGATIVE
 from pipeline.inject import FAULT_KINDS
 
 
@@ -13,7 +14,7 @@ from pipeline.inject import FAULT_KINDS
 @click.option("--sequence", "sequence_id", required=True, help="Sequence id to fault.")
 @click.option(
     "--from-position",
-    type=int,
+    type=NON_NEGATIVE,
     default=0,
     show_default=True,
     help="First completion position the fault affects.",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 
 from pipeline.errors import BadInput
@@ -38,3 +40,23 @@ def db_option(command: str):
         help="History database: a SQLite path or a SQLAlchemy URL such as "
         "postgresql+psycopg://user@host/lpx [env LPX_DB; default runs/lpx.db].",
     )
+
+
+class FiniteFloat(click.FloatRange):
+    """A float in a range that is also finite: click's FloatRange lets NaN through (every
+    comparison with NaN is false) and inf through an open upper end."""
+
+    name = "finite float"
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+COUNT = click.IntRange(min=1)  # tokens, samples, ranks, batch sizes: at least one
+NON_NEGATIVE = click.IntRange(min=0)
+TEMPERATURE = FiniteFloat(min=0.0)  # 0 = greedy
+TOP_P = FiniteFloat(min=0.0, max=1.0, min_open=True)
+REPLAY_TEMPERATURE = FiniteFloat(min=0.0, min_open=True)  # logits are divided by it

@@ -5,7 +5,12 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import knob_options, parse_knobs
+from pipeline.commands.options import (
+    COUNT,
+    REPLAY_TEMPERATURE,
+    knob_options,
+    parse_knobs,
+)
 
 
 @click.command()
@@ -19,10 +24,10 @@ from pipeline.commands.options import knob_options, parse_knobs
 )
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16.")
-@click.option("--micro-batch-size", type=int, default=8, show_default=True)
+@click.option("--micro-batch-size", type=COUNT, default=8, show_default=True)
 @click.option(
     "--temperature",
-    type=float,
+    type=REPLAY_TEMPERATURE,
     default=1.0,
     show_default=True,
     help="Divide logits by this before log-softmax (to match processed rollout logprobs).",
@@ -30,7 +35,7 @@ from pipeline.commands.options import knob_options, parse_knobs
 @click.option("--prompt-logprobs", is_flag=True, help="Also score prompt tokens.")
 @click.option(
     "--nproc",
-    type=int,
+    type=COUNT,
     default=1,
     show_default=True,
     help="Ranks for distributed engines (fsdp, deepspeed, megatron); lpx starts torchrun.",

@@ -4,7 +4,14 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import knob_options, parse_knobs
+from pipeline.commands.options import (
+    COUNT,
+    NON_NEGATIVE,
+    TEMPERATURE,
+    TOP_P,
+    knob_options,
+    parse_knobs,
+)
 
 
 @click.command()
@@ -22,12 +29,12 @@ from pipeline.commands.options import knob_options, parse_knobs
     help="Text lines, or JSONL with `prompt_ids` or `text` per line.",
 )
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--max-tokens", type=int, default=32, show_default=True)
-@click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--max-tokens", type=COUNT, default=32, show_default=True)
+@click.option("--temperature", type=TEMPERATURE, default=1.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=NON_NEGATIVE, default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("-n", "--samples-per-prompt", type=int, default=1, show_default=True)
+@click.option("-n", "--samples-per-prompt", type=COUNT, default=1, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="Always generate --max-tokens tokens.")
 @click.option(
     "--logprobs-mode",

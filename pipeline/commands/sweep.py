@@ -4,6 +4,7 @@ from pathlib import Path
 
 import click
 
+from pipeline.commands.options import COUNT, TEMPERATURE
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
 
 
@@ -24,10 +25,10 @@ from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
     metavar="NAME:KNOB=VALUE,...",
     help="A knob setting, repeatable; the first is the baseline.",
 )
-@click.option("--max-tokens", type=int, default=32, show_default=True)
-@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--max-tokens", type=COUNT, default=32, show_default=True)
+@click.option("--temperature", type=TEMPERATURE, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("-n", "--samples-per-prompt", type=int, default=1, show_default=True)
+@click.option("-n", "--samples-per-prompt", type=COUNT, default=1, show_default=True)
 def sweep(
     engine,
     model_dir,

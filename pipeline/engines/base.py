@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -73,12 +74,27 @@ def knobs_from_dict(cls, knobs: dict, engine: str):
         name: _coerce_knob(engine, name, value, str(fields[name].type))
         for name, value in knobs.items()
     }
+    for name, value in values.items():
+        _check_range(engine, name, value, fields[name].metadata)
     if values.get("dtype") is not None:
         try:
             values["dtype"] = canonical_dtype(values["dtype"])
         except ValueError as error:
             raise BadInput(f"{engine} knob dtype: {error}") from None
     return cls(**values)
+
+
+def _check_range(engine: str, name: str, value, bounds) -> None:
+    """Numbers are finite and >= 0 (sizes, counts, temperatures, probabilities); a field's
+    metadata may raise the minimum ("min") or cap it ("max")."""
+    from pipeline.errors import BadInput
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    low, high = bounds.get("min", 0), bounds.get("max")
+    if not math.isfinite(value) or value < low or (high is not None and value > high):
+        span = f">= {low}" + (f" and <= {high}" if high is not None else "")
+        raise BadInput(f"{engine} knob {name}={value!r}: must be a finite number {span}.")
 
 
 def _coerce_knob(engine: str, name: str, value, annotation: str):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,14 +35,14 @@ class ReplayKnobs:
     """Every setting of the HF replay that can change a logprob."""
 
     dtype: str = "float32"
-    micro_batch_size: int = 8
+    micro_batch_size: int = field(default=8, metadata={"min": 1})
     padding_side: str = "right"
     packing: bool = False
     attn_implementation: str = "sdpa"
     lm_head_fp32: bool = False
-    temperature: float = 1.0
+    temperature: float = field(default=1.0, metadata={"min": 1e-6})  # logits are divided by it
     top_k: int = 0
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata={"min": 1e-6, "max": 1.0})
     prompt_logprobs: bool = False
 
     @classmethod

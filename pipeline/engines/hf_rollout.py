@@ -37,6 +37,8 @@ class HFRolloutEngine:
         try:
             settings["dtype"] = canonical_dtype(settings["dtype"])
             settings["batch_size"] = int(settings["batch_size"])
+            if settings["batch_size"] < 1:
+                raise BadInput(f"hf knob batch_size={settings['batch_size']}: must be >= 1.")
         except ValueError as error:
             raise BadInput(f"hf rollout knobs: {error}") from None
         if sampling.logprobs_mode not in ("raw", "processed"):

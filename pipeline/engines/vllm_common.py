@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.engines.base import knobs_from_dict
@@ -27,13 +27,13 @@ class VLLMKnobs:
     enable_chunked_prefill: bool | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = field(default=1, metadata={"min": 1})
     enforce_eager: bool = True
     async_scheduling: bool | None = None
-    max_model_len: int = 1024
-    gpu_memory_utilization: float = 0.1
+    max_model_len: int = field(default=1024, metadata={"min": 1})
+    gpu_memory_utilization: float = field(default=0.1, metadata={"max": 1.0})
     # CPU backend: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE); ignored on GPUs.
-    cpu_kv_cache_gib: int = 1
+    cpu_kv_cache_gib: int = field(default=1, metadata={"min": 1})
     # Run the engine core in this process (fast start, no spawn) when TP = 1.
     in_process: bool = True
     # Requests per generate() call; 0 = all at once.
