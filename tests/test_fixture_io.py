@@ -256,3 +256,70 @@ def test_a_sequence_id_cannot_inject_markdown_into_the_summary(run_dir, tmp_path
     summary = (tmp_path / "c" / "summary.md").read_text()
     assert "\n# PASS" not in summary and "<script>" not in summary and "**bold**" not in summary
     assert r"0-0 # PASS \<script\>alert(1)\</script\> \| \*\*bold\*\*" in summary
+
+
+def test_a_failed_rewrite_never_leaves_the_old_verdict_beside_new_files(
+    run_dir, tmp_path, monkeypatch
+):
+    import pipeline.compare.outputs as outputs
+    from pipeline.compare.run import compare_files
+
+    out = tmp_path / "out"
+    outputs.write_outputs(
+        compare_files(run_dir / "fixture.parquet", run_dir / "replay-float32.parquet"), out
+    )
+    assert (out / "report.json").is_file()
+
+    def crash(report):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(outputs, "render_summary", crash)
+    again = compare_files(run_dir / "fixture.parquet", run_dir / "replay-bfloat16.parquet")
+    with pytest.raises(RuntimeError):
+        outputs.write_outputs(again, out)
+    assert not (out / "report.json").exists()  # no stale PASS beside the new tokens
+    assert [p.name for p in out.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_two_writers_into_one_out_directory_fail_clearly(run_dir, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import run_lpx
+
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from filelock import FileLock; "
+            "lock = FileLock(sys.argv[1]); lock.acquire(); print('held', flush=True); time.sleep(30)",
+            str(out / ".lpx-lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = run_lpx(
+            "compare", run_dir / "fixture.parquet", run_dir / "replay-float32.parquet", "--out", out
+        )
+        assert result.exit_code == 2 and "another lpx process is writing" in result.output
+        assert not (out / "report.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+    assert (
+        run_lpx(
+            "compare",
+            run_dir / "fixture.parquet",
+            run_dir / "replay-float32.parquet",
+            "--out",
+            out,
+            "--quiet",
+        ).exit_code
+        == 0
+    )

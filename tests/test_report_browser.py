@@ -17,7 +17,11 @@ from pipeline.report.site import build_site
 from tests.synthetic_runs import BASE_METRICS, pair_report, write_run
 
 pytestmark = pytest.mark.browser
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# The real binary, not Debian's /usr/bin wrapper script (it adds flags and noise).
+CHROMIUM = next(
+    (p for p in ("/usr/lib/chromium/chromium", shutil.which("chromium")) if p and Path(p).exists()),
+    "/usr/lib/chromium/chromium",
+)
 ARTIFACTS = Path(os.environ.get("LPX_TEST_ARTIFACTS", Path(__file__).parents[1] / "test-artifacts"))
 HOSTILE = "<script>alert('lpx')</script>"
 NIGHTS = 14

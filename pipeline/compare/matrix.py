@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from pipeline.compare.outputs import REPORT, SUMMARY, write_outputs
+from pipeline.compare.outputs import REPORT, SUMMARY, atomic_write, output_lock, write_outputs
 from pipeline.compare.run import Comparison
 
 MATRIX_METRICS = ("max_abs_diff", "mean_abs_diff", "p99_abs_diff", "k3", "top1_flip_rate")
@@ -28,6 +28,8 @@ def pair_label(index: int, report: dict) -> str:
 def write_matrix(comparisons: list[Comparison], out_dir: Path) -> dict:
     """Each pair's full outputs in its own directory, plus the matrix report and summary."""
     out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / REPORT).unlink(missing_ok=True)  # an earlier matrix verdict never outlives this one
     rows = []
     for index, comparison in enumerate(comparisons):
         report = comparison.report
@@ -52,8 +54,9 @@ def write_matrix(comparisons: list[Comparison], out_dir: Path) -> dict:
         "pairs": rows,
         "metadata": {"fixture": comparisons[0].report["metadata"]["fixture"]["path"]},
     }
-    (out_dir / REPORT).write_text(json.dumps(matrix, indent=1, default=str) + "\n")
-    (out_dir / SUMMARY).write_text(render_matrix(matrix))
+    with output_lock(out_dir):
+        atomic_write(out_dir / SUMMARY, render_matrix(matrix))
+        atomic_write(out_dir / REPORT, json.dumps(matrix, indent=1, default=str) + "\n")
     return matrix
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.compare.run import Comparison
+from pipeline.errors import BadInput
 
 REPORT = "report.json"
+LOCK = ".lpx-lock"
 TOKENS = "tokens.parquet"
 SUMMARY = "summary.md"
 SUMMARY_METRICS = (
@@ -31,14 +34,40 @@ SUMMARY_METRICS = (
 
 
 def write_outputs(comparison: Comparison, out_dir: Path) -> dict[str, Path]:
+    """The three outputs as a unit: an earlier report.json is removed first and the new one
+    is written last, so an interrupted or failed write leaves the previous complete outputs
+    (if it stopped before starting) or no report at all, never an old verdict beside new
+    tokens. Each file is written to a temp name and renamed; temps never outlive a crash of
+    Python (an interrupt included). Two writers into one directory: the second fails."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"report": out_dir / REPORT, "tokens": out_dir / TOKENS, "summary": out_dir / SUMMARY}
-    _write_tokens(comparison, paths["tokens"])
-    _atomic_write(paths["summary"], render_summary(comparison.report))
-    # The report goes last: its presence means the comparison finished.
-    _atomic_write(paths["report"], json.dumps(_json_safe(comparison.report), indent=1) + "\n")
+    with output_lock(out_dir):
+        paths["report"].unlink(missing_ok=True)
+        _write_tokens(comparison, paths["tokens"])
+        atomic_write(paths["summary"], render_summary(comparison.report))
+        # The report goes last: its presence means the comparison finished.
+        atomic_write(paths["report"], json.dumps(_json_safe(comparison.report), indent=1) + "\n")
     return paths
+
+
+@contextmanager
+def output_lock(out_dir: Path):
+    """An exclusive lock on an output directory, refused at once when another lpx holds it."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(out_dir / LOCK))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise BadInput(
+            f"{out_dir}: another lpx process is writing here right now; wait for it or choose "
+            "another --out."
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def render_summary(report: dict) -> str:
@@ -132,14 +161,20 @@ def _write_tokens(comparison: Comparison, path: Path) -> None:
             )
         )
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(pa.concat_tables(tables), tmp, compression="zstd")
-    os.replace(tmp, path)
+    try:
+        pq.write_table(pa.concat_tables(tables), tmp, compression="zstd")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _engine(side: dict) -> str:
