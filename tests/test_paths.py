@@ -113,3 +113,43 @@ def test_nonsense_options_are_refused_before_any_work(
     assert result.exit_code == 2, result.output
     assert named in result.output and "Traceback" not in result.output
     assert not (tmp_path / "f.parquet").exists() and not (tmp_path / "r.parquet").exists()
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("null", "got null"),
+        ("5", "got int"),
+        ("[1, 2]", "got list"),
+        ('"text"', "got str"),
+        ('{"prompt_ids": "12", "response_ids": [3], "rollout_log_probs": [-1]}', "list of integer"),
+        (
+            '{"prompt_ids": [1], "response_ids": [3], "rollout_log_probs": ["x"]}',
+            "must hold numbers",
+        ),
+        ('{"prompt_ids": [1], "response_ids": [3]}', "no field"),
+        (
+            '{"prompt_ids": [1], "response_ids": [4294967296], "rollout_log_probs": [-1]}',
+            "would wrap",
+        ),
+        ('{"prompt_ids": [-1], "response_ids": [3], "rollout_log_probs": [-1]}', "outside [0,"),
+    ],
+)
+def test_hostile_dump_lines_are_one_line_errors_naming_the_line(
+    line, expected, tiny_model, tmp_path
+):
+    dump = tmp_path / "d.jsonl"
+    dump.write_text(line + "\n")
+    result = run_lpx(
+        "ingest",
+        dump,
+        "--model",
+        tiny_model,
+        "--engine-name",
+        "vllm",
+        "--out",
+        tmp_path / "f.parquet",
+    )
+    assert result.exit_code == 2, result.output
+    assert f"{dump} line 1" in result.output and expected in result.output, result.output
+    assert "TypeError" not in result.output and not (tmp_path / "f.parquet").exists()
