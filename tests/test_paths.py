@@ -7,48 +7,34 @@ import pytest
 from tests.helpers import run_lpx
 
 
-@pytest.mark.parametrize("name", ["../x", "..", "a/b", "/abs", ".hidden", "x y", "a..b"])
-def test_a_sweep_setting_name_is_never_a_path(name, tiny_model, tmp_path):
+def sweep(model, tmp_path, *settings):
+    """`lpx sweep` with hf on one prompt; each setting is a --setting value."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hello\n")
-    out = tmp_path / "sweep"
-    result = run_lpx(
+    pairs = [arg for setting in settings for arg in ("--setting", setting)]
+    return run_lpx(
         "sweep",
         "--engine",
         "hf",
         "--model",
-        tiny_model,
+        model,
         "--prompts",
         prompts,
         "--out",
-        out,
-        "--setting",
-        "base:",
-        "--setting",
-        f"{name}:batch_size=1",
+        tmp_path / "sweep",
+        *pairs,
     )
+
+
+@pytest.mark.parametrize("name", ["../x", "..", "a/b", "/abs", ".hidden", "x y", "a..b"])
+def test_a_sweep_setting_name_is_never_a_path(name, tiny_model, tmp_path):
+    result = sweep(tiny_model, tmp_path, "base:", f"{name}:batch_size=1")
     assert result.exit_code == 2 and "--setting name" in result.output, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.txt"]
 
 
 def test_sweep_setting_names_must_differ(tiny_model, tmp_path):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("hello\n")
-    result = run_lpx(
-        "sweep",
-        "--engine",
-        "hf",
-        "--model",
-        tiny_model,
-        "--prompts",
-        prompts,
-        "--out",
-        tmp_path / "s",
-        "--setting",
-        "a:",
-        "--setting",
-        "a:batch_size=1",
-    )
+    result = sweep(tiny_model, tmp_path, "a:", "a:batch_size=1")
     assert result.exit_code == 2 and "a given more than once" in result.output
 
 

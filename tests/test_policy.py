@@ -24,12 +24,8 @@ BROKEN = {
 }
 
 
-@pytest.mark.parametrize("case", list(BROKEN))
-def test_a_broken_policy_is_refused_with_the_key_named(case, run_dir, tmp_path):
-    text, expected = BROKEN[case]
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(text)
-    result = run_lpx(
+def compare_with(policy, run_dir, tmp_path, *more):
+    return run_lpx(
         "compare",
         run_dir / "fixture.parquet",
         run_dir / "replay-bfloat16.parquet",
@@ -37,7 +33,16 @@ def test_a_broken_policy_is_refused_with_the_key_named(case, run_dir, tmp_path):
         policy,
         "--out",
         tmp_path / "out",
+        *more,
     )
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_a_broken_policy_is_refused_with_the_key_named(case, run_dir, tmp_path):
+    text, expected = BROKEN[case]
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(text)
+    result = compare_with(policy, run_dir, tmp_path)
     assert result.exit_code == 2, result.output
     assert str(policy) in result.output and expected in result.output, result.output
     assert "docs/policy.md" in result.output and not (tmp_path / "out").exists()
@@ -46,29 +51,12 @@ def test_a_broken_policy_is_refused_with_the_key_named(case, run_dir, tmp_path):
 def test_a_non_utf8_policy_is_one_line(run_dir, tmp_path):
     policy = tmp_path / "policy.yaml"
     policy.write_bytes(b"version: 1\nprofiles: \xff\xfe\n")
-    result = run_lpx(
-        "compare",
-        run_dir / "fixture.parquet",
-        run_dir / "replay-bfloat16.parquet",
-        "--policy",
-        policy,
-        "--out",
-        tmp_path / "out",
-    )
+    result = compare_with(policy, run_dir, tmp_path)
     assert result.exit_code == 2 and "not UTF-8" in result.output
 
 
 def test_numbers_written_the_yaml_1_1_way_still_work(run_dir, tmp_path):
     policy = tmp_path / "policy.yaml"  # PyYAML reads 1e-4 (no dot) as a string
     policy.write_text(GOOD.replace("tau: 0.1", "tau: 1e-1"))
-    result = run_lpx(
-        "compare",
-        run_dir / "fixture.parquet",
-        run_dir / "replay-bfloat16.parquet",
-        "--policy",
-        policy,
-        "--out",
-        tmp_path / "out",
-        "--quiet",
-    )
+    result = compare_with(policy, run_dir, tmp_path, "--quiet")
     assert result.exit_code == 0, result.output

@@ -115,11 +115,6 @@ def head_revision() -> str:
     return _script_revisions()[0]
 
 
-def upgrade_to(history: History, revision: str) -> None:
-    """Upgrade to a given revision (tests migrate step by step through this)."""
-    _upgrade(history.engine, revision)
-
-
 def _create_engine(url: str) -> Engine:
     try:
         parsed = make_url(url)

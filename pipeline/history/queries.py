@@ -7,7 +7,6 @@ from sqlalchemy.orm import Session
 
 from pipeline.db.models import (
     Alert,
-    Annotation,
     Case,
     Comparison,
     EngineBuild,
@@ -27,23 +26,27 @@ def runs(session: Session, limit: int | None = None) -> list[dict]:
         session.execute(select(Comparison.run_id, func.count()).group_by(Comparison.run_id)).all()
     )
     return [
-        {
-            "id": run.id,
-            "key": run.key[:12],
-            "kind": run.kind,
-            "status": run.status,
-            "started_at": run.started_at.isoformat(timespec="seconds"),
-            "ended_at": run.ended_at.isoformat(timespec="seconds") if run.ended_at else None,
-            "trigger": run.trigger,
-            "comparisons": counts.get(run.id, 0),
-            "lpx_version": run.lpx_version,
-            "lpx_revision": run.lpx_revision,
-            "command_line": run.command_line,
-            "run_dir": run.run_dir,
-            "errors": run.errors or [],
-        }
-        for run in session.scalars(query)
+        {**run_row(run), "comparisons": counts.get(run.id, 0)} for run in session.scalars(query)
     ]
+
+
+def run_row(run: Run) -> dict:
+    """A run as the terminal, the JSON output and the report show it."""
+    return {
+        "id": run.id,
+        "key": run.key[:12],
+        "kind": run.kind,
+        "status": run.status,
+        "started_at": run.started_at.isoformat(timespec="seconds"),
+        "ended_at": run.ended_at.isoformat(timespec="seconds") if run.ended_at else None,
+        "trigger": run.trigger,
+        "lpx_version": run.lpx_version,
+        "lpx_revision": run.lpx_revision,
+        "command_line": run.command_line,
+        "run_dir": run.run_dir,
+        "errors": run.errors or [],
+        "testbed": (run.manifest or {}).get("testbed") or {},
+    }
 
 
 def series(session: Session) -> list[dict]:
@@ -175,21 +178,4 @@ def series_points(session: Session, series_id: int) -> list[dict]:
             "metrics": metrics.get(c.id, {}),
         }
         for c, kind, status in comparisons
-    ]
-
-
-def annotations(session: Session, series_id: int | None = None) -> list[dict]:
-    query = select(Annotation).order_by(Annotation.id)
-    if series_id is not None:
-        query = query.where(Annotation.series_id == series_id)
-    return [
-        {
-            "id": a.id,
-            "series_id": a.series_id,
-            "run": a.run_id,
-            "kind": a.kind,
-            "reason": a.reason,
-            "created_at": a.created_at.isoformat(timespec="seconds"),
-        }
-        for a in session.scalars(query)
     ]

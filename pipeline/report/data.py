@@ -23,6 +23,7 @@ from pipeline.db.models import (
     Testbed,
 )
 from pipeline.history.evaluate import build_as_dict
+from pipeline.history.queries import run_row
 
 
 @dataclass
@@ -70,21 +71,7 @@ class HistoryData:
 def load_history(session: Session) -> HistoryData:
     runs = {}
     for run in session.scalars(select(Run).order_by(Run.started_at, Run.id)):
-        runs[run.id] = {
-            "id": run.id,
-            "key": run.key[:12],
-            "kind": run.kind,
-            "status": run.status,
-            "started_at": run.started_at.isoformat(timespec="seconds"),
-            "ended_at": run.ended_at.isoformat(timespec="seconds") if run.ended_at else "",
-            "trigger": run.trigger,
-            "command_line": run.command_line,
-            "lpx_version": run.lpx_version,
-            "lpx_revision": run.lpx_revision,
-            "run_dir": run.run_dir,
-            "errors": run.errors or [],
-            "testbed": (run.manifest or {}).get("testbed") or {},
-        }
+        runs[run.id] = run_row(run)
     builds = {b.id: build_as_dict(b) for b in session.scalars(select(EngineBuild))}
     series = {}
     for s, case, testbed in session.execute(
