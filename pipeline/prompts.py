@@ -53,11 +53,16 @@ def tokenize(model_dir: Path, texts: list[str]) -> list[list[int]]:
     """Token ids with the model's own tokenizer, BOS first when the tokenizer has one."""
     from transformers import AutoTokenizer
 
+    from pipeline.engines.model_dir import check_model_dir
+
+    check_model_dir(model_dir, need_tokenizer=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError) as error:
+    except Exception as error:  # tokenizers raises its own exception types for bad files
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         raise BadInput(
-            f"{model_dir}: cannot load its tokenizer to encode text prompts ({error})."
+            f"{model_dir}: cannot load its tokenizer to encode text prompts ({first}); the "
+            "tokenizer files are corrupt or of another model. Give prompts as token ids instead."
         ) from None
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     return [bos + tokenizer(text, add_special_tokens=False).input_ids for text in texts]

@@ -62,6 +62,10 @@ BAD_FIXTURES = {
         dict(channels={"rollout": [[-0.5, float("nan"), -0.1], [-2.0]]}),
         "sequence 'a' position 1",
     ),
+    "minus_inf_logprob": (
+        dict(channels={"rollout": [[-0.5, -1.0, float("-inf")], [-2.0]]}),
+        "sequence 'a' position 2 has logprobs 'rollout' = -inf",
+    ),
     "positive_logprob": (
         dict(channels={"rollout": [[-0.5, -1.0, 0.5], [-2.0]]}),
         "sequence 'a' position 2",
@@ -111,6 +115,92 @@ def test_truncated_and_foreign_files(tmp_path):
     pq.write_table(pq.read_table(path).replace_schema_metadata({}), tmp_path / "plain.parquet")
     result = run_lpx("fixture", "show", tmp_path / "plain.parquet")
     assert result.exit_code == 2 and "without lpx metadata" in result.output
+
+
+def _rewrite_column(path, name, array):
+    import pyarrow as pa
+
+    arrow = pq.read_table(path)
+    lists = pa.ListArray.from_arrays(arrow.column(name).combine_chunks().offsets, array)
+    arrow = arrow.set_column(arrow.schema.get_field_index(name), name, lists)
+    pq.write_table(arrow, path)  # keeps the lpx schema metadata
+
+
+@pytest.mark.parametrize(
+    "column, values, expected",
+    [
+        (
+            "completion_ids",
+            [8.0, 9.5, 10.0, 11.0],
+            "holds double values; token ids must be integers",
+        ),
+        (
+            "completion_ids",
+            [8, 2**31, 10, 11],
+            "sequence 'a' position 1: completion_ids holds 2147483648",
+        ),
+        ("prompt_ids", [1, 5, -3, 1, 7], "sequence 'a' position 2: prompt_ids holds -3"),
+        ("completion_mask", [1, 2, 1, 1], "sequence 'a' position 1: completion_mask is 2"),
+        ("completion_mask", ["y", "n", "y", "y"], "holds string values; it must be boolean"),
+        ("logprobs_rollout", [-0.5, -1e39, -0.1, -2.0], "-1e+39, which overflows float32"),
+        ("logprobs_rollout", ["-0.5", "-1", "-0.1", "-2"], "logprobs are floats"),
+    ],
+)
+def test_parquet_columns_of_the_wrong_type_are_refused_not_wrapped(
+    tmp_path, column, values, expected
+):
+    """Another tool's fixture with float or int64 token ids, or float64 logprobs beyond
+    float32, was silently cast (9.5 -> 9, 2^31 -> -2^31, -1e39 -> -inf)."""
+    import pyarrow as pa
+
+    path = write_table(small_table(), tmp_path / "f.parquet")
+    _rewrite_column(path, column, pa.array(values))
+    result = run_lpx("fixture", "show", path)
+    assert result.exit_code == 2, result.output
+    assert str(path) in result.output and expected in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_integer_masks_and_float64_logprobs_in_range_are_read(tmp_path):
+    import pyarrow as pa
+
+    path = write_table(small_table(), tmp_path / "f.parquet")
+    _rewrite_column(path, "completion_mask", pa.array([1, 0, 1, 1], pa.int64()))
+    _rewrite_column(path, "logprobs_rollout", pa.array([-0.5, -1.0, -0.1, -2.0], pa.float64()))
+    back = read_table(path)
+    assert back.completion_mask.tolist() == [True, False, True, True]
+    assert back.channels["rollout"].dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda h: h["metadata"]["model"].update(vocab_size="32"), "metadata.model.vocab_size"),
+        (lambda h: h["metadata"].update(model="tiny"), "metadata.model"),
+        (lambda h: h["metadata"].update(dtype=32), "metadata.dtype"),
+        (lambda h: h["metadata"].update(dtype="float8"), "metadata.dtype"),
+        (
+            lambda h: h["metadata"].update(engine={"versions": {"vllm": 11}}),
+            "metadata.engine.versions.vllm",
+        ),
+        (lambda h: h.update(metadata=[]), "metadata"),
+        (lambda h: h.update(top_k=-1), "top_k"),
+        (lambda h: h.update(kind=None), "kind"),
+        (lambda h: h.update(schema_version=True), "schema_version True is not supported"),
+    ],
+)
+def test_header_fields_of_the_wrong_type_are_named(tmp_path, edit, expected):
+    """Metadata of the wrong type ended in `TypeError ... (an engine or library failed)`."""
+    path = write_table(small_table(), tmp_path / "f.parquet")
+    arrow = pq.read_table(path)
+    header = json.loads(arrow.schema.metadata[b"lpx"])
+    edit(header)
+    pq.write_table(arrow.replace_schema_metadata({b"lpx": json.dumps(header)}), path)
+    for args in (("fixture", "show", path), ("compare", path, path, "--out", tmp_path / "c")):
+        result = run_lpx(*args)
+        assert result.exit_code == 2, result.output
+        assert str(path) in result.output and expected in result.output, result.output
+        assert "TypeError" not in result.output and len(result.output.strip().splitlines()) == 1
 
 
 def test_unknown_schema_version(tmp_path):

@@ -119,11 +119,36 @@ def test_nonsense_options_are_refused_before_any_work(
             "would wrap",
         ),
         ('{"prompt_ids": [-1], "response_ids": [3], "rollout_log_probs": [-1]}', "outside [0,"),
+        ('{"prompt_ids": [1], "response_ids": [3], "rollout_log_probs": [-1e39]}', "overflows"),
+        ('{"prompt_ids": [1], "response_ids": [3], "rollout_log_probs": [true]}', "numbers"),
+        ('{"prompt_ids": [1], "response_ids": [3], "rollout_log_probs": [-Infinity]}', "-inf"),
+        ('{"prompt_ids": [1], "response_ids": [3.0], "rollout_log_probs": [-1]}', "integer"),
     ],
 )
 def test_hostile_dump_lines_are_one_line_errors_naming_the_line(
     line, expected, tiny_model, tmp_path
 ):
+    _ingest_refuses(line, expected, tiny_model, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--field", "mask=m"], "is a mask"),
+        (["--field", "sequence_id=sid"], "sequence id) must be a string"),
+        (["--preset", "slime", "--field", "response_length=n"], "does not fit"),
+    ],
+)
+def test_hostile_mask_ids_and_lengths_are_refused(extra, expected, tiny_model, tmp_path):
+    line = (
+        '{"prompt_ids": [1], "response_ids": [3, 4], "rollout_log_probs": [-1, -2], '
+        '"m": [1, 2], "sid": [1], "tokens": [1, 3, 4], "n": "2", "loss_mask": [1, 1], '
+        '"weight_versions": 1}'
+    )
+    _ingest_refuses(line, expected, tiny_model, tmp_path, *extra)
+
+
+def _ingest_refuses(line, expected, tiny_model, tmp_path, *extra):
     dump = tmp_path / "d.jsonl"
     dump.write_text(line + "\n")
     result = run_lpx(
@@ -135,7 +160,10 @@ def test_hostile_dump_lines_are_one_line_errors_naming_the_line(
         "vllm",
         "--out",
         tmp_path / "f.parquet",
+        *extra,
     )
     assert result.exit_code == 2, result.output
-    assert f"{dump} line 1" in result.output and expected in result.output, result.output
+    # Lines are sequences (named by line number unless a sequence_id field is mapped).
+    named = f"{dump} line 1" in result.output or f"{dump}: sequence '1'" in result.output
+    assert named and expected in result.output, result.output
     assert "TypeError" not in result.output and not (tmp_path / "f.parquet").exists()

@@ -73,6 +73,7 @@ def replay(
     check_output(out_path, [fixture_path])
     from pipeline.engines import scoring_engine
     from pipeline.engines.distributed import DistributedScoringEngine, run_worker, under_launcher
+    from pipeline.engines.model_dir import check_model_dir
     from pipeline.errors import BadInput
     from pipeline.fixture.io import read_table, validate_table, write_table
 
@@ -80,6 +81,7 @@ def replay(
     model_dir = model_dir or (fixture.metadata.get("model") or {}).get("path")
     if not model_dir:
         raise BadInput(f"{fixture_path}: records no model path; pass --model DIR.")
+    check_model_dir(model_dir)
     validate_table(fixture, fixture_path, (fixture.metadata.get("model") or {}).get("vocab_size"))
     knobs = {
         "dtype": dtype,

@@ -77,10 +77,12 @@ def rollout(
     check_output(out_path, [prompts_path])
     from pipeline.engines import rollout_engine
     from pipeline.engines.base import SamplingParams
+    from pipeline.engines.model_dir import check_model_dir
     from pipeline.fixture.io import write_table
     from pipeline.prompts import load_prompts
 
     knobs = {"dtype": dtype, **parse_knobs(knob_pairs)}
+    check_model_dir(model_dir)
     prompts = load_prompts(prompts_path, model_dir)
     sampling = SamplingParams(
         max_tokens=max_tokens,

