@@ -1,4 +1,4 @@
-from pipeline.cli import main
+from pipeline.entry import main
 
 # Guarded: engines that spawn worker processes re-import the main module.
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.errors import BadInput
@@ -30,3 +32,21 @@ def check_output(out: Path, inputs, option: str = "--out") -> None:
                 f"{option} {out} is also an input ({given}); write the output to another path. "
                 "lpx never replaces its inputs."
             )
+
+
+@contextmanager
+def replacing(path: Path):
+    """Yield a temp path beside ``path``; on success it replaces ``path`` in one rename. A
+    crash, error or Ctrl-C leaves the previous file (or none) and never a temp file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pipeline import __version__
 from pipeline.errors import BadInput
+from pipeline.paths import write_text_atomic
 from pipeline.testbed import describe_testbed
 
 MANIFEST = "lpx-run.json"
@@ -91,9 +92,7 @@ def write_manifest(run_dir: Path, manifest: dict) -> Path:
     """Atomically (re)write the manifest: a reader never sees half of it."""
     path = Path(run_dir) / MANIFEST
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(manifest, indent=1, default=str) + "\n")
     return path
 
 

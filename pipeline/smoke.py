@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import click
@@ -28,7 +27,7 @@ MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 def ensure_tiny_model(model_dir: Path, arch: str = "llama", seed: int = 0) -> Path:
     """The tiny model in lpx's own cache, built on first use. Never deletes anything: an
     incomplete directory is replaced only when lpx built it (it holds lpx-model.json)."""
-    from pipeline.tinymodel.build import build_tiny_model
+    from pipeline.tinymodel.build import install_tiny_model
 
     if all((model_dir / name).is_file() for name in MODEL_FILES):
         return model_dir
@@ -38,17 +37,7 @@ def ensure_tiny_model(model_dir: Path, arch: str = "llama", seed: int = 0) -> Pa
             "away or set LPX_CACHE to another directory. lpx never deletes what it did not create."
         )
     click.echo(f"building tiny {arch} model in {model_dir} ...", err=True)
-    # Build beside the target and move it in whole, so a crash never leaves half a model.
-    staging = model_dir.with_name(f".{model_dir.name}.building-{os.getpid()}")
-    build_tiny_model(staging, arch=arch, seed=seed)
-    if model_dir.exists():  # an incomplete build of lpx's own: set it aside, then drop it
-        stale = model_dir.with_name(f".{model_dir.name}.stale-{os.getpid()}")
-        model_dir.rename(stale)
-        staging.replace(model_dir)
-        shutil.rmtree(stale)
-    else:
-        staging.replace(model_dir)
-    return model_dir
+    return install_tiny_model(model_dir, arch=arch, seed=seed)
 
 
 def user_model_dir(model_dir: Path) -> Path:

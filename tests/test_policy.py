@@ -21,7 +21,37 @@ BROKEN = {
     "zero tau": (GOOD.replace("tau: 0.1", "tau: 0"), "profiles.bfloat16.tau"),
     "no profiles": ("version: 1\nprofiles: {}\n", "profiles"),
     "version": (GOOD.replace("version: 1", "version: 2"), "version"),
+    # found by the fuzz suite's long profile: pydantic's Literal[1] took true (== 1)
+    "version true": (GOOD.replace("version: 1", "version: true"), "the integer 1, not True"),
 }
+
+
+def test_a_limit_the_inputs_cannot_measure_is_listed_not_an_error(run_dir, tmp_path):
+    """Found by the fuzz suite: a top1_flip_rate limit on files without top-k alternatives
+    was exit 2 "unknown metric" (a metric the policy schema itself lists)."""
+    import json
+
+    from pipeline.fixture.io import read_table, write_table
+
+    replay = read_table(run_dir / "replay-bfloat16.parquet")
+    replay.top_ids = replay.top_logprobs = None
+    write_table(replay, tmp_path / "replay-no-topk.parquet")
+    policy = tmp_path / "p.yaml"
+    policy.write_text(GOOD.replace("max_abs_diff: 1.0", "top1_flip_rate: 0.0"))
+    result = run_lpx(
+        "compare",
+        run_dir / "fixture.parquet",
+        tmp_path / "replay-no-topk.parquet",
+        "--policy",
+        policy,
+        "--out",
+        tmp_path / "out",
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["policy"]["not_measured"] == ["top1_flip_rate"]
+    assert "Not measured here, so not judged: top1\\_flip\\_rate" not in result.output
+    assert "Not measured here, so not judged: top1_flip_rate" in result.output
 
 
 def compare_with(policy, run_dir, tmp_path, *more):

@@ -29,6 +29,7 @@ def show(path: Path, sequence_id: str | None, limit: int, as_json: bool) -> None
     """
     from pipeline.errors import BadInput
     from pipeline.fixture.io import read_table
+    from pipeline.text import for_terminal
 
     table = read_table(path)
     if as_json:
@@ -39,10 +40,12 @@ def show(path: Path, sequence_id: str | None, limit: int, as_json: bool) -> None
     model = meta.get("model") or {}
     click.echo(f"{path}: lpx {table.kind}, schema_version 1")
     click.echo(
-        f"  engine     {engine.get('name', '?')} ({engine.get('role', '?')}), dtype {meta.get('dtype', '?')}"
+        f"  engine     {for_terminal(engine.get('name') or '?')} "
+        f"({for_terminal(engine.get('role') or '?')}), dtype {meta.get('dtype') or '?'}"
     )
     click.echo(
-        f"  model      {model.get('path', '?')}  weights {model.get('weights_fingerprint', '?')[:23]}"
+        f"  model      {for_terminal(model.get('path') or '?')}  "
+        f"weights {for_terminal((model.get('weights_fingerprint') or '?')[:23])}"
     )
     click.echo(
         f"  sequences  {table.num_sequences}, completion tokens {table.num_completion_tokens} "
@@ -68,14 +71,16 @@ def show(path: Path, sequence_id: str | None, limit: int, as_json: bool) -> None
                 for v in table.channels.values()
             )
             click.echo(
-                f"  {table.sequence_ids[i]:<12} {len(table.prompt_of(i)):>6}  {span.stop - span.start:>10}  {means}"
+                f"  {for_terminal(table.sequence_ids[i]):<12} {len(table.prompt_of(i)):>6}  {span.stop - span.start:>10}  {means}"
             )
         return
     index = table.index_of().get(sequence_id)
     if index is None:
         raise BadInput(f"{path}: no sequence {sequence_id!r}.")
     span = table.completion_slice(index)
-    click.echo(f"sequence {sequence_id}: prompt ids {table.prompt_of(index).tolist()}")
+    click.echo(
+        f"sequence {for_terminal(sequence_id)}: prompt ids {table.prompt_of(index).tolist()}"
+    )
     click.echo("  position  token  mask  " + "  ".join(f"{c:>12}" for c in table.channels))
     for position, flat in enumerate(range(span.start, span.stop)):
         values = "  ".join(f"{float(v[flat]):>12.6f}" for v in table.channels.values())

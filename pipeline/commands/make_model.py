@@ -17,12 +17,13 @@ def make_model(out_dir: Path, arch: str, seed: int) -> None:
     It is trained for a few seconds on text shipped with lpx, so its next-token
     distributions are peaked like a real LM's. Same arch and seed give the same bytes.
     Hugging Face `AutoModelForCausalLM`/`AutoTokenizer` and vLLM load the directory.
+    OUT_DIR must be new, empty, or a model lpx built before; it is written whole or not at all.
 
     \b
     Example:
       lpx make-model models/tiny-qwen2 --arch qwen2 --seed 1
     """
-    from pipeline.tinymodel.build import build_tiny_model
+    from pipeline.tinymodel.build import install_tiny_model
 
-    build_tiny_model(out_dir, arch=arch, seed=seed)
+    install_tiny_model(out_dir, arch=arch, seed=seed)
     click.echo(f"wrote tiny {arch} model (seed {seed}) to {out_dir}")

@@ -6,8 +6,10 @@ import json
 import re
 from pathlib import Path
 
-from pipeline.compare.outputs import REPORT, SUMMARY, atomic_write, output_lock, write_outputs
+from pipeline.compare.outputs import REPORT, SUMMARY, output_lock, write_outputs
 from pipeline.compare.run import Comparison
+from pipeline.paths import write_text_atomic
+from pipeline.text import for_markdown as _md
 
 MATRIX_METRICS = ("max_abs_diff", "mean_abs_diff", "p99_abs_diff", "k3", "top1_flip_rate")
 
@@ -55,8 +57,8 @@ def write_matrix(comparisons: list[Comparison], out_dir: Path) -> dict:
         "metadata": {"fixture": comparisons[0].report["metadata"]["fixture"]["path"]},
     }
     with output_lock(out_dir):
-        atomic_write(out_dir / SUMMARY, render_matrix(matrix))
-        atomic_write(out_dir / REPORT, json.dumps(matrix, indent=1, default=str) + "\n")
+        write_text_atomic(out_dir / SUMMARY, render_matrix(matrix))
+        write_text_atomic(out_dir / REPORT, json.dumps(matrix, indent=1, default=str) + "\n")
     return matrix
 
 
@@ -72,8 +74,8 @@ def render_matrix(matrix: dict) -> str:
         where = f"TP{layout.get('tensor_parallel_size', 1)} x{layout.get('world_size', 1)}"
         numbers = " | ".join(_fmt(row[name]) for name in MATRIX_METRICS)
         lines.append(
-            f"| {row['rollout']} | {row['replay']} | {where} | {row['verdict'].upper()} | {numbers} | "
-            f"{', '.join(row['findings']) or '-'} |"
+            f"| {_md(row['rollout'])} | {_md(row['replay'])} | {_md(where)} | "
+            f"{row['verdict'].upper()} | {numbers} | {_md(', '.join(row['findings'])) or '-'} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,6 +11,8 @@ import numpy as np
 
 from pipeline.compare.run import Comparison
 from pipeline.errors import BadInput
+from pipeline.paths import replacing, write_text_atomic
+from pipeline.text import for_markdown as _md
 
 REPORT = "report.json"
 LOCK = ".lpx-lock"
@@ -43,11 +44,16 @@ def write_outputs(comparison: Comparison, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"report": out_dir / REPORT, "tokens": out_dir / TOKENS, "summary": out_dir / SUMMARY}
     with output_lock(out_dir):
+        # Both verdict-bearing files go first: an interrupted write never leaves an old
+        # verdict beside new tokens.
         paths["report"].unlink(missing_ok=True)
+        paths["summary"].unlink(missing_ok=True)
         _write_tokens(comparison, paths["tokens"])
-        atomic_write(paths["summary"], render_summary(comparison.report))
+        write_text_atomic(paths["summary"], render_summary(comparison.report))
         # The report goes last: its presence means the comparison finished.
-        atomic_write(paths["report"], json.dumps(_json_safe(comparison.report), indent=1) + "\n")
+        write_text_atomic(
+            paths["report"], json.dumps(_json_safe(comparison.report), indent=1) + "\n"
+        )
     return paths
 
 
@@ -91,6 +97,12 @@ def render_summary(report: dict) -> str:
             lines.append(
                 f"| {name} | {_fmt(metrics[name])} | {'' if limit is None else _fmt(limit)} |"
             )
+    if policy.get("not_measured"):
+        lines += [
+            "",
+            f"Not measured here, so not judged: {', '.join(policy['not_measured'])} "
+            "(top1_flip_rate needs top-k alternatives on both sides).",
+        ]
     if policy["violations"]:
         lines += ["", "## Violations", ""]
         lines += [
@@ -117,18 +129,6 @@ def render_summary(report: dict) -> str:
             f"{row['logprob_rollout']:.6g} | {row['logprob_train']:.6g} | {row['abs_diff']:.3g} |"
         )
     return "\n".join(lines) + "\n"
-
-
-MARKDOWN_SPECIALS = str.maketrans(
-    {c: "\\" + c for c in "\\`*_[]|<>"} | {"\n": " ", "\r": " ", "\t": " "}
-)
-
-
-def _md(value) -> str:
-    """Text from a fixture or dump as inert markdown: one line (so it can never start a
-    heading or a list) with the characters that act mid-line escaped (emphasis, code,
-    links, table cells, HTML tags)."""
-    return str(value).translate(MARKDOWN_SPECIALS)
 
 
 def _write_tokens(comparison: Comparison, path: Path) -> None:
@@ -160,21 +160,8 @@ def _write_tokens(comparison: Comparison, path: Path) -> None:
                 }
             )
         )
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with replacing(path) as tmp:
         pq.write_table(pa.concat_tables(tables), tmp, compression="zstd")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _engine(side: dict) -> str:

@@ -110,6 +110,12 @@ def _plain_number(value):
     return value
 
 
+def _whole_number(value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"the integer 1, not {value!r}")
+    return value
+
+
 Threshold = Annotated[float, BeforeValidator(_plain_number), Field(ge=0, allow_inf_nan=False)]
 Tau = Annotated[float, BeforeValidator(_plain_number), Field(gt=0, allow_inf_nan=False)]
 LimitedMetric = Literal[LIMITED_METRICS]
@@ -124,7 +130,7 @@ class ProfileSchema(BaseModel):
 
 class PolicyFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    version: Literal[1]
+    version: Annotated[Literal[1], BeforeValidator(_whole_number)]
     profiles: dict[str, ProfileSchema] = Field(min_length=1)
     fail_on_findings: list[Cause] = []
 
@@ -136,14 +142,17 @@ def profile_for(dtypes: list[str]) -> str:
 
 
 def judge(policy: Policy, profile_name: str, metrics: dict, findings: list[dict]) -> dict:
-    """Verdict plus every violated limit and failing finding."""
+    """Verdict plus every violated limit and failing finding.
+
+    A limited metric these inputs cannot give (top1_flip_rate without top-k alternatives on
+    both sides) is listed as not measured, in the report and the summary, and judges nothing:
+    one policy serves every pair, and the names in the policy were validated when it loaded."""
     profile = policy.profile(profile_name)
-    violations = []
+    violations, not_measured = [], []
     for metric, limit in profile.get("limits", {}).items():
         if metric not in metrics:
-            raise BadInput(
-                f"{policy.source}: profile {profile_name!r} limits unknown metric {metric!r}."
-            )
+            not_measured.append(metric)
+            continue
         if not metrics[metric] <= limit:  # NaN fails too
             violations.append({"metric": metric, "value": metrics[metric], "limit": limit})
     failing = [
@@ -158,6 +167,7 @@ def judge(policy: Policy, profile_name: str, metrics: dict, findings: list[dict]
         "tau": profile["tau"],
         "limits": profile.get("limits", {}),
         "violations": violations,
+        "not_measured": not_measured,
         "failing_findings": sorted(set(failing)),
         "source": policy.source,
     }

@@ -118,3 +118,34 @@ def _save_tokenizer(tokenizer, out_dir: Path) -> None:
         tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
     fast.save_pretrained(out_dir)
+
+
+def install_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0) -> Path:
+    """Build the tiny model beside ``out_dir`` and move it in whole: a crash or Ctrl-C never
+    leaves half a model, and nothing lpx did not create is ever replaced. ``out_dir`` may be
+    missing, empty, or a model lpx built earlier (it holds lpx-model.json)."""
+    import os
+    import shutil
+
+    from pipeline.errors import BadInput
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BadInput(f"{out_dir}: is a file; give a directory path for the model.")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "lpx-model.json").is_file():
+        raise BadInput(
+            f"{out_dir}: exists and holds files lpx did not create (no lpx-model.json); choose a "
+            "new or empty directory. lpx never deletes or overwrites what it did not create."
+        )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.with_name(f".{out_dir.name}.building-{os.getpid()}")
+    stale = out_dir.with_name(f".{out_dir.name}.stale-{os.getpid()}")
+    try:
+        build_tiny_model(staging, arch=arch, seed=seed)
+        if out_dir.exists():  # empty, or lpx's own earlier build: set it aside, then drop it
+            out_dir.rename(stale)
+        staging.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)
+    return out_dir

@@ -1,0 +1,187 @@
+"""The fuzz suite's profiles, the contract every command keeps, and the input generators.
+
+Profiles (env LPX_FUZZ): `fast` (default) is derandomized, so the README test command runs
+the same examples on every machine; `long` draws many more, fresh each run:
+
+    LPX_FUZZ=long .venv/bin/python -m pytest tests/test_fuzz.py tests/test_interrupts.py
+
+No example database is kept: tests never write into the checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+from click.testing import CliRunner
+from hypothesis import HealthCheck, currently_in_test_context, event, settings
+from hypothesis import strategies as st
+
+from pipeline.cli import cli
+from pipeline.fixture.table import table_from_sequences
+
+PROFILE = os.environ.get("LPX_FUZZ", "fast")
+_common = dict(
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile("fast", max_examples=25, derandomize=True, **_common)
+settings.register_profile("long", max_examples=400, **_common)
+settings.load_profile(PROFILE)
+# Kills per command and signal in tests/test_interrupts.py.
+KILLS = {"fast": 1, "long": 12}[PROFILE]
+
+VOCAB = 32
+ALLOWED_EXIT_CODES = (0, 1, 2)
+
+
+# -- the contract --------------------------------------------------------------------------
+
+
+def files_under(root: Path) -> dict[str, tuple[int, int]]:
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in Path(root).rglob("*")
+        if p.is_file()
+    }
+
+
+def run_under_contract(root: Path, args: list, outputs: list[Path], expect: str = "any"):
+    """Run `lpx ARGS` in-process and check the contract of issue 8.
+
+    - the exit code is 0, 1 or 2, and no exception escapes (a TypeError deep in a library
+      would otherwise end as the catch-all "an engine or library failed");
+    - exit 2 prints one `Error:` line and no traceback;
+    - nothing is written under ``root`` except at ``outputs``;
+    - ``expect="bad"``: exit 2, and no output says pass; ``expect="good"``: exit 0 or 1.
+    """
+    root = Path(root)
+    allowed = [Path(o).resolve() for o in outputs]
+
+    def outside(files):
+        return {
+            name: stat
+            for name, stat in files.items()
+            if not any(
+                (root / name).resolve() == o or o in (root / name).resolve().parents
+                for o in allowed
+            )
+        }
+
+    before = outside(files_under(root))
+    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    code, output = result.exit_code, result.output
+    if currently_in_test_context():
+        event(f"{args[0]}: exit {code}")
+    assert code in ALLOWED_EXIT_CODES, (code, output)
+    assert "Traceback" not in output, output
+    if code == 2:
+        errors = [line for line in output.splitlines() if line.startswith("Error:")]
+        assert len(errors) == 1, output
+        assert "an engine or library failed" not in output, output
+    assert outside(files_under(root)) == before, "a file changed outside the given outputs"
+    if expect == "bad":
+        assert code == 2, f"bad input was judged (exit {code}):\n{output}"
+        assert "PASS" not in output
+    elif expect == "good":
+        assert code in (0, 1), output
+    return result
+
+
+# -- fixtures and replays ------------------------------------------------------------------
+
+# Sequence ids that try to break markdown, HTML and terminals.
+HOSTILE_IDS = st.text(
+    alphabet=st.sampled_from(list("ab01-_#|*<>&`\n\r\t\x1b[]()! ") + ["\u202e", "\x00"]),
+    min_size=1,
+    max_size=8,
+)
+
+
+@st.composite
+def token_tables(draw, scored: bool = False):
+    """A valid fixture as per-sequence lists (0 to 4 sequences, masked tokens included);
+    ``scored``: at least one active token, so a comparison has something to judge."""
+    n = draw(st.sampled_from([1, 2, 3] if scored else [0, 1, 2, 2, 3, 4]))
+    ids = draw(st.lists(HOSTILE_IDS, min_size=n, max_size=n, unique=True))
+    prompts = [draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4)) for _ in ids]
+    completions = [draw(st.lists(st.integers(0, VOCAB - 1), max_size=6)) for _ in ids]
+    # (an empty completion is valid: a sequence that stopped at once)
+    if scored and not completions[0]:
+        completions[0] = [draw(st.integers(0, VOCAB - 1))]
+    masks = [[draw(st.integers(0, 4)) > 0 for _ in c] for c in completions]
+    if scored:
+        masks[0][0] = True
+    logprob = st.floats(-20.0, 0.0, allow_nan=False)
+    rollout = [[draw(logprob) for _ in c] for c in completions]
+    dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+    return dict(
+        sequence_ids=ids,
+        prompts=prompts,
+        completions=completions,
+        masks=masks,
+        rollout=rollout,
+        metadata={"dtype": dtype, "model": {"vocab_size": VOCAB}},
+    )
+
+
+def build_pair(spec: dict, drift: float, seed: int):
+    """(fixture, replay) tables; the replay's logprobs move by up to ``drift`` nats."""
+    rng = np.random.default_rng(seed)
+    fixture = table_from_sequences(
+        "fixture",
+        spec["sequence_ids"],
+        spec["prompts"],
+        spec["completions"],
+        {"rollout": spec["rollout"]},
+        masks=spec["masks"],
+        metadata=spec["metadata"],
+    )
+    moved = fixture.channels["rollout"] + rng.uniform(-drift, drift, fixture.num_completion_tokens)
+    replay = table_from_sequences(
+        "replay",
+        spec["sequence_ids"],
+        spec["prompts"],
+        spec["completions"],
+        {"replay": [[0.0] * len(c) for c in spec["completions"]]},
+        masks=spec["masks"],
+        metadata=spec["metadata"],
+    )
+    replay.channels["replay"] = np.minimum(moved, 0.0).astype(np.float32)
+    return fixture, replay
+
+
+def active_count(spec: dict) -> int:
+    return sum(sum(bool(m) for m in mask) for mask in spec["masks"])
+
+
+# -- JSON values for dumps and policies ----------------------------------------------------
+
+JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def dumps_line(value) -> str:
+    """One JSONL line; NaN and infinities as Python's json writes them (as dumps do)."""
+    return json.dumps(value, allow_nan=True)
+
+
+def finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

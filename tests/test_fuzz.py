@@ -1,0 +1,404 @@
+"""Property-based fuzzing of every input lpx reads (issue 8): fixtures and replays, policies,
+JSONL dumps and option values. Each example runs the real CLI and checks the contract in
+tests/fuzzing.py; generated bad input must exit 2, valid input must be judged, and what a
+command accepts must be what the next stage accepts. Profiles: see tests/fuzzing.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+from hypothesis import assume, event, given
+from hypothesis import strategies as st
+
+from pipeline.compare.diagnosis import KNOWN_CAUSES
+from pipeline.compare.policy import LIMITED_METRICS
+from pipeline.fixture.io import read_table, validate_table, write_table
+from tests.fuzzing import (
+    JSON_VALUES,
+    VOCAB,
+    active_count,
+    build_pair,
+    dumps_line,
+    finite_number,
+    run_under_contract,
+    token_tables,
+)
+
+# -- compare on generated fixture/replay pairs ---------------------------------------------
+
+
+def _active_positions(table):
+    return np.flatnonzero(table.completion_mask)
+
+
+def _set_value(table, channel, value, data):
+    where = _active_positions(table)
+    table.channels[channel][where[data.draw(st.integers(0, len(where) - 1))]] = value
+
+
+def _rewrite(path: Path, edit) -> None:
+    arrow = pq.read_table(path)
+    pq.write_table(edit(arrow), path)
+
+
+def _retype(name, make):
+    """Replace list column ``name``'s elements by ``make(flat numpy values)``."""
+
+    def edit(arrow):
+        column = arrow.column(name).combine_chunks()
+        values = make(column.flatten().to_numpy(zero_copy_only=False))
+        lists = pa.ListArray.from_arrays(column.offsets, values)
+        return arrow.set_column(arrow.schema.get_field_index(name), name, lists)
+
+    return edit
+
+
+def _edit_header(change):
+    def edit(arrow):
+        header = json.loads(arrow.schema.metadata[b"lpx"])
+        change(header)
+        return arrow.replace_schema_metadata({b"lpx": json.dumps(header)})
+
+    return edit
+
+
+# Each defect: (applies to a table before writing | edits the written file, needs).
+# "needs" says what the table must have for the defect to exist at all.
+TABLE_DEFECTS = {
+    "nan": ("active", lambda t, c, d: _set_value(t, c, np.nan, d)),
+    "minus_inf": ("active", lambda t, c, d: _set_value(t, c, -np.inf, d)),
+    "plus_inf": ("active", lambda t, c, d: _set_value(t, c, np.inf, d)),
+    "positive": ("active", lambda t, c, d: _set_value(t, c, 0.5, d)),
+    "token_outside_vocab": ("any", lambda t, c, d: t.prompt_ids.__setitem__(0, VOCAB + 3)),
+    "empty_prompt": ("any", None),
+    "duplicate_id": ("two", lambda t, c, d: t.sequence_ids.__setitem__(1, t.sequence_ids[0])),
+}
+FILE_DEFECTS = {
+    "float_token_ids": _retype("completion_ids", lambda v: pa.array(v.astype(np.float64) + 0.5)),
+    "int64_token_ids": _retype("prompt_ids", lambda v: pa.array(v.astype(np.int64) + 2**32)),
+    "string_mask": _retype("completion_mask", lambda v: pa.array(["x"] * len(v))),
+    "vocab_size_text": _edit_header(lambda h: h["metadata"]["model"].update(vocab_size="32")),
+    "metadata_list": _edit_header(lambda h: h.update(metadata=[1])),
+    "kind_unknown": _edit_header(lambda h: h.update(kind="rollout")),
+    "schema_version_2": _edit_header(lambda h: h.update(schema_version=2)),
+    "no_lpx_header": lambda arrow: arrow.replace_schema_metadata({}),
+    "missing_column": lambda arrow: arrow.drop_columns(["completion_mask"]),
+}
+BYTE_DEFECTS = {
+    "truncated": lambda data: data[: len(data) // 2],
+    "garbage": lambda data: bytes(range(256)) * 3,
+    "empty_file": lambda data: b"",
+}
+DEFECTS = sorted(TABLE_DEFECTS) + sorted(FILE_DEFECTS) + sorted(BYTE_DEFECTS)
+
+
+def _applicable(defect: str, table) -> bool:
+    needs = TABLE_DEFECTS.get(defect, ("any",))[0]
+    if needs == "active":
+        return bool(table.completion_mask.any())
+    if needs == "two":
+        return table.num_sequences >= 2
+    if defect in ("float_token_ids",):
+        return table.num_completion_tokens > 0
+    if defect in ("string_mask", "token_outside_vocab", "empty_prompt", "int64_token_ids"):
+        return table.num_sequences > 0
+    return True
+
+
+def _damage(table, path: Path, defect: str, channel: str, data) -> None:
+    """Write ``table`` to ``path`` with ``defect`` in it."""
+    if defect == "empty_prompt":  # the first sequence loses its whole prompt
+        first = int(table.prompt_offsets[1])
+        table.prompt_ids = table.prompt_ids[first:]
+        table.prompt_offsets = np.concatenate([[0], table.prompt_offsets[1:] - first])
+    elif defect in TABLE_DEFECTS:
+        TABLE_DEFECTS[defect][1](table, channel, data)
+    write_table(table, path)
+    if defect in FILE_DEFECTS:
+        _rewrite(path, FILE_DEFECTS[defect])
+    elif defect in BYTE_DEFECTS:
+        path.write_bytes(BYTE_DEFECTS[defect](path.read_bytes()))
+
+
+@given(
+    spec=token_tables(),
+    drift=st.sampled_from([0.0, 1e-7, 1e-3, 0.3, 5.0]),
+    seed=st.integers(0, 2**16),
+    defect=st.one_of(st.just("none"), st.sampled_from(DEFECTS)),
+    side=st.sampled_from(["fixture", "replay"]),
+    data=st.data(),
+)
+def test_compare_keeps_the_contract_on_generated_pairs(spec, drift, seed, defect, side, data):
+    fixture, replay = build_pair(spec, drift, seed)
+    target = fixture if side == "fixture" else replay
+    assume(_applicable(defect, target))
+    event(f"defect: {defect}")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        paths = {"fixture": root / "fixture.parquet", "replay": root / "replay.parquet"}
+        for name, table in (("fixture", fixture), ("replay", replay)):
+            if name == side and defect != "none":
+                channel = "rollout" if name == "fixture" else "replay"
+                _damage(table, paths[name], defect, channel, data)
+            else:
+                write_table(table, paths[name])
+        out = root / "cmp"
+        bad = defect != "none" or active_count(spec) == 0
+        result = run_under_contract(
+            root,
+            ["compare", paths["fixture"], paths["replay"], "--out", out],
+            [out],
+            expect="bad" if bad else "good",
+        )
+        if bad:
+            assert not (out / "report.json").exists()
+            return
+        report = json.loads((out / "report.json").read_text())
+        # A pass means every limit held on the measured numbers, never a lost NaN.
+        assert (result.exit_code == 0) == (report["verdict"] == "pass")
+        assert report["metrics"]["tokens"] == active_count(spec)
+        expected_max = float(
+            np.max(
+                np.abs(replay.channels["replay"] - fixture.channels["rollout"])[
+                    fixture.completion_mask
+                ]
+            )
+        )
+        assert math.isclose(report["metrics"]["max_abs_diff"], expected_max, abs_tol=1e-6)
+        for line in (out / "summary.md").read_text().splitlines():
+            # a sequence id never starts a markdown block of its own or an HTML tag
+            assert not line.startswith("#") or line.lstrip("# ") in SUMMARY_HEADINGS, line
+            assert not re.search(r"(?<!\\)<", line) and "\x1b" not in line, line
+
+
+SUMMARY_HEADINGS = (
+    "lpx compare: PASS",
+    "lpx compare: FAIL",
+    "Violations",
+    "Diagnosis",
+    "Worst tokens",
+)
+
+
+# -- policies ------------------------------------------------------------------------------
+
+GOOD_NUMBERS = st.one_of(st.floats(1e-6, 10.0), st.integers(1, 3))
+BAD_NUMBERS = st.one_of(
+    st.sampled_from([0, -1, -1e-9, float("nan"), float("inf"), -float("inf"), True, False]),
+    st.text(max_size=3),
+    st.none(),
+    st.lists(st.integers(), max_size=1),
+)
+BAD_KEYS = st.sampled_from(["limts", "Tau", "fail_on_finding", "profile", "max_abs", "K3", ""])
+BAD_CAUSES = st.sampled_from(["stale_weight", "", "*", "Temperature"])
+
+
+@st.composite
+def policies(draw):
+    """A well-formed policy, or one with exactly one mistake of the kinds people make: a
+    typo'd key, a metric or cause that does not exist, a threshold that is not a finite
+    number >= 0 (tau > 0), the wrong version."""
+    names = draw(st.lists(st.sampled_from(["bfloat16", "x"]), max_size=2, unique=True))
+    if draw(st.integers(0, 5)) > 0:  # the profile the compared float32 files need
+        names.insert(0, "float32")
+    profiles = {}
+    for name in names:
+        profile = {"tau": draw(GOOD_NUMBERS)}
+        if draw(st.booleans()):
+            metrics = st.sampled_from(LIMITED_METRICS)
+            profile["limits"] = draw(st.dictionaries(metrics, GOOD_NUMBERS, max_size=3))
+        profiles[name] = profile
+    policy = {"version": 1, "profiles": profiles}
+    if draw(st.booleans()):
+        policy["fail_on_findings"] = draw(st.lists(st.sampled_from(KNOWN_CAUSES), max_size=3))
+    mistake = draw(st.sampled_from(["none"] * 5 + ["key", "number", "cause", "version"]))
+    profile = profiles[draw(st.sampled_from(names))] if names else policy
+    if mistake == "key":
+        draw(st.sampled_from([policy, profile]))[draw(BAD_KEYS)] = {}
+    elif mistake == "number":
+        if names and draw(st.booleans()):
+            profile["tau"] = draw(BAD_NUMBERS)
+        elif names:
+            profile.setdefault("limits", {})[draw(st.sampled_from(LIMITED_METRICS))] = draw(
+                BAD_NUMBERS
+            )
+    elif mistake == "cause":
+        policy.setdefault("fail_on_findings", []).append(draw(BAD_CAUSES))
+    elif mistake == "version":
+        policy["version"] = draw(st.sampled_from([2, "1", True, 1.0, None]))
+    return policy
+
+
+def _threshold(value, strictly_positive=False) -> bool:
+    return finite_number(value) and (value > 0 if strictly_positive else value >= 0)
+
+
+def policy_is_valid(policy: dict) -> bool:
+    """The documented rules (docs/policy.md), written independently of lpx's schema."""
+    if set(policy) - {"version", "profiles", "fail_on_findings"}:
+        return False
+    if type(policy["version"]) is not int or policy["version"] != 1 or not policy["profiles"]:
+        return False
+    for profile in policy["profiles"].values():
+        if set(profile) - {"tau", "limits"} or not _threshold(profile["tau"], True):
+            return False
+        for metric, limit in profile.get("limits", {}).items():
+            if metric not in LIMITED_METRICS or not _threshold(limit):
+                return False
+    return all(cause in KNOWN_CAUSES for cause in policy.get("fail_on_findings", []))
+
+
+@given(policy=policies(), drift=st.sampled_from([0.0, 1e-3, 0.5]), data=st.data())
+def test_a_policy_is_applied_exactly_or_refused(policy, drift, data):
+    spec = data.draw(token_tables(scored=True))
+    spec["metadata"]["dtype"] = "float32"
+    fixture, replay = build_pair(spec, drift, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_table(fixture, root / "f.parquet")
+        write_table(replay, root / "r.parquet")
+        (root / "policy.yaml").write_text(yaml.safe_dump(policy))
+        out = root / "cmp"
+        usable = policy_is_valid(policy) and "float32" in policy["profiles"]
+        args = ["compare", root / "f.parquet", root / "r.parquet", "--policy", root / "policy.yaml"]
+        result = run_under_contract(
+            root, [*args, "--out", out], [out], expect="good" if usable else "bad"
+        )
+        if not usable:
+            return
+        report = json.loads((out / "report.json").read_text())
+        limits = policy["profiles"]["float32"].get("limits", {})
+        measured = {m: limit for m, limit in limits.items() if m in report["metrics"]}
+        assert sorted(set(limits) - set(measured)) == sorted(report["policy"]["not_measured"])
+        held = all(report["metrics"][m] <= limit for m, limit in measured.items())
+        failing = [
+            f
+            for f in report["diagnosis"]
+            if f["cause"] in policy.get("fail_on_findings", []) and f["severity"] == "fault"
+        ]
+        assert (result.exit_code == 0) == (held and not failing), (limits, report["metrics"])
+
+
+def test_a_policy_that_is_not_yaml_or_not_utf8_is_refused():
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        spec = {
+            "sequence_ids": ["a"],
+            "prompts": [[1]],
+            "completions": [[2]],
+            "masks": [[True]],
+            "rollout": [[-1.0]],
+            "metadata": {"dtype": "float32"},
+        }
+        fixture, replay = build_pair(spec, 0.0, 0)
+        write_table(fixture, root / "f.parquet")
+        write_table(replay, root / "r.parquet")
+        for text in (b"\xff\xfe\x00", b"profiles: [", b"- 1\n- 2\n", b""):
+            (root / "p.yaml").write_bytes(text)
+            args = ["compare", root / "f.parquet", root / "r.parquet", "--policy", root / "p.yaml"]
+            run_under_contract(root, [*args, "--out", root / "c"], [root / "c"], expect="bad")
+
+
+# -- JSONL dumps ---------------------------------------------------------------------------
+
+
+@st.composite
+def dump_records(draw):
+    """A valid generic-preset record with a loss mask."""
+    prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4))
+    response = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=5))
+    return {
+        "prompt_ids": prompt,
+        "response_ids": response,
+        "rollout_log_probs": [draw(st.floats(-15.0, 0.0)) for _ in response],
+        "loss_mask": [draw(st.sampled_from([1, 1, 0, True])) for _ in response],
+    }
+
+
+@given(
+    records=st.lists(dump_records(), min_size=1, max_size=4),
+    mutation=st.one_of(
+        st.none(),
+        st.tuples(
+            st.integers(0, 3),
+            st.sampled_from(["prompt_ids", "response_ids", "rollout_log_probs", "loss_mask"]),
+            JSON_VALUES,
+        ),
+    ),
+    garbage=st.one_of(st.none(), st.sampled_from(["{", "null", "[]", "1e999", '"x"', "\x00"])),
+)
+def test_ingest_accepts_only_what_compare_accepts(records, mutation, garbage):
+    records = copy.deepcopy(records)
+    if mutation is not None:
+        index, field, value = mutation
+        records[index % len(records)][field] = value
+    lines = [dumps_line(r) for r in records] + ([garbage] if garbage else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "d.jsonl").write_text("\n".join(lines) + "\n")
+        out = root / "f.parquet"
+        args = ["ingest", root / "d.jsonl", "--field", "mask=loss_mask", "--out", out]
+        result = run_under_contract(
+            root, args, [out], expect="bad" if garbage else "any" if mutation else "good"
+        )
+        if result.exit_code == 0:
+            # What ingest wrote, the next stage reads and accepts.
+            table = read_table(out, expect_kind="fixture")
+            validate_table(table, out)
+            assert table.num_sequences == len(records)
+        else:
+            assert not out.exists()
+
+
+# -- option values -------------------------------------------------------------------------
+
+OPTION_VALUES = st.one_of(
+    st.integers(-2, 3).map(str),
+    st.sampled_from(["0", "0.5", "1.0", "nan", "inf", "-inf", "1e400", "-0.0", "x", ""]),
+)
+
+
+def _rollout_option_ok(name: str, text: str) -> bool:
+    try:
+        value = float(text)
+    except ValueError:
+        return False
+    whole = value.is_integer() and "." not in text and "e" not in text
+    return {
+        "--max-tokens": whole and value >= 1,
+        "-n": whole and value >= 1,
+        "--top-k": whole and value >= 0,
+        "--temperature": math.isfinite(value) and value >= 0,
+        "--top-p": math.isfinite(value) and 0 < value <= 1,
+    }[name]
+
+
+@given(
+    options=st.dictionaries(
+        st.sampled_from(["--max-tokens", "-n", "--top-k", "--temperature", "--top-p"]),
+        OPTION_VALUES,
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_rollout_option_values_run_or_are_refused_before_any_work(options, tiny_model):
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "prompts.txt").write_text("hello there\n")
+        out = root / "f.parquet"
+        args = ["rollout", "--model", tiny_model, "--prompts", root / "prompts.txt", "--out", out]
+        args += [part for pair in options.items() for part in pair]
+        if "--max-tokens" not in options:
+            args += ["--max-tokens", "3"]
+        good = all(_rollout_option_ok(k, v) for k, v in options.items())
+        result = run_under_contract(root, args, [out], expect="good" if good else "bad")
+        assert out.exists() == (result.exit_code == 0)
