@@ -39,6 +39,10 @@ def replacing(path: Path):
     """Yield a temp path beside ``path``; on success it replaces ``path`` in one rename. A
     crash, error or Ctrl-C leaves the previous file (or none) and never a temp file."""
     path = Path(path)
+    if path.exists() and not path.is_file():
+        # A rename over /dev/null or a FIFO would replace the device node itself (as root).
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise BadInput(f"{path}: is {kind}; give a file path for this output.")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp

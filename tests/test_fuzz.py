@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import yaml
-from hypothesis import assume, event, given
+from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 from pipeline.compare.diagnosis import KNOWN_CAUSES
@@ -24,6 +25,7 @@ from pipeline.compare.policy import LIMITED_METRICS
 from pipeline.fixture.io import read_table, validate_table, write_table
 from tests.fuzzing import (
     JSON_VALUES,
+    PROFILE,
     VOCAB,
     active_count,
     build_pair,
@@ -332,6 +334,7 @@ def dump_records(draw):
             st.integers(0, 3),
             st.sampled_from(["prompt_ids", "response_ids", "rollout_log_probs", "loss_mask"]),
             JSON_VALUES,
+            PROFILE,
         ),
     ),
     garbage=st.one_of(st.none(), st.sampled_from(["{", "null", "[]", "1e999", '"x"', "\x00"])),
@@ -402,3 +405,130 @@ def test_rollout_option_values_run_or_are_refused_before_any_work(options, tiny_
         good = all(_rollout_option_ok(k, v) for k, v in options.items())
         result = run_under_contract(root, args, [out], expect="good" if good else "bad")
         assert out.exists() == (result.exit_code == 0)
+
+
+# -- every command, random arguments -------------------------------------------------------
+
+INPUT_PATHS = [
+    "fixture.parquet",
+    "replay.parquet",
+    "dump.jsonl",
+    "prompts.txt",
+    "policy.yaml",
+    "missing.parquet",
+    "indir",
+    "",
+    "../outside",
+    "garbage.bin",
+]
+OUTPUT_PATHS = ["out", "out/x.parquet", "fixture.parquet", "../outside", "indir", "", "fifo"]
+WORDS = ["", "x", "a=b", "=", "../x", "\x1b[2J", "hf", "vllm", "float32", "bf16", "1", "-1", "nan"]
+NUMERIC = ("IntRange", "IntParamType", "FiniteFloat", "FloatParamType", "FloatRange")
+OUTPUT_NAMES = ("out", "out_dir", "out_path", "report_dir", "db")
+# Commands that load a model when their arguments are valid: fewer examples in `fast`.
+ENGINE_COMMANDS = {"rollout", "replay", "sweep", "smoke", "make-model", "inject"}
+
+
+def _leaf_commands():
+    import click
+
+    from pipeline.cli import cli
+
+    def walk(group, prefix):
+        for name, command in sorted(group.commands.items()):
+            if isinstance(command, click.Group):
+                yield from walk(command, [*prefix, name])
+            else:
+                yield [*prefix, name], command
+
+    return list(walk(cli, []))
+
+
+def _value(draw, param, model: str) -> str:
+    kind = type(param.type).__name__
+    if param.name in OUTPUT_NAMES:
+        return draw(st.sampled_from(OUTPUT_PATHS))
+    if param.name == "model_dir":
+        return draw(st.sampled_from([model, model, "indir", "missing-model"]))
+    if kind == "Path":
+        return draw(st.sampled_from(INPUT_PATHS))
+    if kind == "Choice":
+        return draw(st.sampled_from([*param.type.choices, "bogus"]))
+    if kind in NUMERIC:
+        return draw(st.sampled_from(["0", "1", "2", "-1", "nan", "inf", "1e400", "x", ""]))
+    return draw(st.sampled_from(WORDS))
+
+
+@st.composite
+def command_lines(draw, params, model):
+    import click
+
+    argv = []
+    for param in params:
+        if isinstance(param, click.Argument):
+            argv.append(_value(draw, param, model))
+        elif getattr(param, "is_flag", False):
+            if draw(st.booleans()):
+                argv.append(param.opts[0])
+        elif param.required or draw(st.integers(0, 2)) == 0:
+            for _ in range(draw(st.integers(1, 2)) if param.multiple else 1):
+                argv += [param.opts[0], _value(draw, param, model)]
+    return argv
+
+
+def _workspace(root: Path, run_dir: Path) -> Path:
+    """Inputs of every kind in ROOT/work (the cwd), a FIFO where an output might go."""
+    import os
+    import shutil
+
+    work = root / "work"
+    (work / "indir").mkdir(parents=True)
+    shutil.copy(run_dir / "fixture.parquet", work / "fixture.parquet")
+    shutil.copy(run_dir / "replay-float32.parquet", work / "replay.parquet")
+    (work / "dump.jsonl").write_text(
+        '{"prompt_ids": [1, 5], "response_ids": [7, 8], "rollout_log_probs": [-1.5, -0.2]}\n'
+    )
+    (work / "prompts.txt").write_text("hello there\n")
+    (work / "policy.yaml").write_text("version: 1\nprofiles: {float32: {tau: 1.0e-4}}\n")
+    (work / "garbage.bin").write_bytes(bytes(range(256)))
+    os.mkfifo(work / "fifo")
+    return work
+
+
+@pytest.mark.parametrize(
+    "path, command", _leaf_commands(), ids=lambda v: " ".join(v) if isinstance(v, list) else ""
+)
+def test_every_command_keeps_the_contract_on_random_arguments(path, command, run_dir, tiny_model):
+    import contextlib
+    import os
+
+    engine = path[0] in ENGINE_COMMANDS
+    examples = {"fast": 4 if engine else 25, "long": 60 if engine else 400}[PROFILE]
+
+    @settings(max_examples=examples)
+    @given(argv=command_lines(command.params, str(tiny_model)))
+    def check(argv):
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            work = _workspace(root, run_dir)
+            inputs = {
+                p.name: p.read_bytes() for p in work.iterdir() if p.is_file() and p.name != "fifo"
+            }
+            # The contract: writes only at paths named on the command line, the default
+            # history and report under ./runs, and lpx's own cache.
+            allowed = [*(work / a for a in argv if a), work / "runs", root / "cache"]
+            saved = os.environ.get("LPX_CACHE")
+            os.environ["LPX_CACHE"] = str(root / "cache")
+            try:
+                with contextlib.chdir(work):
+                    run_under_contract(root, [*path, *argv], allowed)
+            finally:
+                os.environ.pop("LPX_CACHE")
+                if saved is not None:
+                    os.environ["LPX_CACHE"] = saved
+            for name, data in inputs.items():  # an input is never modified
+                if (work / name).exists() and (work / name).is_file():
+                    assert (work / name).read_bytes() == data, f"{name} was changed"
+            assert (work / "fifo").exists() and not (work / "fifo").is_file()
+
+    check()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from pipeline.commands.options import OUTPUT_DIR
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
 
 
@@ -18,7 +19,7 @@ from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
     "--out",
     "out_dir",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OUTPUT_DIR,
     help="Directory for report.json, tokens.parquet and summary.md.",
 )
 @click.option(

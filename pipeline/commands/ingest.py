@@ -4,12 +4,13 @@ from pathlib import Path
 
 import click
 
+from pipeline.commands.options import OUTPUT_FILE
 from pipeline.fixture.ingest import PRESETS
 
 
 @click.command()
 @click.argument("jsonl_path", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", "out_path", required=True, type=OUTPUT_FILE)
 @click.option(
     "--preset",
     type=click.Choice(sorted(PRESETS)),

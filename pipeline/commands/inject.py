@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import NON_NEGATIVE
+from pipeline.commands.options import NON_NEGATIVE, OUTPUT_FILE
 from pipeline.inject import FAULT_KINDS
 
 
@@ -19,7 +19,7 @@ from pipeline.inject import FAULT_KINDS
     show_default=True,
     help="First completion position the fault affects.",
 )
-@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", "out_path", required=True, type=OUTPUT_FILE)
 @click.option(
     "--model",
     "model_dir",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import click
 
@@ -60,3 +62,29 @@ NON_NEGATIVE = click.IntRange(min=0)
 TEMPERATURE = FiniteFloat(min=0.0)  # 0 = greedy
 TOP_P = FiniteFloat(min=0.0, max=1.0, min_open=True)
 REPLAY_TEMPERATURE = FiniteFloat(min=0.0, min_open=True)  # logits are divided by it
+
+
+class OutputPath(click.Path):
+    """Where a command writes: never empty (an empty --out would mean the current directory),
+    and, when it exists, of the right kind. click.Path's own check only looks for regular
+    files, so a FIFO or a device such as /dev/null would pass it and a rename over it would
+    replace the node itself."""
+
+    def __init__(self, directory: bool):
+        super().__init__(file_okay=not directory, dir_okay=directory, path_type=Path)
+        self.directory = directory
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty path; name the output.", param, ctx)
+        path = super().convert(value, param, ctx)
+        if os.path.lexists(path):
+            right_kind = os.path.isdir(path) if self.directory else os.path.isfile(path)
+            if not right_kind:
+                wanted = "a directory" if self.directory else "a regular file"
+                self.fail(f"{str(path)!r} exists and is not {wanted}.", param, ctx)
+        return path
+
+
+OUTPUT_FILE = OutputPath(directory=False)
+OUTPUT_DIR = OutputPath(directory=True)

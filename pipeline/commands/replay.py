@@ -7,6 +7,7 @@ import click
 
 from pipeline.commands.options import (
     COUNT,
+    OUTPUT_FILE,
     REPLAY_TEMPERATURE,
     knob_options,
     parse_knobs,
@@ -22,7 +23,7 @@ from pipeline.commands.options import (
     type=click.Path(file_okay=False, path_type=Path),
     help="Model directory [default: the one recorded in the fixture].",
 )
-@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", "out_path", required=True, type=OUTPUT_FILE)
 @click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16.")
 @click.option("--micro-batch-size", type=COUNT, default=8, show_default=True)
 @click.option(

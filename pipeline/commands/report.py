@@ -1,10 +1,8 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
-from pipeline.commands.options import db_option
+from pipeline.commands.options import OUTPUT_DIR, db_option
 
 
 @click.command()
@@ -13,7 +11,7 @@ from pipeline.commands.options import db_option
     "--out",
     "out_dir",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OUTPUT_DIR,
     help="Directory for the site (index.html, series/, runs/, assets/); replaced whole.",
 )
 def report(db, out_dir):

@@ -7,6 +7,7 @@ import click
 from pipeline.commands.options import (
     COUNT,
     NON_NEGATIVE,
+    OUTPUT_FILE,
     TEMPERATURE,
     TOP_P,
     knob_options,
@@ -28,7 +29,7 @@ from pipeline.commands.options import (
     type=click.Path(dir_okay=False, path_type=Path),
     help="Text lines, or JSONL with `prompt_ids` or `text` per line.",
 )
-@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", "out_path", required=True, type=OUTPUT_FILE)
 @click.option("--max-tokens", type=COUNT, default=32, show_default=True)
 @click.option("--temperature", type=TEMPERATURE, default=1.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=NON_NEGATIVE, default=0, show_default=True, help="0 = off.")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import db_option
+from pipeline.commands.options import OUTPUT_DIR, db_option
 
 
 @click.command()
@@ -13,7 +13,7 @@ from pipeline.commands.options import db_option
     "out_dir",
     default="runs/smoke",
     show_default=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OUTPUT_DIR,
 )
 @click.option(
     "--model",
@@ -31,7 +31,7 @@ from pipeline.commands.options import db_option
     "report_dir",
     default="runs/report",
     show_default=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OUTPUT_DIR,
     help="Where the history's HTML report is rendered after recording the run.",
 )
 @click.option("--no-history", is_flag=True, help="Do not record the run or render the report.")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import COUNT, TEMPERATURE
+from pipeline.commands.options import COUNT, OUTPUT_DIR, TEMPERATURE
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
 
 
@@ -16,7 +16,7 @@ from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
 @click.option(
     "--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False, path_type=Path)
 )
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "out_dir", required=True, type=OUTPUT_DIR)
 @click.option(
     "--setting",
     "settings",
