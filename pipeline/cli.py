@@ -24,10 +24,30 @@ from pipeline.commands.report import report
 from pipeline.commands.rollout import rollout
 from pipeline.commands.smoke import smoke
 from pipeline.commands.sweep import sweep
-from pipeline.errors import EXIT_BAD_INPUT, Interrupted
+from pipeline.errors import EXIT_BAD_INPUT, BadInput, Interrupted
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "LPX"})
+class LpxGroup(click.Group):
+    """Turns a file-system error anywhere under a command (a parent that is a file, no
+    permission, a full disk) into one line naming the path, exit 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except OSError as error:
+            if error.filename is None:
+                raise
+            where = f"{error.filename}" + (f" -> {error.filename2}" if error.filename2 else "")
+            raise BadInput(
+                f"{where}: {error.strerror or error}; check the path and its parent directories "
+                "(an output's parent must be a directory you can write)."
+            ) from None
+
+
+@click.group(
+    cls=LpxGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "LPX"},
+)
 @click.version_option(__version__, prog_name="lpx")
 def cli() -> None:
     """lpx: do your rollout and training engines assign the same logprobs to the same tokens?

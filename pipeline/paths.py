@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipeline.errors import BadInput
 
+LOCK = ".lpx-lock"  # held by the process writing an output directory
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 
@@ -54,3 +55,22 @@ def replacing(path: Path):
 def write_text_atomic(path: Path, text: str) -> None:
     with replacing(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+@contextmanager
+def output_lock(out_dir: Path):
+    """An exclusive lock on an output directory, refused at once when another lpx holds it."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(out_dir / LOCK))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise BadInput(
+            f"{out_dir}: another lpx process is writing here right now; wait for it or choose "
+            "another --out."
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()

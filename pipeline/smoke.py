@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION, BadInput, Interrupted
+from pipeline.paths import output_lock
 from pipeline.run_manifest import add_stage, finish, new_manifest, write_manifest
 
 SMOKE_SAMPLING = {"max_tokens": 32, "temperature": 1.0, "seed": 0, "samples_per_prompt": 2}
@@ -66,18 +67,19 @@ def run_smoke(
     out_dir = Path(out_dir)
     model_dir = user_model_dir(Path(model_dir)) if model_dir else None  # bad input: no run
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifest = new_manifest("smoke", f"lpx smoke --out {out_dir}")
-    write_manifest(out_dir, manifest)
-    try:
-        code = _smoke_stages(out_dir, model_dir, rollout_engine, manifest)
-    except BaseException as error:
-        message = str(error.format_message() if isinstance(error, BadInput) else error)
-        add_stage(manifest, "smoke", "error", f"{type(error).__name__}: {message}".strip())
+    with output_lock(out_dir):  # a second smoke into the same --out fails at once
+        manifest = new_manifest("smoke", f"lpx smoke --out {out_dir}")
+        write_manifest(out_dir, manifest)
+        try:
+            code = _smoke_stages(out_dir, model_dir, rollout_engine, manifest)
+        except BaseException as error:
+            message = str(error.format_message() if isinstance(error, BadInput) else error)
+            add_stage(manifest, "smoke", "error", f"{type(error).__name__}: {message}".strip())
+            write_manifest(out_dir, finish(manifest))
+            if report_dir is not None and not isinstance(error, (KeyboardInterrupt, Interrupted)):
+                _record_and_report(out_dir, db, report_dir)
+            raise
         write_manifest(out_dir, finish(manifest))
-        if report_dir is not None and not isinstance(error, (KeyboardInterrupt, Interrupted)):
-            _record_and_report(out_dir, db, report_dir)
-        raise
-    write_manifest(out_dir, finish(manifest))
     if report_dir is not None:
         _record_and_report(out_dir, db, report_dir)
     return code

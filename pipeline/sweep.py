@@ -21,7 +21,7 @@ from pipeline.engines.base import SamplingParams
 from pipeline.errors import BadInput
 from pipeline.fixture.io import write_table
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable, table_from_sequences
-from pipeline.paths import safe_name
+from pipeline.paths import output_lock, safe_name, write_text_atomic
 
 
 @dataclass
@@ -60,15 +60,18 @@ def run_sweep(
     if len(set(names)) < len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise BadInput(f"--setting names must differ; {', '.join(twice)} given more than once.")
-    names = [s.name for s in settings]
-    if len(set(names)) != len(names):
-        raise BadInput(f"setting names must be unique: {', '.join(names)}.")
-    many = getattr(engine, "rollout_settings", None)
-    if many is not None:
-        fixtures = many(model_dir, prompts, sampling, [s.knobs for s in settings])
-    else:
-        fixtures = [engine.rollout(model_dir, prompts, sampling, s.knobs) for s in settings]
     out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with output_lock(out_dir):  # a second sweep into the same --out fails at once
+        many = getattr(engine, "rollout_settings", None)
+        if many is not None:
+            fixtures = many(model_dir, prompts, sampling, [s.knobs for s in settings])
+        else:
+            fixtures = [engine.rollout(model_dir, prompts, sampling, s.knobs) for s in settings]
+        return _write_sweep(out_dir, settings, fixtures)
+
+
+def _write_sweep(out_dir: Path, settings, fixtures) -> list[dict]:
     baseline_name, baseline = settings[0].name, fixtures[0]
     write_table(baseline, out_dir / f"fixture-{baseline_name}.parquet")
     rows = [
@@ -97,7 +100,7 @@ def run_sweep(
                 "report": str(paths["report"]),
             }
         )
-    (out_dir / "sweep.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    write_text_atomic(out_dir / "sweep.json", json.dumps(rows, indent=1, default=str) + "\n")
     return rows
 
 

@@ -22,7 +22,7 @@ def for_markdown(value) -> str:
     """Inert inline markdown: one line (it can never start a heading or a list), control
     characters visible, and the characters that act mid-line escaped (emphasis, code, links,
     table cells, HTML tags)."""
-    return for_terminal(value).translate(MARKDOWN_SPECIALS)
+    return for_terminal(str(value).translate(MARKDOWN_SPECIALS))
 
 
 def _visible(char: str) -> str:

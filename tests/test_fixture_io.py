@@ -333,19 +333,23 @@ def test_comparing_nothing_is_never_a_pass(run_dir, tmp_path):
 
 
 def test_a_sequence_id_cannot_inject_markdown_into_the_summary(run_dir, tmp_path):
+    """Nor clear or recolour the terminal (ESC) or reverse the text after it (U+202E)."""
     from pipeline.fixture.io import read_table, write_table
     from tests.helpers import run_lpx
 
-    hostile = "0-0\n# PASS <script>alert(1)</script> | **bold**"
+    hostile = "0-0\n# PASS <script>alert(1)</script> | **bold** \x1b[2J\u202e"
     paths = {}
     for name in ("fixture", "replay-bfloat16"):
         table = read_table(run_dir / f"{name}.parquet")
         table.sequence_ids = [hostile if s == "0-1" else s for s in table.sequence_ids]
         paths[name] = write_table(table, tmp_path / f"{name}.parquet")
-    run_lpx("compare", paths["fixture"], paths["replay-bfloat16"], "--out", tmp_path / "c")
+    result = run_lpx("compare", paths["fixture"], paths["replay-bfloat16"], "--out", tmp_path / "c")
     summary = (tmp_path / "c" / "summary.md").read_text()
     assert "\n# PASS" not in summary and "<script>" not in summary and "**bold**" not in summary
-    assert r"0-0 # PASS \<script\>alert(1)\</script\> \| \*\*bold\*\*" in summary
+    escaped = r"0-0\x0a\# PASS \<script\>alert(1)\</script\> \| \*\*bold\*\* \x1b\[2J\u202e"
+    assert escaped in summary
+    for shown in (result.output, run_lpx("fixture", "show", paths["fixture"]).output):
+        assert "\x1b" not in shown and "\u202e" not in shown and "\\x1b" in shown
 
 
 def test_a_failed_rewrite_never_leaves_the_old_verdict_beside_new_files(

@@ -55,9 +55,37 @@ def test_outputs_never_replace_inputs(run_dir, tiny_model, tmp_path):
     for command, *args in cases:
         result = run_lpx(command, *args)
         assert result.exit_code == 2, (command, result.output)
-        assert "is also an input" in result.output and "never replaces" in result.output
+        # A dump is refused before that: it is not an lpx file (next test).
+        assert ("is also an input" in result.output and "never replaces" in result.output) or (
+            command == "ingest" and "not an lpx file" in result.output
+        )
     assert (tmp_path / "fixture.parquet").read_bytes() == before
     assert dump.read_text().startswith('{"prompt_ids"')
+
+
+def test_an_output_never_replaces_a_file_lpx_did_not_write(run_dir, tmp_path):
+    """Found by the fuzz suite's long profile: `ingest a.jsonl --out b.jsonl` replaced the
+    user's other dump. lpx replaces only files it wrote (Parquet with its header)."""
+    dump = tmp_path / "d.jsonl"
+    dump.write_text('{"prompt_ids": [1, 2], "response_ids": [3], "rollout_log_probs": [-0.5]}\n')
+    theirs = tmp_path / "theirs.parquet"
+    theirs.write_bytes(b"someone else's data")
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text("keep me\n")
+    for out in (theirs, notes):
+        result = run_lpx("ingest", dump, "--out", out)
+        assert result.exit_code == 2 and "is not an lpx file" in result.output
+    assert theirs.read_bytes() == b"someone else's data" and notes.read_text() == "keep me\n"
+    ours = shutil.copy(run_dir / "fixture.parquet", tmp_path / "ours.parquet")
+    assert run_lpx("ingest", dump, "--out", ours).exit_code == 0  # an lpx file: replaced
+
+
+def test_an_output_under_a_file_is_one_line(tmp_path):
+    """Found by the fuzz suite's long profile: `report --out FILE/x` was a NotADirectoryError."""
+    (tmp_path / "afile").write_text("x")
+    result = run_lpx("report", "--db", tmp_path / "h.db", "--out", tmp_path / "afile" / "site")
+    assert result.exit_code == 2 and "Not a directory" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and (tmp_path / "afile").read_text() == "x"
 
 
 @pytest.mark.parametrize(

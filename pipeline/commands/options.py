@@ -83,7 +83,24 @@ class OutputPath(click.Path):
             if not right_kind:
                 wanted = "a directory" if self.directory else "a regular file"
                 self.fail(f"{str(path)!r} exists and is not {wanted}.", param, ctx)
+            if not self.directory and not _written_by_lpx(path):
+                self.fail(
+                    f"{str(path)!r} exists and is not an lpx file; lpx replaces only files it "
+                    "wrote. Choose another path, or move that file away first.",
+                    param,
+                    ctx,
+                )
         return path
+
+
+def _written_by_lpx(path) -> bool:
+    """A Parquet file with lpx's header: a fixture or replay an earlier run wrote."""
+    import pyarrow.parquet as pq
+
+    try:
+        return b"lpx" in (pq.read_schema(path).metadata or {})
+    except Exception:  # not Parquet at all (a dump, a policy, a truncated file)
+        return False
 
 
 OUTPUT_FILE = OutputPath(directory=False)

@@ -6,9 +6,9 @@ import json
 import re
 from pathlib import Path
 
-from pipeline.compare.outputs import REPORT, SUMMARY, output_lock, write_outputs
+from pipeline.compare.outputs import REPORT, SUMMARY, write_outputs
 from pipeline.compare.run import Comparison
-from pipeline.paths import write_text_atomic
+from pipeline.paths import output_lock, write_text_atomic
 from pipeline.text import for_markdown as _md
 
 MATRIX_METRICS = ("max_abs_diff", "mean_abs_diff", "p99_abs_diff", "k3", "top1_flip_rate")

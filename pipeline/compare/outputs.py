@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.compare.run import Comparison
-from pipeline.errors import BadInput
-from pipeline.paths import replacing, write_text_atomic
+from pipeline.paths import output_lock, replacing, write_text_atomic
 from pipeline.text import for_markdown as _md
 
 REPORT = "report.json"
-LOCK = ".lpx-lock"
 TOKENS = "tokens.parquet"
 SUMMARY = "summary.md"
 SUMMARY_METRICS = (
@@ -55,25 +52,6 @@ def write_outputs(comparison: Comparison, out_dir: Path) -> dict[str, Path]:
             paths["report"], json.dumps(_json_safe(comparison.report), indent=1) + "\n"
         )
     return paths
-
-
-@contextmanager
-def output_lock(out_dir: Path):
-    """An exclusive lock on an output directory, refused at once when another lpx holds it."""
-    from filelock import FileLock, Timeout
-
-    lock = FileLock(str(out_dir / LOCK))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise BadInput(
-            f"{out_dir}: another lpx process is writing here right now; wait for it or choose "
-            "another --out."
-        ) from None
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def render_summary(report: dict) -> str:
