@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION, BadInput, Interrupted
-from pipeline.paths import output_lock
+from pipeline.paths import output_lock, write_text_atomic
 from pipeline.run_manifest import add_stage, finish, new_manifest, write_manifest
 
 SMOKE_SAMPLING = {"max_tokens": 32, "temperature": 1.0, "seed": 0, "samples_per_prompt": 2}
@@ -146,7 +146,7 @@ def _smoke_stages(
             f"mean|d| {metrics['mean_abs_diff']:.3g}  k3 {metrics['k3']:.2g}  findings: {causes}"
         )
         results[dtype] = {"verdict": report["verdict"], "report": str(paths["report"])}
-    (out_dir / "smoke.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_text_atomic(out_dir / "smoke.json", json.dumps(results, indent=1) + "\n")
     failed = [d for d, r in results.items() if r["verdict"] != "pass"]
     click.echo(
         f"smoke: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}; outputs in {out_dir}"
