@@ -22,6 +22,7 @@ from pipeline.commands.record import record
 from pipeline.commands.replay import replay
 from pipeline.commands.report import report
 from pipeline.commands.rollout import rollout
+from pipeline.commands.run import run
 from pipeline.commands.smoke import smoke
 from pipeline.commands.sweep import sweep
 from pipeline.errors import EXIT_BAD_INPUT, BadInput, Interrupted
@@ -70,6 +71,7 @@ def cli() -> None:
 
 
 COMMANDS = (
+    run,
     make_model,
     rollout,
     replay,

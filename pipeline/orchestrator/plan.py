@@ -1,0 +1,141 @@
+"""A run plan (PLAN.yaml): what `lpx run` rolls out, replays, compares and records.
+
+Validated strictly, like a policy: an unknown key, engine or dtype is exit 2 naming the key
+path, so a typo never silently drops a replay. Format and examples: docs/orchestrator.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pipeline.engines import engine_names
+from pipeline.engines.base import DTYPE_ALIASES, DTYPES
+from pipeline.errors import BadInput
+from pipeline.paths import safe_name
+
+Dtype = Literal[DTYPES + tuple(DTYPE_ALIASES)]
+Knobs = dict[str, str | int | float | bool]
+Count = Annotated[int, Field(ge=1, strict=True)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Sampling(_Strict):
+    max_tokens: Count = 32
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
+    top_k: Annotated[int, Field(ge=0, strict=True)] = 0
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    seed: Annotated[int, Field(strict=True)] = 0
+    samples_per_prompt: Count = 1
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+
+
+class Rollout(_Strict):
+    engine: str
+    image: str | None = None
+    dtype: Dtype = "float32"
+    knobs: Knobs = {}
+
+    @field_validator("engine")
+    @classmethod
+    def _known_rollout(cls, name: str) -> str:
+        return _known(name, "lpx.rollout_engines")
+
+
+class Replay(_Strict):
+    name: str
+    engine: str
+    image: str | None = None
+    dtype: Dtype = "float32"
+    nproc: Count = 1
+    knobs: Knobs = {}
+
+    @field_validator("engine")
+    @classmethod
+    def _known_scoring(cls, name: str) -> str:
+        return _known(name, "lpx.scoring_engines")
+
+    @field_validator("name")
+    @classmethod
+    def _file_name(cls, name: str) -> str:
+        try:
+            return safe_name(name, "replay name")
+        except BadInput as error:
+            raise ValueError(error.format_message()) from None
+
+
+class History(_Strict):
+    db: str | None = None  # default: LPX_DB, else runs/lpx.db
+    report: str | None = None  # where the HTML report is rendered; none: not rendered
+    kind: Literal["nightly", "smoke", "manual"] = "manual"
+
+
+class Plan(_Strict):
+    version: Literal[1]
+    name: str
+    model: str = "tiny"  # "tiny": the tiny model lpx builds into the run dir; else a directory
+    prompts: str = "bundled"  # "bundled": the smoke's prompt texts; else a text or JSONL file
+    sampling: Sampling = Sampling()
+    rollout: Rollout
+    replays: list[Replay] = Field(min_length=1)
+    policy: str | None = None
+    history: History = History()
+    stage_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 3600.0
+
+    @field_validator("replays")
+    @classmethod
+    def _distinct(cls, replays: list[Replay]) -> list[Replay]:
+        names = [r.name for r in replays]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"replay names must differ; {', '.join(twice)} appears twice")
+        return replays
+
+
+def _known(name: str, group: str) -> str:
+    names = engine_names(group)
+    if name not in names:
+        raise ValueError(f"unknown engine {name!r}; known: {', '.join(names)}")
+    return name
+
+
+def load_plan(path: Path) -> Plan:
+    """Read and validate PLAN.yaml; relative paths in it are relative to the plan's folder."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise BadInput(f"{path}: not UTF-8 text; save the plan as UTF-8 YAML.") from None
+    except OSError as error:
+        raise BadInput(f"{path}: cannot read the plan ({error.strerror}).") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(error, "problem", error)
+        raise BadInput(f"{path}{where}: not valid YAML ({problem}).") from None
+    try:
+        plan = Plan.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the plan"
+        reason = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+        raise BadInput(f"{path}: {where}: {reason} (see docs/orchestrator.md).") from None
+    return _resolved(plan, path.parent)
+
+
+def _resolved(plan: Plan, base: Path) -> Plan:
+    def local(value: str | None, keep: tuple[str, ...] = ()) -> str | None:
+        if value is None or value in keep or "://" in value:
+            return value
+        return str((base / value).resolve())
+
+    plan.model = local(plan.model, ("tiny",))
+    plan.prompts = local(plan.prompts, ("bundled",))
+    plan.policy = local(plan.policy)
+    return plan

@@ -1,0 +1,124 @@
+"""A plan expanded into stage jobs: model -> rollout -> replays -> compare -> record -> report.
+
+Each stage is one `lpx` command line over files in the run directory, so a runner only
+starts processes (or containers) and never imports an engine. Paths are relative to the run
+directory; the runner decides where that directory is mounted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.orchestrator.plan import Plan
+
+FIXTURE = "fixture.parquet"
+PROMPTS = "prompts.txt"
+MODEL = "model"
+COMPARE = "compare"
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    argv: list[str]  # `lpx` arguments
+    outputs: list[str]  # relative to the run directory; all present = the stage is done
+    needs: list[str] = field(default_factory=list)  # stages whose outputs it reads
+    image: str | None = None
+    nproc: int = 1
+    # What an exit code 1 means: "fail" (a comparison found drift) or "error".
+    exit_1: str = "error"
+
+
+def expand(plan: Plan) -> list[Stage]:
+    stages = []
+    model = plan.model
+    if plan.model == "tiny":
+        model = MODEL
+        stages.append(
+            Stage(
+                "model", ["make-model", MODEL], [f"{MODEL}/config.json"], image=plan.rollout.image
+            )
+        )
+    sampling = plan.sampling
+    rollout_argv = [
+        "rollout",
+        "--engine",
+        plan.rollout.engine,
+        "--model",
+        model,
+        "--prompts",
+        PROMPTS if plan.prompts == "bundled" else plan.prompts,
+        "--out",
+        FIXTURE,
+        "--dtype",
+        plan.rollout.dtype,
+        "--max-tokens",
+        str(sampling.max_tokens),
+        "--temperature",
+        repr(sampling.temperature),
+        "--top-k",
+        str(sampling.top_k),
+        "--top-p",
+        repr(sampling.top_p),
+        "--seed",
+        str(sampling.seed),
+        "-n",
+        str(sampling.samples_per_prompt),
+        "--logprobs-mode",
+        sampling.logprobs_mode,
+        *_knobs(plan.rollout.knobs),
+    ]
+    needs_model = ["model"] if plan.model == "tiny" else []
+    stages.append(Stage("rollout", rollout_argv, [FIXTURE], needs_model, plan.rollout.image))
+    for replay in plan.replays:
+        argv = [
+            "replay",
+            FIXTURE,
+            "--engine",
+            replay.engine,
+            "--dtype",
+            replay.dtype,
+            "--out",
+            replay_file(replay.name),
+            "--model",
+            model,
+            *(["--nproc", str(replay.nproc)] if replay.nproc > 1 else []),
+            *_knobs(replay.knobs),
+        ]
+        stages.append(
+            Stage(
+                f"replay-{replay.name}",
+                argv,
+                [replay_file(replay.name)],
+                ["rollout"],
+                replay.image,
+                replay.nproc,
+            )
+        )
+    return stages
+
+
+def compare_stage(plan: Plan, replay_names: list[str]) -> Stage:
+    """The comparison of the fixture with the replays that finished (a pair or a matrix)."""
+    argv = ["compare", FIXTURE, *(replay_file(n) for n in replay_names), "--out", COMPARE]
+    argv += ["--policy", plan.policy] if plan.policy else []
+    return Stage(
+        "compare",
+        [*argv, "--quiet"],
+        [f"{COMPARE}/report.json"],
+        [f"replay-{n}" for n in replay_names],
+        plan.rollout.image,
+        exit_1="fail",
+    )
+
+
+def replay_file(name: str) -> str:
+    return f"replay-{name}.parquet"
+
+
+def _knobs(knobs: dict) -> list[str]:
+    pairs = []
+    for key, value in knobs.items():
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        pairs += ["--set", f"{key}={text}"]
+    return pairs

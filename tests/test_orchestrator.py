@@ -1,0 +1,133 @@
+"""`lpx run PLAN.yaml --runner local`: stages as processes, partial runs kept, --resume."""
+
+import json
+
+import pytest
+import yaml
+
+from tests.helpers import run_lpx
+
+
+def write_plan(tmp_path, model, **changes):
+    plan = {
+        "version": 1,
+        "name": "t",
+        "model": str(model),
+        "sampling": {"max_tokens": 8, "samples_per_prompt": 1},
+        "rollout": {"engine": "hf", "dtype": "fp32"},
+        "replays": [
+            {"name": "fp32", "engine": "hf", "dtype": "fp32"},
+            {"name": "bf16", "engine": "hf", "dtype": "bf16"},
+        ],
+        "history": {"db": str(tmp_path / "h.db"), "report": str(tmp_path / "site")},
+    }
+    plan.update(changes)
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    return path
+
+
+def manifest(run_dir):
+    return json.loads((run_dir / "lpx-run.json").read_text())
+
+
+def statuses(run_dir):
+    return {s["name"]: s["status"] for s in manifest(run_dir)["stages"]}
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (
+            {"replays": [{"name": "x", "engine": "hff"}]},
+            "replays.0.engine: Value error, unknown engine 'hff'",
+        ),
+        ({"rollout": {"engine": "hf", "dtyp": "fp32"}}, "rollout.dtyp: unknown key"),
+        ({"replays": [{"name": "../x", "engine": "hf"}]}, "replays.0.name"),
+        ({"replays": []}, "replays: List should have at least 1 item"),
+        ({"sampling": {"max_tokens": 0}}, "sampling.max_tokens"),
+        ({"version": 2}, "version"),
+        (
+            {"replays": [{"name": "a", "engine": "hf"}, {"name": "a", "engine": "hf"}]},
+            "appears twice",
+        ),
+    ],
+)
+def test_a_bad_plan_is_one_line_naming_the_key(change, expected, tmp_path):
+    plan = write_plan(tmp_path, "tiny", **change)
+    result = run_lpx("run", plan, "--out", tmp_path / "run")
+    assert result.exit_code == 2 and expected in result.output, result.output
+    assert str(plan) in result.output and not (tmp_path / "run").exists()
+
+
+def test_a_plan_runs_records_and_reports(tiny_model, tmp_path):
+    plan = write_plan(tmp_path, tiny_model)
+    run_dir = tmp_path / "run"
+    result = run_lpx("run", plan, "--out", run_dir)
+    assert result.exit_code == 0, result.output
+    assert statuses(run_dir) == {
+        "rollout": "ok",
+        "replay-fp32": "ok",
+        "replay-bf16": "ok",
+        "compare": "ok",
+    }
+    assert manifest(run_dir)["status"] == "pass"
+    matrix = json.loads((run_dir / "compare" / "report.json").read_text())
+    assert matrix["verdict"] == "pass" and len(matrix["pairs"]) == 2
+    assert (tmp_path / "site" / "index.html").is_file()
+    assert (run_dir / "logs" / "rollout.log").is_file()
+    history = run_lpx("history", "--db", tmp_path / "h.db", "--json")
+    runs = json.loads(history.output)
+    assert len(runs) == 1 and runs[0]["status"] == "pass", history.output
+    assert run_lpx("run", plan, "--out", run_dir).exit_code == 2  # never over a finished run
+
+
+def test_a_failing_stage_keeps_what_finished_and_resume_reruns_only_it(tiny_model, tmp_path):
+    plan = write_plan(
+        tmp_path,
+        tiny_model,
+        replays=[
+            {"name": "fp32", "engine": "hf", "dtype": "fp32"},
+            {"name": "broken", "engine": "hf", "dtype": "fp32", "knobs": {"padding_side": "up"}},
+        ],
+    )
+    run_dir = tmp_path / "run"
+    result = run_lpx("run", plan, "--out", run_dir)
+    assert result.exit_code == 2, result.output
+    stages = {s["name"]: s for s in manifest(run_dir)["stages"]}
+    assert stages["replay-broken"]["status"] == "error"
+    assert "padding_side" in stages["replay-broken"]["message"]
+    assert stages["compare"]["status"] == "ok"  # the replay that finished is compared
+    assert (run_dir / "replay-fp32.parquet").is_file()
+    runs = json.loads(run_lpx("history", "--db", tmp_path / "h.db", "--json").output)
+    assert [r["status"] for r in runs] == ["error"]
+
+    fixture_before = (run_dir / "fixture.parquet").stat().st_mtime_ns
+    write_plan(
+        tmp_path,
+        tiny_model,
+        replays=[
+            {"name": "fp32", "engine": "hf", "dtype": "fp32"},
+            {"name": "broken", "engine": "hf", "dtype": "fp32", "knobs": {"padding_side": "left"}},
+        ],
+    )
+    result = run_lpx("run", plan, "--out", run_dir, "--resume")
+    assert result.exit_code == 0, result.output
+    stages = {s["name"]: s for s in manifest(run_dir)["stages"]}
+    assert stages["rollout"]["message"] == "kept from the resumed run"
+    assert stages["replay-fp32"]["message"] == "kept from the resumed run"
+    assert stages["replay-broken"]["status"] == "ok" and "seconds" in stages["replay-broken"]
+    assert (run_dir / "fixture.parquet").stat().st_mtime_ns == fixture_before
+    runs = json.loads(run_lpx("history", "--db", tmp_path / "h.db", "--json").output)
+    assert sorted(r["status"] for r in runs) == ["error", "pass"]
+
+
+def test_a_stage_past_its_timeout_is_killed_and_named(tiny_model, tmp_path):
+    plan = write_plan(tmp_path, tiny_model, stage_timeout_s=0.5)
+    run_dir = tmp_path / "run"
+    result = run_lpx("run", plan, "--out", run_dir)
+    assert result.exit_code == 2
+    stages = {s["name"]: s for s in manifest(run_dir)["stages"]}
+    assert stages["rollout"]["status"] == "error"
+    assert "timed out after 0.5 s" in stages["rollout"]["message"]
+    assert stages["replay-fp32"]["message"] == "not run: rollout failed"
