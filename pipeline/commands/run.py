@@ -19,10 +19,10 @@ from pipeline.commands.options import OUTPUT_DIR
 @click.option("--resume", is_flag=True, help="Finish the run in --out: rerun only what is missing.")
 @click.option(
     "--runner",
-    type=click.Choice(["local"]),
+    type=click.Choice(["local", "docker"]),
     default="local",
     show_default=True,
-    help="local: each stage as a process on this machine.",
+    help="local: each stage as a process here; docker: each stage in its image's container.",
 )
 def run(plan_path: Path, run_dir: Path | None, resume: bool, runner: str) -> None:
     """Run a plan: model, rollout, replays, compare, then record and report.
@@ -48,4 +48,4 @@ def run(plan_path: Path, run_dir: Path | None, resume: bool, runner: str) -> Non
             raise BadInput("--resume needs --out RUN_DIR: the run to finish.")
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         run_dir = Path("runs") / f"{plan.name}-{stamp}"
-    sys.exit(run_plan(plan, plan_path, run_dir, resume=resume))
+    sys.exit(run_plan(plan, plan_path, run_dir, resume=resume, runner_name=runner))

@@ -87,6 +87,7 @@ class Plan(_Strict):
     policy: str | None = None
     history: History = History()
     stage_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 3600.0
+    gpus: bool = False  # container runners give each stage every GPU of the host
 
     @field_validator("replays")
     @classmethod

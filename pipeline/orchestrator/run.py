@@ -8,8 +8,6 @@ run id (the history keeps the error run it replaces and says which run it resume
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +17,7 @@ import click
 
 from pipeline.errors import EXIT_BAD_INPUT, EXIT_PASS, EXIT_REGRESSION, BadInput, Interrupted
 from pipeline.orchestrator.plan import Plan
+from pipeline.orchestrator.runners import make_runner
 from pipeline.orchestrator.stages import PROMPTS, Stage, compare_stage, expand
 from pipeline.paths import output_lock, write_text_atomic
 from pipeline.run_manifest import (
@@ -32,7 +31,9 @@ from pipeline.run_manifest import (
 LOGS = "logs"
 
 
-def run_plan(plan: Plan, plan_path: Path, run_dir: Path, resume: bool = False) -> int:
+def run_plan(
+    plan: Plan, plan_path: Path, run_dir: Path, resume: bool = False, runner_name: str = "local"
+) -> int:
     run_dir = Path(run_dir).resolve()
     if resume and not (run_dir / "lpx-run.json").is_file():
         raise BadInput(f"--resume {run_dir}: no lpx-run.json there; resume a run `lpx run` made.")
@@ -41,12 +42,13 @@ def run_plan(plan: Plan, plan_path: Path, run_dir: Path, resume: bool = False) -
             f"--out {run_dir}: exists and is not empty; choose a new run directory, or pass "
             "--resume to finish the run in it."
         )
+    runner = make_runner(runner_name, gpus=plan.gpus)  # Docker unreachable: exit 2 before any work
     (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
     with output_lock(run_dir):
         done = _finished_stages(run_dir) if resume else set()
         previous = read_manifest(run_dir) if resume else None
         manifest = new_manifest(plan.history.kind, f"lpx run {plan_path} --out {run_dir}")
-        manifest["plan"] = {"name": plan.name, "path": str(plan_path), "runner": "local"}
+        manifest["plan"] = {"name": plan.name, "path": str(plan_path), "runner": runner.name}
         if previous:
             manifest["resumed_from"] = previous["run_id"]
         write_manifest(run_dir, manifest)
@@ -55,7 +57,7 @@ def run_plan(plan: Plan, plan_path: Path, run_dir: Path, resume: bool = False) -
 
             write_text_atomic(run_dir / PROMPTS, "\n".join(smoke_prompt_texts()) + "\n")
         try:
-            failed = _run_stages(plan, run_dir, manifest, done)
+            failed = _run_stages(plan, run_dir, manifest, done, runner)
         finally:
             write_manifest(run_dir, finish(manifest))
     recorded = _record_and_report(plan, run_dir)
@@ -68,7 +70,7 @@ def run_plan(plan: Plan, plan_path: Path, run_dir: Path, resume: bool = False) -
     return EXIT_REGRESSION if failed else EXIT_PASS
 
 
-def _run_stages(plan: Plan, run_dir: Path, manifest: dict, done: set[str]) -> bool:
+def _run_stages(plan: Plan, run_dir: Path, manifest: dict, done: set[str], runner) -> bool:
     """Run every stage; return whether the comparison failed its policy."""
     errored: set[str] = set()
     for stage in expand(plan):
@@ -80,7 +82,7 @@ def _run_stages(plan: Plan, run_dir: Path, manifest: dict, done: set[str]) -> bo
             errored.add(stage.name)
             _note(manifest, run_dir, stage, "error", f"not run: {', '.join(blocked)} failed")
             continue
-        if _execute(stage, run_dir, plan.stage_timeout_s, manifest) != "ok":
+        if _execute(stage, run_dir, plan.stage_timeout_s, manifest, runner) != "ok":
             errored.add(stage.name)
     finished = [r.name for r in plan.replays if f"replay-{r.name}" not in errored]
     if not finished:
@@ -89,56 +91,38 @@ def _run_stages(plan: Plan, run_dir: Path, manifest: dict, done: set[str]) -> bo
     if "compare" in done and _has_outputs(run_dir, compare) and not errored:
         _note(manifest, run_dir, compare, "ok", "kept from the resumed run")
         return False
-    return _execute(compare, run_dir, plan.stage_timeout_s, manifest) == "fail"
+    return _execute(compare, run_dir, plan.stage_timeout_s, manifest, runner) == "fail"
 
 
-def _execute(stage: Stage, run_dir: Path, timeout_s: float, manifest: dict) -> str:
-    """Run one stage as `python -m pipeline ARGV` in the run directory; note how it ended."""
+def _execute(stage: Stage, run_dir: Path, timeout_s: float, manifest: dict, runner) -> str:
+    """Run one stage with ``runner`` (a process or a container); note how it ended."""
     log = run_dir / LOGS / f"{stage.name}.log"
     click.echo(f"[{stage.name}] lpx {' '.join(stage.argv)}", err=True)
+    image = runner.image(stage)
     start = time.monotonic()
-    with open(log, "w", encoding="utf-8") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", *stage.argv],
-            cwd=run_dir,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: a timeout kills torchrun's ranks too
-        )
-        try:
-            code = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(process)
-            status = "error"
-            message = f"timed out after {timeout_s:g} s; raise stage_timeout_s in the plan"
-            _note(manifest, run_dir, stage, status, message, time.monotonic() - start)
-            return status
-        except Interrupted:
-            _kill_group(process, signal.SIGTERM)
-            _note(manifest, run_dir, stage, "error", "interrupted", time.monotonic() - start)
-            raise
+    try:
+        code = runner.run(stage, run_dir, log, timeout_s)
+    except Interrupted:
+        _note(manifest, run_dir, stage, "error", "interrupted", time.monotonic() - start, image)
+        raise
+    if code is None:
+        message = f"timed out after {timeout_s:g} s; raise stage_timeout_s in the plan"
+        _note(manifest, run_dir, stage, "error", message, time.monotonic() - start, image)
+        return "error"
     status = "ok" if code == 0 else stage.exit_1 if code == 1 else "error"
     message = "" if status == "ok" else _last_error(log, code)
-    _note(manifest, run_dir, stage, status, message, time.monotonic() - start)
+    _note(manifest, run_dir, stage, status, message, time.monotonic() - start, image)
     return status
 
 
-def _note(manifest, run_dir, stage: Stage, status, message="", seconds=None) -> None:
-    extra = {"outputs": stage.outputs, "log": f"{LOGS}/{stage.name}.log", "image": stage.image}
+def _note(manifest, run_dir, stage: Stage, status, message="", seconds=None, image=None) -> None:
+    extra = {"outputs": stage.outputs, "log": f"{LOGS}/{stage.name}.log", "image": image}
     if seconds is not None:
         extra["seconds"] = round(seconds, 2)
     add_stage(manifest, stage.name, status, message, **extra)
     write_manifest(run_dir, manifest)
     took = f" in {seconds:.1f} s" if seconds is not None else ""
     click.echo(f"[{stage.name}] {status}{took}{': ' + message if message else ''}", err=True)
-
-
-def _kill_group(process: subprocess.Popen, sig=signal.SIGKILL) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
-    process.wait()
 
 
 def _last_error(log: Path, code: int) -> str:
