@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import OUTPUT_DIR
+from pipeline.commands.options import OUTPUT_DIR, db_option
 
 
 @click.command("run")
@@ -24,7 +24,20 @@ from pipeline.commands.options import OUTPUT_DIR
     show_default=True,
     help="local: each stage as a process here; docker: each stage in its image's container.",
 )
-def run(plan_path: Path, run_dir: Path | None, resume: bool, runner: str) -> None:
+@db_option("run")
+@click.option(
+    "--report-out",
+    type=OUTPUT_DIR,
+    help="Render the report here [default: the plan's history.report].",
+)
+def run(
+    plan_path: Path,
+    run_dir: Path | None,
+    resume: bool,
+    runner: str,
+    db: str | None,
+    report_out: Path | None,
+) -> None:
     """Run a plan: model, rollout, replays, compare, then record and report.
 
     Each stage is one `lpx` command in its own process, logged to RUN/logs/STAGE.log and
@@ -43,6 +56,10 @@ def run(plan_path: Path, run_dir: Path | None, resume: bool, runner: str) -> Non
     from pipeline.orchestrator.run import run_plan
 
     plan = load_plan(plan_path)
+    if db:  # --db / LPX_RUN_DB / LPX_DB: where the team's history lives, over the plan's
+        plan.history.db = db
+    if report_out:
+        plan.history.report = str(report_out)
     if run_dir is None:
         if resume:
             raise BadInput("--resume needs --out RUN_DIR: the run to finish.")

@@ -99,8 +99,9 @@ class DockerRunner:
             stage.argv,
             detach=True,
             working_dir=str(run_dir),
-            volumes={str(run_dir): {"bind": str(run_dir), "mode": "rw"}},
-            user=f"{os.getuid()}:{os.getgid()}",  # files in the run dir stay the caller's
+            volumes=_volumes(run_dir),
+            # files in the run dir stay the caller's (LPX_DOCKER_USER overrides, e.g. 1000:1000)
+            user=os.environ.get("LPX_DOCKER_USER") or f"{os.getuid()}:{os.getgid()}",
             environment={"CI": "true", "LPX_CACHE": f"{run_dir}/.cache", "HOME": str(run_dir)},
             shm_size="2g",  # torch.distributed's gloo/NCCL use /dev/shm
             device_requests=[DeviceRequest(count=-1, capabilities=[["gpu"]])]
@@ -129,6 +130,22 @@ class DockerRunner:
                 container.remove(force=True)
             except docker.errors.APIError:
                 pass
+
+
+def _volumes(run_dir: Path) -> dict:
+    """The run directory for a stage's container. Started from the host: a bind mount at the
+    same path. Started from a container (compose): LPX_DOCKER_VOLUME=NAME:/MOUNT names the
+    volume that holds the run directory under /MOUNT, mounted at the same place."""
+    named = os.environ.get("LPX_DOCKER_VOLUME")
+    if named:
+        volume, _, mount = named.partition(":")
+        if not mount or not str(run_dir).startswith(mount.rstrip("/") + "/"):
+            raise BadInput(
+                f"LPX_DOCKER_VOLUME={named}: the run directory {run_dir} must lie under its "
+                "mount point (NAME:/MOUNT)."
+            )
+        return {volume: {"bind": mount, "mode": "rw"}}
+    return {str(run_dir): {"bind": str(run_dir), "mode": "rw"}}
 
 
 def make_runner(name: str, gpus: bool = False):
