@@ -163,3 +163,36 @@ def test_the_example_smoke_plan_runs_locally(tmp_path):
         assert pair["max_abs_diff"] < limit, pair
     assert (tmp_path / "runs" / "report" / "index.html").is_file()
     assert (tmp_path / "runs" / "lpx.db").is_file()
+
+
+@pytest.mark.parametrize("name", ["smoke.yaml", "smoke-local.yaml", "nightly-gpu.yaml"])
+def test_the_example_plans_are_valid(name):
+    from pathlib import Path
+
+    from pipeline.orchestrator.plan import load_plan
+    from pipeline.orchestrator.stages import expand
+
+    plan = load_plan(Path(__file__).parents[1] / "examples" / name)
+    stages = expand(plan)
+    assert [s.name for s in stages][:2] == ["model", "rollout"]
+    assert len(stages) == 2 + len(plan.replays)
+
+
+def test_the_workflows_name_what_the_nightly_needs():
+    """Structure checks (actionlint itself is not installable here: its PyPI wrapper
+    downloads the binary from GitHub at build time)."""
+    from pathlib import Path
+
+    root = Path(__file__).parents[1] / ".github"
+    nightly = yaml.safe_load((root / "workflows" / "nightly.yml").read_text())
+    triggers = nightly[True]  # YAML 1.1 reads the key `on` as true
+    assert "workflow_dispatch" in triggers and triggers["schedule"][0]["cron"].split()[0] != "0"
+    job = nightly["jobs"]["nightly"]
+    assert "gpu" in job["runs-on"] and "self-hosted" in job["runs-on"]
+    assert "fromJSON" in str(job["strategy"]["matrix"])
+    assert any("lpx-train:gpu gate" in str(step.get("run")) for step in job["steps"])
+    versions = json.loads((root / "engine-versions.json").read_text())["include"]
+    assert versions and all("vllm_base" in v for v in versions)
+    ci = yaml.safe_load((root / "workflows" / "ci.yml").read_text())
+    runs = [str(step.get("run")) for step in ci["jobs"]["test"]["steps"]]
+    assert "bash .ci/run" in runs and "docker compose run --rm smoke" in runs
