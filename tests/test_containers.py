@@ -75,3 +75,25 @@ def test_compose_smoke_runs_every_engine_container(docker_host, tmp_path):
     assert labels["ai.lpx.engine.versions"] == "vllm=0.32.0"
     user = _run("docker", "image", "inspect", "lpx-train:cpu", "--format", "{{.Config.User}}")
     assert user.stdout.strip() == "1000"  # the images run as a non-root user
+
+
+def test_a_missing_image_names_the_stage(docker_host, tmp_path):
+    import yaml
+
+    from tests.helpers import run_lpx
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        yaml.safe_dump(
+            {
+                "version": 1,
+                "name": "t",
+                "rollout": {"engine": "hf", "image": "lpx-no-such-image:0"},
+                "replays": [{"name": "a", "engine": "hf", "image": "lpx-no-such-image:0"}],
+                "history": {"db": str(tmp_path / "h.db")},
+            }
+        )
+    )
+    result = run_lpx("run", plan, "--runner", "docker", "--out", tmp_path / "run")
+    assert result.exit_code == 2
+    assert "image 'lpx-no-such-image:0' is not on this Docker host" in result.output

@@ -196,3 +196,12 @@ def test_the_workflows_name_what_the_nightly_needs():
     ci = yaml.safe_load((root / "workflows" / "ci.yml").read_text())
     runs = [str(step.get("run")) for step in ci["jobs"]["test"]["steps"]]
     assert "bash .ci/run" in runs and "docker compose run --rm smoke" in runs
+
+
+def test_docker_unreachable_is_one_line_before_any_stage(tmp_path, monkeypatch):
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")
+    plan = write_plan(tmp_path, "tiny")
+    result = run_lpx("run", plan, "--runner", "docker", "--out", tmp_path / "run")
+    assert result.exit_code == 2, result.output
+    assert "Docker is not reachable" in result.output and "--runner local" in result.output
+    assert not (tmp_path / "run").exists()

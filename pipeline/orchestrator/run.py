@@ -43,6 +43,8 @@ def run_plan(
             "--resume to finish the run in it."
         )
     runner = make_runner(runner_name, gpus=plan.gpus)  # Docker unreachable: exit 2 before any work
+    for stage in expand(plan):  # every image present (and its digest known) before any work
+        runner.image(stage)
     (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
     with output_lock(run_dir):
         done = _finished_stages(run_dir) if resume else set()
