@@ -7,6 +7,7 @@ wheelhouses and the images (minutes); later runs reuse Docker's layer cache.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -49,6 +50,21 @@ def test_dockerfiles_are_hadolint_clean():
     hadolint = hadolint if hadolint.exists() else shutil.which("hadolint")
     result = subprocess.run([str(hadolint), *DOCKERFILES], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+PINNED = re.compile(r"^[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}$")
+
+
+def test_every_gpu_base_is_pinned_by_tag_and_digest():
+    defaults = {
+        name: re.search(r"^ARG BASE_IMAGE=(\S+)$", (ROOT / name).read_text(), re.M).group(1)
+        for name in DOCKERFILES
+    }
+    matrix = json.loads((ROOT / ".github" / "engine-versions.json").read_text())["include"]
+    bases = [*defaults.values(), *(v[key] for v in matrix for key in v if key.endswith("_base"))]
+    assert len(bases) == 3 + 3 * len(matrix)
+    unpinned = [base for base in bases if not PINNED.match(base)]
+    assert unpinned == []
 
 
 def test_compose_smoke_runs_every_engine_container(docker_host, tmp_path):
@@ -97,3 +113,32 @@ def test_a_missing_image_names_the_stage(docker_host, tmp_path):
     result = run_lpx("run", plan, "--runner", "docker", "--out", tmp_path / "run")
     assert result.exit_code == 2
     assert "image 'lpx-no-such-image:0' is not on this Docker host" in result.output
+
+
+def test_a_served_rollout_runs_with_its_server_in_a_container(docker_host, tmp_path):
+    """examples/smoke-http.yaml with the docker runner: `vllm serve` in its own container on
+    a network of its own, the http rollout container reaching it by name."""
+    from tests.helpers import run_lpx
+
+    if _run("docker", "image", "ls", "-q", "lpx-vllm:cpu").stdout.strip() == "":
+        pytest.skip("lpx-vllm:cpu is built by the compose smoke test")
+    plan = ROOT / "examples" / "smoke-http.yaml"
+    run_dir = tmp_path / "run"
+    result = run_lpx(
+        "run",
+        plan,
+        "--runner",
+        "docker",
+        "--out",
+        run_dir,
+        "--db",
+        tmp_path / "h.db",
+        "--report-out",
+        tmp_path / "site",
+    )
+    assert result.exit_code == 0, result.output
+    stages = {s["name"]: s for s in json.loads((run_dir / "lpx-run.json").read_text())["stages"]}
+    assert stages["rollout"]["status"] == "ok"
+    assert stages["rollout"]["image"]["ref"] == "lpx-vllm:cpu"
+    networks = _run("docker", "network", "ls", "--format", "{{.Name}}").stdout.split()
+    assert not [n for n in networks if n.startswith("lpx-") and n != "lpx_default"]

@@ -165,7 +165,16 @@ def test_the_example_smoke_plan_runs_locally(tmp_path):
     assert (tmp_path / "runs" / "lpx.db").is_file()
 
 
-@pytest.mark.parametrize("name", ["smoke.yaml", "smoke-local.yaml", "nightly-gpu.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "smoke.yaml",
+        "smoke-local.yaml",
+        "smoke-http.yaml",
+        "nightly-gpu.yaml",
+        "nightly-sglang.yaml",
+    ],
+)
 def test_the_example_plans_are_valid(name):
     from pathlib import Path
 
@@ -178,26 +187,6 @@ def test_the_example_plans_are_valid(name):
     assert len(stages) == 2 + len(plan.replays)
 
 
-def test_the_workflows_name_what_the_nightly_needs():
-    """Structure checks (actionlint itself is not installable here: its PyPI wrapper
-    downloads the binary from GitHub at build time)."""
-    from pathlib import Path
-
-    root = Path(__file__).parents[1] / ".github"
-    nightly = yaml.safe_load((root / "workflows" / "nightly.yml").read_text())
-    triggers = nightly[True]  # YAML 1.1 reads the key `on` as true
-    assert "workflow_dispatch" in triggers and triggers["schedule"][0]["cron"].split()[0] != "0"
-    job = nightly["jobs"]["nightly"]
-    assert "gpu" in job["runs-on"] and "self-hosted" in job["runs-on"]
-    assert "fromJSON" in str(job["strategy"]["matrix"])
-    assert any("lpx-train:gpu gate" in str(step.get("run")) for step in job["steps"])
-    versions = json.loads((root / "engine-versions.json").read_text())["include"]
-    assert versions and all("vllm_base" in v for v in versions)
-    ci = yaml.safe_load((root / "workflows" / "ci.yml").read_text())
-    runs = [str(step.get("run")) for step in ci["jobs"]["test"]["steps"]]
-    assert "bash .ci/run" in runs and "docker compose run --rm smoke" in runs
-
-
 def test_docker_unreachable_is_one_line_before_any_stage(tmp_path, monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")
     plan = write_plan(tmp_path, "tiny")
@@ -205,3 +194,48 @@ def test_docker_unreachable_is_one_line_before_any_stage(tmp_path, monkeypatch):
     assert result.exit_code == 2, result.output
     assert "Docker is not reachable" in result.output and "--runner local" in result.output
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.vllm
+def test_a_rollout_served_by_a_server_lpx_starts_and_stops(tmp_path):
+    """examples/smoke-http.yaml: a real `vllm serve` started for the rollout stage, sampled
+    over HTTP by the http engine, stopped after it; HF replays it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    plan = Path(__file__).parents[1] / "examples" / "smoke-http.yaml"
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", str(plan), "--out", "runs/http"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CI": "true"},
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "runs" / "http"
+    assert "server up at http://127.0.0.1:8765" in result.stderr
+    report = json.loads((run_dir / "compare" / "report.json").read_text())
+    # measured: served vLLM fp32 vs HF fp32 max |d| 3.8e-6 on 384 tokens
+    assert report["verdict"] == "pass" and report["metrics"]["max_abs_diff"] < 2e-5
+    assert (run_dir / "logs" / "rollout-server.log").stat().st_size > 0
+
+
+def test_a_server_that_dies_fails_its_stage_with_its_exit_code(tiny_model, tmp_path):
+    plan = write_plan(
+        tmp_path,
+        tiny_model,
+        rollout={
+            "engine": "http",
+            "knobs": {"api": "openai"},
+            "server": {"argv": ["python3", "-c", "import sys; sys.exit(3)"], "port": 8766},
+        },
+    )
+    run_dir = tmp_path / "run"
+    result = run_lpx("run", plan, "--out", run_dir)
+    assert result.exit_code == 2
+    stages = {s["name"]: s for s in manifest(run_dir)["stages"]}
+    assert stages["rollout"]["message"] == "the server exited with 3 (see rollout-server.log)"
+    assert stages["replay-fp32"]["message"] == "not run: rollout failed"

@@ -36,11 +36,25 @@ class Sampling(_Strict):
     logprobs_mode: Literal["raw", "processed"] = "raw"
 
 
+class Server(_Strict):
+    """An inference server the `http` rollout engine samples from (SGLang, `vllm serve`),
+    started before the rollout stage and stopped after it. ``argv`` is its whole command
+    line; ``{model}`` and ``{port}`` in it are filled in."""
+
+    argv: list[str] = Field(min_length=1)
+    image: str | None = None  # container runners; default: the rollout's image
+    port: Annotated[int, Field(gt=0, lt=65536, strict=True)] = 30000
+    health: str = "/health"
+    env: dict[str, str] = {}
+    start_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
+
+
 class Rollout(_Strict):
     engine: str
     image: str | None = None
     dtype: Dtype = "float32"
     knobs: Knobs = {}
+    server: Server | None = None
 
     @field_validator("engine")
     @classmethod

@@ -11,14 +11,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from pipeline.errors import EXIT_BAD_INPUT, EXIT_PASS, EXIT_REGRESSION, BadInput, Interrupted
 from pipeline.orchestrator.plan import Plan
-from pipeline.orchestrator.runners import make_runner
-from pipeline.orchestrator.stages import PROMPTS, Stage, compare_stage, expand
+from pipeline.orchestrator.runners import ServerFailed, make_runner
+from pipeline.orchestrator.stages import PROMPTS, URL, Stage, compare_stage, expand
 from pipeline.paths import output_lock, write_text_atomic
 from pipeline.run_manifest import (
     add_stage,
@@ -45,6 +46,8 @@ def run_plan(
     runner = make_runner(runner_name, gpus=plan.gpus)  # Docker unreachable: exit 2 before any work
     for stage in expand(plan):  # every image present (and its digest known) before any work
         runner.image(stage)
+        if stage.server and stage.server.image:
+            runner.image(replace(stage, image=stage.server.image))
     (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
     with output_lock(run_dir):
         done = _finished_stages(run_dir) if resume else set()
@@ -102,11 +105,23 @@ def _execute(stage: Stage, run_dir: Path, timeout_s: float, manifest: dict, runn
     click.echo(f"[{stage.name}] lpx {' '.join(stage.argv)}", err=True)
     image = runner.image(stage)
     start = time.monotonic()
+    server = None
     try:
+        if stage.server:
+            server_log = run_dir / LOGS / f"{stage.name}-server.log"
+            url, server = runner.start_server(stage, run_dir, _model_of(stage, run_dir), server_log)
+            click.echo(f"[{stage.name}] server up at {url}", err=True)
+            stage = replace(stage, argv=[a.replace(URL, url) for a in stage.argv])
         code = runner.run(stage, run_dir, log, timeout_s)
+    except ServerFailed as error:
+        _note(manifest, run_dir, stage, "error", str(error), time.monotonic() - start, image)
+        return "error"
     except Interrupted:
         _note(manifest, run_dir, stage, "error", "interrupted", time.monotonic() - start, image)
         raise
+    finally:
+        if server is not None:
+            runner.stop_server(server)
     if code is None:
         message = f"timed out after {timeout_s:g} s; raise stage_timeout_s in the plan"
         _note(manifest, run_dir, stage, "error", message, time.monotonic() - start, image)
@@ -133,6 +148,11 @@ def _last_error(log: Path, code: int) -> str:
     errors = [line for line in lines if line.startswith("Error:")]
     text = errors[-1] if errors else (lines[-1] if lines else "")
     return f"exit {code}: {text[:300]}" if text else f"exit {code}"
+
+
+def _model_of(stage: Stage, run_dir: Path) -> Path:
+    model = Path(stage.argv[stage.argv.index("--model") + 1])
+    return model if model.is_absolute() else run_dir / model
 
 
 def _finished_stages(run_dir: Path) -> set[str]:

@@ -10,14 +10,62 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
+import uuid
 from pathlib import Path
 
 from pipeline.errors import BadInput, Interrupted
 from pipeline.orchestrator.stages import Stage
 
 
+class ServerFailed(Exception):
+    """The stage's server exited or never answered its health check."""
+
+
+def server_argv(stage: Stage, model: Path) -> list[str]:
+    port = str(stage.server.port)
+    return [a.replace("{model}", str(model)).replace("{port}", port) for a in stage.server.argv]
+
+
 class LocalRunner:
     name = "local"
+
+    def start_server(self, stage: Stage, run_dir: Path, model: Path, log: Path):
+        """Start the stage's server as a process; return (its URL, a handle to stop it)."""
+        argv = server_argv(stage, model)
+        if argv[0] in ("python", "python3"):  # the interpreter lpx runs in (its venv)
+            argv[0] = sys.executable
+        out = open(log, "w", encoding="utf-8")
+        process = subprocess.Popen(
+            argv,
+            cwd=run_dir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **stage.server.env},
+        )
+        url = f"http://127.0.0.1:{stage.server.port}"
+        deadline = time.monotonic() + stage.server.start_timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                out.close()
+                raise ServerFailed(f"the server exited with {process.returncode} (see {log.name})")
+            try:
+                urllib.request.urlopen(url + stage.server.health, timeout=2)
+                return url, (process, out)
+            except OSError:
+                time.sleep(1)
+        self.stop_server((process, out))
+        raise ServerFailed(
+            f"the server did not answer {stage.server.health} in "
+            f"{stage.server.start_timeout_s:g} s (see {log.name})"
+        )
+
+    def stop_server(self, handle) -> None:
+        process, out = handle
+        _kill_group(process, signal.SIGTERM)
+        out.close()
 
     def image(self, stage: Stage) -> dict | None:
         return None
@@ -65,6 +113,78 @@ class DockerRunner:
             ) from None
         self.gpus = gpus
         self._images: dict[str, dict] = {}
+        self._network: str | None = None  # the stage's server network, while one runs
+
+    def start_server(self, stage: Stage, run_dir: Path, model: Path, log: Path):
+        """The server in its own container on a network of its own; the stage's container
+        joins that network and reaches it by name. Health is polled inside the server's
+        container, so it works whether lpx runs on the host or in a container itself."""
+        import docker
+
+        argv = server_argv(stage, model)
+        tag = uuid.uuid4().hex[:10]
+        network = self.client.networks.create(f"lpx-{tag}")
+        common = self._common(run_dir)
+        common["environment"].update(stage.server.env)
+        container = self.client.containers.run(
+            stage.server.image or stage.image,
+            argv[1:],
+            entrypoint=[argv[0]],
+            name=f"lpx-server-{tag}",
+            network=network.name,
+            **common,
+        )
+        handle = (container, network, log)
+        probe = (
+            "import urllib.request; urllib.request.urlopen("
+            f"'http://127.0.0.1:{stage.server.port}{stage.server.health}', timeout=3)"
+        )
+        deadline = time.monotonic() + stage.server.start_timeout_s
+        while time.monotonic() < deadline:
+            container.reload()
+            if container.status in ("exited", "dead"):
+                self.stop_server(handle)
+                raise ServerFailed(f"the server container exited (see {log.name})")
+            try:
+                if container.exec_run(["python3", "-c", probe]).exit_code == 0:
+                    self._network = network.name
+                    return f"http://lpx-server-{tag}:{stage.server.port}", handle
+            except docker.errors.APIError:
+                pass
+            time.sleep(2)
+        self.stop_server(handle)
+        raise ServerFailed(
+            f"the server did not answer {stage.server.health} in "
+            f"{stage.server.start_timeout_s:g} s (see {log.name})"
+        )
+
+    def stop_server(self, handle) -> None:
+        import docker
+
+        container, network, log = handle
+        self._network = None
+        try:
+            log.write_bytes(container.logs(stdout=True, stderr=True))
+            container.remove(force=True)
+        except docker.errors.APIError:
+            pass
+        network.remove()
+
+    def _common(self, run_dir: Path) -> dict:
+        from docker.types import DeviceRequest
+
+        return dict(
+            detach=True,
+            working_dir=str(run_dir),
+            volumes=_volumes(run_dir),
+            # files in the run dir stay the caller's (LPX_DOCKER_USER overrides, e.g. 1000:1000)
+            user=os.environ.get("LPX_DOCKER_USER") or f"{os.getuid()}:{os.getgid()}",
+            environment={"CI": "true", "LPX_CACHE": f"{run_dir}/.cache", "HOME": str(run_dir)},
+            shm_size="2g",  # torch.distributed's gloo/NCCL use /dev/shm
+            device_requests=[DeviceRequest(count=-1, capabilities=[["gpu"]])]
+            if self.gpus
+            else None,
+        )
 
     def image(self, stage: Stage) -> dict | None:
         """The stage's image with its resolved digest: what the history records as the build."""
@@ -89,25 +209,15 @@ class DockerRunner:
         return self._images[stage.image]
 
     def run(self, stage: Stage, run_dir: Path, log: Path, timeout_s: float) -> int | None:
-        from docker.types import DeviceRequest
-
         import docker
 
         self.image(stage)
         container = self.client.containers.run(
             stage.image,
             stage.argv,
-            detach=True,
-            working_dir=str(run_dir),
-            volumes=_volumes(run_dir),
-            # files in the run dir stay the caller's (LPX_DOCKER_USER overrides, e.g. 1000:1000)
-            user=os.environ.get("LPX_DOCKER_USER") or f"{os.getuid()}:{os.getgid()}",
-            environment={"CI": "true", "LPX_CACHE": f"{run_dir}/.cache", "HOME": str(run_dir)},
-            shm_size="2g",  # torch.distributed's gloo/NCCL use /dev/shm
-            device_requests=[DeviceRequest(count=-1, capabilities=[["gpu"]])]
-            if self.gpus
-            else None,
             labels={"ai.lpx.stage": stage.name},
+            **({"network": self._network} if self._network else {}),
+            **self._common(run_dir),
         )
         try:
             try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.orchestrator.plan import Plan
+from pipeline.orchestrator.plan import Plan, Server
 
 FIXTURE = "fixture.parquet"
 PROMPTS = "prompts.txt"
@@ -27,6 +27,11 @@ class Stage:
     nproc: int = 1
     # What an exit code 1 means: "fail" (a comparison found drift) or "error".
     exit_1: str = "error"
+    # A server the stage talks to; URL in argv is replaced by its address once it is up.
+    server: Server | None = None
+
+
+URL = "{server_url}"
 
 
 def expand(plan: Plan) -> list[Stage]:
@@ -67,9 +72,19 @@ def expand(plan: Plan) -> list[Stage]:
         "--logprobs-mode",
         sampling.logprobs_mode,
         *_knobs(plan.rollout.knobs),
+        *(["--set", f"url={URL}"] if plan.rollout.server else []),
     ]
     needs_model = ["model"] if plan.model == "tiny" else []
-    stages.append(Stage("rollout", rollout_argv, [FIXTURE], needs_model, plan.rollout.image))
+    stages.append(
+        Stage(
+            "rollout",
+            rollout_argv,
+            [FIXTURE],
+            needs_model,
+            plan.rollout.image,
+            server=plan.rollout.server,
+        )
+    )
     for replay in plan.replays:
         argv = [
             "replay",
