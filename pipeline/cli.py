@@ -26,6 +26,7 @@ from pipeline.commands.run import run
 from pipeline.commands.smoke import smoke
 from pipeline.commands.sweep import sweep
 from pipeline.errors import EXIT_BAD_INPUT, BadInput, Interrupted
+from pipeline.paths import is_disk_full
 
 
 class LpxGroup(click.Group):
@@ -39,10 +40,13 @@ class LpxGroup(click.Group):
             if error.filename is None:
                 raise
             where = f"{error.filename}" + (f" -> {error.filename2}" if error.filename2 else "")
-            raise BadInput(
-                f"{where}: {error.strerror or error}; check the path and its parent directories "
-                "(an output's parent must be a directory you can write)."
-            ) from None
+            advice = (
+                "free space on its volume (or choose an --out elsewhere) and run again"
+                if is_disk_full(error)
+                else "check the path and its parent directories (an output's parent must be a "
+                "directory you can write)"
+            )
+            raise BadInput(f"{where}: {error.strerror or error}; {advice}.") from None
 
 
 @click.group(

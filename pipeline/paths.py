@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from contextlib import contextmanager
@@ -48,8 +49,23 @@ def replacing(path: Path):
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as error:
+        if error.filename is None:  # a failed write() (a full disk) names no file: name ours
+            raise OSError(_errno_of(error), error.strerror or str(error), str(path)) from error
+        raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _errno_of(error: OSError) -> int:
+    """The error's errno; Arrow's IO errors carry theirs only in the message."""
+    if error.errno is not None:
+        return error.errno
+    return errno.ENOSPC if "No space left" in str(error) else errno.EIO
+
+
+def is_disk_full(error: OSError) -> bool:
+    return error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -74,3 +90,36 @@ def output_lock(out_dir: Path):
         yield
     finally:
         lock.release()
+
+
+RESERVE = ".lpx-reserve"
+RESERVE_BYTES = 1 << 20
+
+
+class SpaceReserve:
+    """Real blocks held in a directory and freed when its volume fills, so that a run on a
+    full volume can still write down how it ended (its manifest) before it stops."""
+
+    def __init__(self, directory: Path, size: int = RESERVE_BYTES):
+        self.path = Path(directory) / RESERVE
+        try:
+            with open(self.path, "wb") as reserve:
+                try:
+                    os.posix_fallocate(reserve.fileno(), 0, size)
+                except OSError as error:
+                    if is_disk_full(error):
+                        raise
+                    reserve.write(b"\0" * size)  # a file system without fallocate
+                    reserve.flush()
+                    os.fsync(reserve.fileno())
+        except OSError as error:
+            self.path.unlink(missing_ok=True)
+            if is_disk_full(error):
+                raise BadInput(
+                    f"{directory}: less than {size >> 10} KiB free on its volume; free space "
+                    "or choose another --out."
+                ) from None
+            raise
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,22 @@ def history_url(request, tmp_path) -> str:
     return (
         f"{base.rsplit('/', 1)[0].replace('postgresql://', 'postgresql+psycopg://')}/{name}?{query}"
     )
+
+
+@pytest.fixture
+def small_volume(tmp_path):
+    """A tmpfs of a given size at tmp_path/vol (root, as CI and the images' builders are)."""
+    mount = tmp_path / "vol"
+    mount.mkdir()
+
+    def resize(kib: int) -> Path:
+        options = f"{'remount,' if os.path.ismount(mount) else ''}size={kib}k"
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)])
+        if done.returncode != 0:
+            if os.environ.get("CI", "").lower() == "true":
+                pytest.fail("CI=true but a tmpfs cannot be mounted here (run CI as root)")
+            pytest.skip("mounting a tmpfs needs root")
+        return mount
+
+    yield resize
+    subprocess.run(["umount", str(mount)], capture_output=True)

@@ -1,6 +1,7 @@
 """`lpx run PLAN.yaml --runner local`: stages as processes, partial runs kept, --resume."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -141,7 +142,6 @@ def test_the_example_smoke_plan_runs_locally(tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     plan = Path(__file__).parents[1] / "examples" / "smoke.yaml"
     result = subprocess.run(
@@ -176,7 +176,6 @@ def test_the_example_smoke_plan_runs_locally(tmp_path):
     ],
 )
 def test_the_example_plans_are_valid(name):
-    from pathlib import Path
 
     from pipeline.orchestrator.plan import load_plan
     from pipeline.orchestrator.stages import expand
@@ -203,7 +202,6 @@ def test_a_rollout_served_by_a_server_lpx_starts_and_stops(tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     plan = Path(__file__).parents[1] / "examples" / "smoke-http.yaml"
     result = subprocess.run(
@@ -239,3 +237,50 @@ def test_a_server_that_dies_fails_its_stage_with_its_exit_code(tiny_model, tmp_p
     stages = {s["name"]: s for s in manifest(run_dir)["stages"]}
     assert stages["rollout"]["message"] == "the server exited with 3 (see rollout-server.log)"
     assert stages["replay-fp32"]["message"] == "not run: rollout failed"
+
+
+def test_a_full_volume_stops_the_run_names_the_stage_and_resume_finishes(
+    tiny_model, tmp_path, small_volume
+):
+    from pipeline.paths import RESERVE, RESERVE_BYTES
+
+    plan = write_plan(tmp_path, tiny_model)
+    # Room for the run's reserve, the prompts, the fixture and the logs, not for the replays.
+    volume = small_volume((RESERVE_BYTES >> 10) + 36)
+    run_dir = volume / "run"
+    result = run_lpx("run", plan, "--out", run_dir)
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("run: ERROR in ") and "is full; free space" in last, last
+    assert f"--out {run_dir} --resume" in last
+    # Stages before the one that hit the full volume are kept; it and every later one are
+    # errors saying the volume is full (the later ones: not run).
+    stages = manifest(run_dir)["stages"]
+    names = [s["name"] for s in stages]
+    assert names == ["rollout", "replay-fp32", "replay-bf16", "compare"]
+    full_at = names.index(last.split()[3].rstrip(":"))
+    assert full_at >= 1 and all(s["status"] == "ok" for s in stages[:full_at]), stages
+    assert "is full" in stages[full_at]["message"] and stages[full_at]["status"] == "error"
+    assert all(s["message"].startswith("not run: the volume") for s in stages[full_at + 1 :])
+    assert manifest(run_dir)["status"] == "error" and not (run_dir / RESERVE).exists()
+    runs = json.loads(run_lpx("history", "--db", tmp_path / "h.db", "--json").output)
+    assert [r["status"] for r in runs] == ["error"]
+
+    small_volume(8 << 10)  # space freed
+    result = run_lpx("run", plan, "--out", run_dir, "--resume")
+    assert result.exit_code == 0, result.output
+    assert statuses(run_dir) == dict.fromkeys(
+        ["rollout", "replay-fp32", "replay-bf16", "compare"], "ok"
+    )
+    assert manifest(run_dir)["stages"][0]["message"] == "kept from the resumed run"
+
+
+def test_a_volume_too_full_for_the_reserve_is_refused_before_any_stage(
+    tiny_model, tmp_path, small_volume
+):
+    plan = write_plan(tmp_path, tiny_model)
+    run_dir = small_volume(256) / "run"
+    result = run_lpx("run", plan, "--out", run_dir)
+    assert result.exit_code == 2
+    assert f"{run_dir}: less than 1024 KiB free on its volume" in result.output, result.output
+    assert not (run_dir / "fixture.parquet").exists()

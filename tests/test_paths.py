@@ -195,3 +195,16 @@ def _ingest_refuses(line, expected, tiny_model, tmp_path, *extra):
     named = f"{dump} line 1" in result.output or f"{dump}: sequence '1'" in result.output
     assert named and expected in result.output, result.output
     assert "TypeError" not in result.output and not (tmp_path / "f.parquet").exists()
+
+
+def test_a_full_disk_names_the_file_and_leaves_no_debris(tiny_model, small_volume):
+    volume = small_volume(64)
+    out = volume / "fixture.parquet"
+    prompts = volume.parent / "prompts.txt"
+    prompts.write_text("hello there\nanother prompt\n")
+    args = ["--model", tiny_model, "--prompts", prompts, "--max-tokens", "200", "-n", "16"]
+    result = run_lpx("rollout", "--engine", "hf", *args, "--out", out)
+    assert result.exit_code == 2
+    assert f"{out}: " in result.output and "No space left on device" in result.output
+    assert "free space on its volume" in result.output and "Traceback" not in result.output
+    assert list(volume.iterdir()) == []  # no half-written fixture, no temp file

@@ -8,6 +8,9 @@ run id (the history keeps the error run it replaces and says which run it resume
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,7 +23,7 @@ from pipeline.errors import EXIT_BAD_INPUT, EXIT_PASS, EXIT_REGRESSION, BadInput
 from pipeline.orchestrator.plan import Plan
 from pipeline.orchestrator.runners import ServerFailed, make_runner
 from pipeline.orchestrator.stages import PROMPTS, URL, Stage, compare_stage, expand
-from pipeline.paths import output_lock, write_text_atomic
+from pipeline.paths import SpaceReserve, is_disk_full, output_lock, write_text_atomic
 from pipeline.run_manifest import (
     add_stage,
     finish,
@@ -30,6 +33,16 @@ from pipeline.run_manifest import (
 )
 
 LOGS = "logs"
+DISK_FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+NEARLY_FULL_BYTES = 64 << 10
+
+
+class VolumeFull(Exception):
+    """The run directory's volume filled during ``stage``: every later stage would fail too."""
+
+    def __init__(self, stage: str):
+        super().__init__(stage)
+        self.stage = stage
 
 
 def run_plan(
@@ -61,11 +74,24 @@ def run_plan(
             from pipeline.prompts import smoke_prompt_texts
 
             write_text_atomic(run_dir / PROMPTS, "\n".join(smoke_prompt_texts()) + "\n")
+        reserve = SpaceReserve(run_dir)  # room to write the manifest if the volume fills
+        full = None
         try:
             failed = _run_stages(plan, run_dir, manifest, done, runner)
+        except VolumeFull as error:
+            full, failed = error.stage, False
+            reserve.release()
+            _mark_not_run(plan, manifest, f"not run: the volume holding {run_dir} is full")
         finally:
+            reserve.release()
             write_manifest(run_dir, finish(manifest))
     recorded = _record_and_report(plan, run_dir)
+    if full:
+        click.echo(
+            f"run: ERROR in {full}: the volume holding {run_dir} is full; free space (or move "
+            f"the run), then `lpx run {plan_path} --out {run_dir} --resume`; outputs kept there"
+        )
+        return EXIT_BAD_INPUT
     statuses = {stage["status"] for stage in manifest["stages"]}
     if "error" in statuses or not recorded:
         broken = [s["name"] for s in manifest["stages"] if s["status"] == "error"]
@@ -113,6 +139,11 @@ def _execute(stage: Stage, run_dir: Path, timeout_s: float, manifest: dict, runn
             click.echo(f"[{stage.name}] server up at {url}", err=True)
             stage = replace(stage, argv=[a.replace(URL, url) for a in stage.argv])
         code = runner.run(stage, run_dir, log, timeout_s)
+    except OSError as error:  # the stage's log could not be written
+        if not is_disk_full(error):
+            raise
+        _note(manifest, run_dir, stage, "error", f"{error.strerror}: {log}", None, image)
+        raise VolumeFull(stage.name) from None
     except ServerFailed as error:
         _note(manifest, run_dir, stage, "error", str(error), time.monotonic() - start, image)
         return "error"
@@ -128,7 +159,14 @@ def _execute(stage: Stage, run_dir: Path, timeout_s: float, manifest: dict, runn
         return "error"
     status = "ok" if code == 0 else stage.exit_1 if code == 1 else "error"
     message = "" if status == "ok" else _last_error(log, code)
+    # A full volume also fails a stage that cannot say so (its log is full too): its exit
+    # code then means nothing, so it is an error whatever the code.
+    full = code != 0 and _volume_full(run_dir, message)
+    if full:
+        status, message = "error", f"{message}; the volume holding {run_dir} is full"
     _note(manifest, run_dir, stage, status, message, time.monotonic() - start, image)
+    if full:
+        raise VolumeFull(stage.name)
     return status
 
 
@@ -137,9 +175,28 @@ def _note(manifest, run_dir, stage: Stage, status, message="", seconds=None, ima
     if seconds is not None:
         extra["seconds"] = round(seconds, 2)
     add_stage(manifest, stage.name, status, message, **extra)
-    write_manifest(run_dir, manifest)
+    try:
+        write_manifest(run_dir, manifest)
+    except OSError as error:
+        if not is_disk_full(error):
+            raise
+        raise VolumeFull(stage.name) from None
     took = f" in {seconds:.1f} s" if seconds is not None else ""
     click.echo(f"[{stage.name}] {status}{took}{': ' + message if message else ''}", err=True)
+
+
+def _volume_full(run_dir: Path, message: str) -> bool:
+    """Whether a stage failed for want of space: its error says so, or, when it could not
+    even write its log, the volume has next to nothing left."""
+    said = any(text in message for text in DISK_FULL)
+    return said or shutil.disk_usage(run_dir).free < NEARLY_FULL_BYTES
+
+
+def _mark_not_run(plan: Plan, manifest: dict, message: str) -> None:
+    noted = {stage["name"] for stage in manifest["stages"]}
+    for name in [stage.name for stage in expand(plan)] + ["compare"]:
+        if name not in noted:
+            add_stage(manifest, name, "error", message)
 
 
 def _last_error(log: Path, code: int) -> str:
