@@ -1,64 +1,99 @@
 """Write faulted copies of fixtures and replays, so users can prove their pipeline catches faults.
 
-Data-only faults edit the logprob channel directly; the others re-score the sequence with
-the real model under the fault (wrong temperature, offset position ids, older weights),
-so the drift they plant has the shape a real bug would give.
+Data faults edit the logprob channel directly (a shift by one token, a pad fill, bf16
+rounding, Gaussian noise). Model faults (`pipeline/faults.py`) re-score the chosen sequences
+with the real model under a real misconfiguration, so the drift they plant has the shape the
+real bug gives.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.errors import BadInput
+from pipeline.faults import FAULTS, FaultSettings, rescore
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
 
-FAULT_KINDS = ("token_shift", "mask", "position_ids", "temperature", "dtype", "stale_weights")
-MODEL_KINDS = ("position_ids", "temperature", "stale_weights")
+DATA_KINDS = ("token_shift", "mask", "dtype", "noise")
+MODEL_KINDS = tuple(FAULTS)
+FAULT_KINDS = (*DATA_KINDS, *MODEL_KINDS)
 PAD_FILL_VALUE = 0.0  # what engines commonly write for tokens they did not score
-INJECTED_TEMPERATURE = 0.7
-POSITION_OFFSET = 16
-STALE_WEIGHT_NOISE = 0.05  # relative to each tensor's standard deviation
-STALE_SEED = 1234
+NOISE_SIGMA = 1e-3  # TF32 matmuls or another reduction order give drift of this size
+NOISE_SEED = 1234
+BATCH_KINDS = (
+    "pad_attended",
+    "mask_dropped",
+    "pad_positions",
+    "packed_no_reset",
+    "prompt_truncated",
+    "stale_weights",
+    "version_change",
+    "version_change_unrecorded",
+)
+# Kinds whose drift starts at --from-position; the others span the whole sequence.
+FROM_POSITION_KINDS = (
+    "token_shift",
+    "mask",
+    "dtype",
+    "position_ids",
+    "version_change",
+    "version_change_unrecorded",
+)
 
 
 def inject_fault(
     table: TokenTable,
     kind: str,
-    sequence_id: str,
+    sequence_ids: list[str] | str,
     from_position: int = 0,
     model_dir: Path | None = None,
+    settings: FaultSettings | None = None,
 ) -> TokenTable:
-    """A copy of ``table`` whose logprobs carry fault ``kind`` in one sequence from a position."""
+    """A copy of ``table`` whose logprobs carry fault ``kind`` in the chosen sequences
+    (``"all"`` for every one), from ``from_position`` where the kind has an onset."""
     if kind not in FAULT_KINDS:
         raise BadInput(f"unknown fault kind {kind!r}; choose one of {', '.join(FAULT_KINDS)}.")
-    index = table.index_of().get(str(sequence_id))
-    if index is None:
-        raise BadInput(f"no sequence {sequence_id!r} in this {table.kind}; see `lpx fixture show`.")
-    span = table.completion_slice(index)
-    length = span.stop - span.start
-    if not 0 <= from_position < length - (2 if kind == "token_shift" else 0):
-        raise BadInput(
-            f"--from-position {from_position} is outside sequence {sequence_id!r} "
-            f"({length} completion tokens{'; token_shift needs 2 after it' if kind == 'token_shift' else ''})."
-        )
+    rows = _rows(table, sequence_ids)
+    for row in rows:
+        length = table.completion_slice(row).stop - table.completion_slice(row).start
+        need = 2 if kind == "token_shift" else 0
+        if kind in FROM_POSITION_KINDS and not 0 <= from_position < length - need:
+            raise BadInput(
+                f"--from-position {from_position} is outside sequence {table.sequence_ids[row]!r} "
+                f"({length} completion tokens{'; token_shift needs 2 after it' if need else ''})."
+            )
     faulted = copy.deepcopy(table)
     channel = REPLAY_CHANNEL if table.kind == "replay" else "rollout"
-    values = faulted.channels[channel][span]  # a view: edits land in the copy
-    if kind == "token_shift":
-        values[from_position:-1] = values[from_position + 1 :].copy()
-    elif kind == "mask":
-        values[from_position:] = PAD_FILL_VALUE
-    elif kind == "dtype":
-        values[from_position:] = _round_to_bfloat16(values[from_position:])
+    if kind in DATA_KINDS:
+        for row in rows:
+            values = faulted.channels[channel][faulted.completion_slice(row)]  # a view
+            _data_fault(values, kind, from_position, row)
     else:
-        rescored = _rescore(table, index, kind, from_position, _model_dir(table, model_dir))
-        values[from_position:] = rescored[from_position:]
-        if kind == "stale_weights":
-            _mark_stale(faulted, span, from_position)
-    record = {"kind": kind, "sequence_id": str(sequence_id), "from_position": from_position}
+        settings = _settings_for(table, kind, from_position, settings or FaultSettings())
+        model = _load(_model_dir(table, model_dir))
+        if model.config.bos_token_id is not None:
+            settings = replace(settings, bos_id=int(model.config.bos_token_id))
+        # Padding, packing, truncation and the optimiser step depend on the whole batch:
+        # score it all as the engine would, then keep the chosen sequences' scores.
+        scored_rows = list(range(len(table.sequence_ids))) if kind in BATCH_KINDS else rows
+        pairs = [(table.prompt_of(r), table.completion_of(r)) for r in scored_rows]
+        scores = dict(zip(scored_rows, rescore(model, pairs, kind, settings), strict=True))
+        for row, scored in ((r, scores[r]) for r in rows):
+            _refuse_impossible(table, row, kind, scored)
+            values = faulted.channels[channel][faulted.completion_slice(row)]
+            values[:] = scored
+            if kind == "version_change":
+                _mark_new_version(faulted, faulted.completion_slice(row), settings.at)
+    record = {
+        "kind": kind,
+        "sequence_ids": [table.sequence_ids[r] for r in rows],
+        "from_position": from_position,
+        "expected_cause": FAULTS[kind][0] if kind in FAULTS else _DATA_CAUSES.get(kind),
+    }
     faulted.metadata = {
         **faulted.metadata,
         "injected_faults": [*faulted.metadata.get("injected_faults", []), record],
@@ -66,41 +101,84 @@ def inject_fault(
     return faulted
 
 
-def _rescore(
-    table: TokenTable, index: int, kind: str, from_position: int, model_dir: Path
-) -> np.ndarray:
-    """Teacher-forced logprobs of one sequence with the real model under the fault."""
-    import torch
-
-    from pipeline.engines.hf_common import load_model
-    from pipeline.engines.hf_replay import ReplayKnobs, score_batch
-
-    prompt, completion = table.prompt_of(index), table.completion_of(index)
-    model = load_model(model_dir, "float32")
-    settings = ReplayKnobs(micro_batch_size=1)
-    positions = None
-    if kind == "temperature":
-        settings = ReplayKnobs(micro_batch_size=1, temperature=INJECTED_TEMPERATURE)
-    elif kind == "position_ids":
-        position = np.arange(len(prompt) + len(completion))
-        position[len(prompt) + from_position :] += POSITION_OFFSET
-        positions = [position]
-    elif kind == "stale_weights":
-        generator = torch.Generator().manual_seed(STALE_SEED)
-        for parameter in model.parameters():
-            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-            parameter.add_(noise * parameter.std() * STALE_WEIGHT_NOISE)
-    (scored,) = score_batch(model, [(prompt, completion)], settings, position_ids=positions)
-    return scored.completion
+_DATA_CAUSES = {
+    "token_shift": "token_shift",
+    "mask": "mask_padding",
+    "dtype": "dtype",
+    "noise": "dtype",
+}
 
 
-def _mark_stale(table: TokenTable, span: slice, from_position: int) -> None:
-    """Tokens from the fault on were sampled under the previous weight version."""
+def _data_fault(values: np.ndarray, kind: str, from_position: int, row: int) -> None:
+    if kind == "token_shift":
+        values[from_position:-1] = values[from_position + 1 :].copy()
+    elif kind == "mask":
+        values[from_position:] = PAD_FILL_VALUE
+    elif kind == "dtype":
+        values[from_position:] = _round_to_bfloat16(values[from_position:])
+    else:  # noise, on every token as precision would: seeded per row
+        rng = np.random.default_rng([NOISE_SEED, row])
+        values[:] = np.minimum(values + rng.normal(0, NOISE_SIGMA, len(values)), 0.0)
+
+
+def _rows(table: TokenTable, sequence_ids) -> list[int]:
+    index = table.index_of()
+    if sequence_ids == "all" or sequence_ids == ["all"]:
+        return list(range(len(table.sequence_ids)))
+    rows = []
+    for sequence_id in [sequence_ids] if isinstance(sequence_ids, str) else sequence_ids:
+        row = index.get(str(sequence_id))
+        if row is None:
+            raise BadInput(
+                f"no sequence {sequence_id!r} in this {table.kind}; see `lpx fixture show`."
+            )
+        rows.append(row)
+    return sorted(set(rows))
+
+
+def _settings_for(table: TokenTable, kind: str, from_position: int, settings: FaultSettings):
+    """Processing faults use the sampling the fixture records: a rollout that sampled with
+    top-k returns top-k-processed logprobs, never another k."""
+    sampling = table.metadata.get("sampling") or {}
+    changes = {}
+    if kind in ("version_change", "version_change_unrecorded") and from_position:
+        changes["at"] = from_position
+    if kind == "position_ids":
+        changes["at"] = from_position
+    if kind == "temperature" and float(sampling.get("temperature") or 1.0) not in (0.0, 1.0):
+        changes["temperature"] = float(sampling["temperature"])
+    if kind in ("top_k", "top_k_top_p") and int(sampling.get("top_k") or 0) > 0:
+        changes["top_k"] = int(sampling["top_k"])
+    if kind in ("top_p", "top_k_top_p") and float(sampling.get("top_p") or 1.0) < 1.0:
+        changes["top_p"] = float(sampling["top_p"])
+    return replace(settings, **changes)
+
+
+def _refuse_impossible(table: TokenTable, row: int, kind: str, scored: np.ndarray) -> None:
+    if np.isfinite(scored).all():
+        return
+    position = int(np.flatnonzero(~np.isfinite(scored))[0])
+    raise BadInput(
+        f"sequence {table.sequence_ids[row]!r}: the token at completion position {position} lies "
+        f"outside the {kind} set, so no rollout that sampled with it could have produced it; "
+        "inject this kind into a fixture sampled with the same setting (lpx rollout --top-k K "
+        "--top-p P)."
+    )
+
+
+def _mark_new_version(table: TokenTable, span: slice, at: int) -> None:
+    """Tokens from ``at`` on were sampled under the next weight version."""
     if table.weight_versions is None:
         table.weight_versions = np.full(table.num_completion_tokens, "1", dtype=object)
     versions = table.weight_versions[span]
-    current = str(versions[from_position])
-    versions[from_position:] = str(int(current) - 1) if current.isdigit() else f"{current}-previous"
+    current = str(versions[0])
+    versions[at:] = str(int(current) + 1) if current.isdigit() else f"{current}-next"
+
+
+def _load(model_dir: Path):
+    from pipeline.engines.hf_common import load_model
+
+    return load_model(model_dir, "float32")
 
 
 def _model_dir(table: TokenTable, model_dir: Path | None) -> Path:

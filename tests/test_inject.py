@@ -6,13 +6,28 @@ import pytest
 from pipeline.engines.hf_replay import HFScoringEngine
 from tests.helpers import read_report, run_lpx
 
-CAUSE_OF_KIND = {
+CAUSE_OF_KIND = {  # kinds with an onset, planted in one sequence from a position
     "token_shift": "token_shift",
     "mask": "mask_padding",
     "position_ids": "position_ids",
-    "temperature": "temperature",
     "dtype": "dtype",
-    "stale_weights": "stale_weights",
+}
+# The zoo on the shared fixture (sampled at temperature 1, no truncation), every sequence;
+# the full matrix over archs, seeds, counts and sampling is bench/diagnosis.py.
+ZOO = {
+    "pad_attended": {"mask_padding"},
+    "packed_no_reset": {"mask_padding"},
+    "positions_restart": {"position_ids"},
+    "label_shift": {"token_shift"},
+    "bos_missing": {"prompt_mismatch"},
+    "prompt_truncated": {"prompt_mismatch"},
+    "stale_weights": {"stale_weights"},
+    "version_change_unrecorded": {"version_change"},
+    "version_change": {"version_change"},
+    "lm_head_bf16": {"dtype"},
+    "fp16": {"dtype"},
+    "noise": {"dtype"},
+    "pad_positions": set(),  # a constant position offset is invisible to RoPE
 }
 PLACES = [("3-1", 5), ("0-0", 2), ("7-0", 9)]
 
@@ -66,6 +81,43 @@ def test_injected_fault_is_caught_and_named(run_dir, tmp_path, kind, place):
     assert finding["evidence"]
 
 
+@pytest.mark.parametrize("kind", sorted(ZOO))
+def test_the_zoo_is_named_from_the_whole_batch(run_dir, tmp_path, kind):
+    faulted = tmp_path / "faulted.parquet"
+    args = ["--sequence", "all", "--from-position", 4, "--out", faulted]
+    result = run_lpx("inject", run_dir / "fixture.parquet", "--kind", kind, *args)
+    assert result.exit_code == 0, result.output
+    result = run_lpx(
+        "compare", faulted, run_dir / "replay-float32.parquet", "--out", tmp_path / "cmp"
+    )
+    report = read_report(tmp_path / "cmp")
+    named = {f["cause"] for f in report["diagnosis"]}
+    assert named == ZOO[kind], [(f["cause"], f["evidence"][:120]) for f in report["diagnosis"]]
+    assert report["verdict"] == ("fail" if ZOO[kind] else "pass")
+    for finding in report["diagnosis"]:
+        assert 0.0 <= finding["confidence"] <= 1.0
+        if finding["cause"] in ("version_change", "position_ids"):
+            assert finding["runner_up"]["cause"] and finding["runner_up"]["why_not"]
+    if kind.startswith("version_change"):
+        (finding,) = report["diagnosis"]
+        assert finding["details"]["at"] == 4 and len(finding["sequences"]) == 16
+
+
+def test_a_truncation_fault_needs_a_fixture_sampled_with_it(run_dir, tmp_path):
+    result = run_lpx(
+        "inject",
+        run_dir / "fixture.parquet",
+        "--kind",
+        "top_k",
+        "--sequence",
+        "all",
+        "--out",
+        tmp_path / "x.parquet",
+    )
+    assert result.exit_code == 2
+    assert "outside the top_k set" in result.output and "--top-k" in result.output
+
+
 def test_injecting_into_a_replay_works_too(run_dir, tmp_path):
     faulted = tmp_path / "replay-shifted.parquet"
     run_lpx(
@@ -86,26 +138,26 @@ def test_injecting_into_a_replay_works_too(run_dir, tmp_path):
     assert finding["cause"] == "token_shift" and finding["details"]["shift"] == 1
 
 
-def perturbed_model(tiny_model, out_dir):
-    """A copy of the tiny model with every weight nudged (an older or wrongly converted policy)."""
+def perturbed_model(tiny_model, out_dir, run_dir):
+    """The tiny model one AdamW step on, taken on the fixture's own sequences as a trainer
+    would (the next policy version)."""
     import shutil
 
-    import torch
-    from safetensors.torch import load_file, save_file
+    from pipeline.engines.hf_common import load_model
+    from pipeline.faults import optimiser_step
+    from pipeline.fixture.io import read_table
 
     shutil.copytree(tiny_model, out_dir)
-    weights = load_file(out_dir / "model.safetensors")
-    generator = torch.Generator().manual_seed(0)
-    for name, tensor in weights.items():
-        weights[name] = tensor + 0.02 * tensor.std() * torch.randn(
-            tensor.shape, generator=generator
-        )
-    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    fixture = read_table(run_dir / "fixture.parquet")
+    pairs = [
+        (fixture.prompt_of(i), fixture.completion_of(i)) for i in range(len(fixture.sequence_ids))
+    ]
+    optimiser_step(load_model(tiny_model), pairs, 1e-4).save_pretrained(out_dir)
     return out_dir
 
 
 def test_replay_with_other_weights_is_bad_input_unless_allowed(run_dir, tiny_model, tmp_path):
-    stale = perturbed_model(tiny_model, tmp_path / "stale-model")
+    stale = perturbed_model(tiny_model, tmp_path / "stale-model", run_dir)
     replay = tmp_path / "replay-stale.parquet"
     assert (
         run_lpx("replay", run_dir / "fixture.parquet", "--model", stale, "--out", replay).exit_code
@@ -136,7 +188,7 @@ def test_other_weights_behind_an_equal_fingerprint_are_still_named(run_dir, tiny
     the drift pattern alone must point at the weights."""
     from pipeline.fixture.io import read_table, write_table
 
-    stale = perturbed_model(tiny_model, tmp_path / "stale-model")
+    stale = perturbed_model(tiny_model, tmp_path / "stale-model", run_dir)
     fixture = read_table(run_dir / "fixture.parquet")
     replay = HFScoringEngine().score(fixture, stale, {})
     replay.metadata["model"] = fixture.metadata["model"]
@@ -147,3 +199,4 @@ def test_other_weights_behind_an_equal_fingerprint_are_still_named(run_dir, tiny
     assert [f["cause"] for f in findings] == ["stale_weights"]
     assert len(findings[0]["sequences"]) >= 12
     assert "equal weight fingerprints" in findings[0]["evidence"]
+    assert "biased per sequence" in findings[0]["evidence"]

@@ -11,38 +11,47 @@ from pipeline.inject import FAULT_KINDS
 @click.command()
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--kind", required=True, type=click.Choice(FAULT_KINDS))
-@click.option("--sequence", "sequence_id", required=True, help="Sequence id to fault.")
+@click.option(
+    "--sequence",
+    "sequence_ids",
+    required=True,
+    multiple=True,
+    help="Sequence id to fault; repeat for several, or `all`.",
+)
 @click.option(
     "--from-position",
     type=NON_NEGATIVE,
     default=0,
     show_default=True,
-    help="First completion position the fault affects.",
+    help="First completion position the fault affects (kinds with an onset).",
 )
 @click.option("--out", "out_path", required=True, type=OUTPUT_FILE)
 @click.option(
     "--model",
     "model_dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="For position_ids, temperature, stale_weights [default: the recorded model].",
+    help="For the kinds that re-score with the model [default: the recorded model].",
 )
-def inject(path, kind, sequence_id, from_position, out_path, model_dir) -> None:
-    """Write a copy of a fixture (or replay) with one planted fault, to prove compare catches it.
+def inject(path, kind, sequence_ids, from_position, out_path, model_dir) -> None:
+    """Write a copy of a fixture (or replay) with a planted fault, to prove compare catches it.
 
     \b
-    Kinds:
+    Data kinds (the logprobs edited):
       token_shift    logprobs shifted by one token (off-by-one)
-      mask           the pad fill value 0.0 where tokens are active (mask/padding bug)
-      position_ids   re-scored with position ids offset by +16 (model re-run)
-      temperature    processed logprobs at temperature 0.7 (model re-run)
+      mask           the pad fill value 0.0 where tokens are active
       dtype          logprobs rounded to bfloat16
-      stale_weights  re-scored with perturbed (older) weights, tokens tagged with the older
-                     weight_version (model re-run)
+      noise          Gaussian noise of 1e-3 (TF32 or another reduction order)
+    Model kinds (re-scored by the real model under the bug; docs/compare.md#the-fault-zoo):
+      pad_attended, mask_dropped, pad_positions, packed_no_reset, positions_restart,
+      position_ids, label_shift, bos_extra, bos_missing, prompt_truncated, temperature,
+      top_k, top_p, top_k_top_p, stale_weights, version_change,
+      version_change_unrecorded, lm_head_bf16, bf16, fp16
 
     \b
     Example:
       lpx inject run/fixture.parquet --kind token_shift --sequence 3-0 --from-position 5 \\
           --out run/fixture-shifted.parquet
+      lpx inject run/fixture.parquet --kind pad_attended --sequence all --out run/padded.parquet
       lpx compare run/fixture-shifted.parquet run/replay.parquet --out run/shifted   # exits 1
     """
     from pipeline.paths import check_output
@@ -52,8 +61,8 @@ def inject(path, kind, sequence_id, from_position, out_path, model_dir) -> None:
     from pipeline.inject import inject_fault
 
     table = read_table(path)
-    faulted = inject_fault(table, kind, sequence_id, from_position, model_dir)
+    chosen = "all" if "all" in sequence_ids else list(sequence_ids)
+    faulted = inject_fault(table, kind, chosen, from_position, model_dir)
     write_table(faulted, out_path)
-    click.echo(
-        f"injected {kind} into sequence {sequence_id} from position {from_position} -> {out_path}"
-    )
+    where = "every sequence" if chosen == "all" else f"sequence {', '.join(chosen)}"
+    click.echo(f"injected {kind} into {where} from position {from_position} -> {out_path}")

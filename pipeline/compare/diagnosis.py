@@ -1,27 +1,58 @@
-"""Explain drift: test the semantic causes before calling anything numeric noise.
+"""Explain drift: name the cause from the whole batch's evidence, never from one sequence.
 
-Each detector looks at one drifting sequence (its active completion tokens) and either
-explains it, with evidence a person can check, or passes. Detectors run in order of how
-specific their evidence is; the first that explains a sequence claims it. Batch-level
-checks (weight fingerprints, dtype noise floor, uniform drift) then cover what is left.
-Causes follow shared/notes/metrics.md.
+Every rule reads the per-sequence signatures (``signatures.py``: arrays over all sequences
+at once) and claims the drifting sequences its evidence explains, most specific evidence
+first:
+
+1. per-sequence data signatures: a logprob shift by one token, a constant fill, labels
+   scored off by one, logprobs rounded to a low precision, recorded weight versions;
+2. batch-wide sampling processing (temperature, top-k, top-p), from the one-signed or
+   linear gap they leave, checked against the rollout's recorded sampling;
+3. onsets: drift that starts after clean tokens (positions; a weight update at index k
+   when many sequences share the onset);
+4. drift from the first token: precision noise (unbiased, at a numeric level), weights
+   (the whole batch, biased per sequence), padding or prompt context (only some sequences;
+   the rest clean, which rules weights out, since weights are shared by the batch).
+
+Each finding carries a confidence, the first bad position, the runner-up cause and why it
+lost; `unexplained` says what was ruled out. Causes follow shared/notes/metrics.md.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-FAULT_CAUSES = ("token_shift", "mask_padding", "position_ids", "temperature", "stale_weights")
+from pipeline.compare.signatures import Signatures, signatures
+
+FAULT_CAUSES = (
+    "token_shift",
+    "mask_padding",
+    "position_ids",
+    "prompt_mismatch",
+    "temperature",
+    "top_k",
+    "top_p",
+    "stale_weights",
+    "version_change",
+)
 KNOWN_CAUSES = (*FAULT_CAUSES, "dtype", "unexplained")  # what a policy's fail_on_findings may name
-# Fraction of a sequence's drifting tokens a signature must explain.
-EXPLAINS = 0.75
+EXPLAINS = 0.75  # fraction of a sequence's drifting tokens a signature must explain
 MIN_TOKENS = 2
+ONE_SIGNED = 0.95  # fraction of drifting tokens on which the same side is higher
+LABEL_SHIFT_GAP = 2.0  # nats: a factor e^2 at the typical token, beyond any processing
+# Mean |d| that precision alone gives, by the lowest precision declared by either side. fp32
+# runs still meet TF32 matmuls, another reduction order or a head left in bf16 (~1e-3);
+# bf16 engines of the same weights differ by a mean |d| of ~0.011-0.013 in public reports.
+NUMERIC_CEILING = {"float32": 0.01, "float16": 0.01, "bfloat16": 0.03}
+BIAS_Z = 4.0  # how many standard errors above chance the per-sequence bias must stand
+ONSET_WINDOW = 3  # tokens: a shared onset may show up to this late (drift under tau at first)
+PREFIX_FLOOR = 0.1  # before an onset, |d| stays under this fraction of tau
+# A weight update moves logprobs by a small fraction of their size (one RL step: KL ~1e-3,
+# mean |d| a few % of mean |logprob|); a position bug scrambles attention, tens of %.
+WEIGHT_STEP_RELATIVE = 0.3
 LIKELY_LOGPROB = float(np.log(0.3))
-# Typical drift RMS when one side runs in a lower precision (shared/notes/metrics.md).
-DTYPE_NOISE_CEILING = {"bfloat16": 0.1, "float16": 0.02, "float32": 1e-4}
 
 
 @dataclass
@@ -32,326 +63,559 @@ class Finding:
     evidence: str
     severity: str = "fault"
     details: dict = field(default_factory=dict)
+    confidence: float = 1.0
+    runner_up: dict | None = None  # {"cause", "why_not"}
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 @dataclass
-class SequenceView:
-    """One sequence's active completion tokens as the detectors see them."""
+class Batch:
+    """What the rules see: signatures per sequence plus the batch's own records."""
 
-    sequence_id: str
-    positions: np.ndarray
-    rollout: np.ndarray
+    sig: Signatures
+    ids: list[str]
+    positions: np.ndarray  # position of each sequence's first active token
+    offsets: np.ndarray
     train: np.ndarray
-    weight_versions: np.ndarray | None
+    rollout: np.ndarray
     tau: float
-
-    def __post_init__(self):
-        self.diff = self.train.astype(np.float64) - self.rollout.astype(np.float64)
-        self.bad = np.abs(self.diff) > self.tau
-        self.first_bad = int(np.argmax(self.bad)) if self.bad.any() else -1
+    versions: np.ndarray | None
+    context: dict
 
     @property
-    def first_bad_position(self) -> int:
-        return int(self.positions[self.first_bad])
-
-    def where(self) -> str:
-        return f"seq {self.sequence_id} from position {self.first_bad_position}"
+    def drifting(self) -> np.ndarray:
+        return self.sig.bad > 0
 
 
-def diagnose(views: list[SequenceView], context: dict) -> list[Finding]:
-    """Findings for all drifting sequences; ``context`` holds both sides' metadata and
-    the batch reference weight version."""
-    claimed: dict[str, list[tuple[SequenceView, str, dict]]] = {}
-    unexplained = []
-    for view in views:
-        if view.first_bad < 0:
+def diagnose_region(
+    train, rollout, offsets, positions, sequence_ids, weight_versions, tau, context
+) -> list[Finding]:
+    """Findings for one compared region (the completion), from flat arrays."""
+    batch = Batch(
+        signatures(train, rollout, offsets, tau),
+        list(sequence_ids),
+        positions,
+        offsets,
+        train,
+        rollout,
+        tau,
+        weight_versions,
+        context,
+    )
+    open_ = batch.drifting.copy()
+    findings: list[Finding] = []
+    for rule in RULES:
+        if not open_.any() and rule is not fingerprint_rule:
             continue
-        for detector in SEQUENCE_DETECTORS:
-            result = detector(view, context)
-            if result:
-                cause, evidence, details = result
-                claimed.setdefault(cause, []).append((view, evidence, details))
-                break
-        else:
-            unexplained.append(view)
-    findings = [_merge(cause, hits) for cause, hits in claimed.items()]
-    findings += _batch_findings(unexplained, views, context)
+        for finding, claimed in rule(batch, open_):
+            findings.append(finding)
+            open_ &= ~claimed
+    if open_.any():
+        findings.append(_unexplained(batch, open_))
     return findings
 
 
-# --- per-sequence detectors: return (cause, evidence, details) or None -----------------
+# --- rules: each yields (finding, the sequences it claims) --------------------------------
 
 
-def detect_token_shift(view: SequenceView, context: dict):
-    bad = np.flatnonzero(view.bad)
+def fingerprint_rule(batch: Batch, open_: np.ndarray):
+    evidence = weights_evidence(batch.context)
+    if not evidence:
+        return
+    claimed = open_.copy()
+    drift = (
+        f"drift above tau in {int(claimed.sum())} sequences" if claimed.any() else "yet no drift"
+    )
+    yield (
+        _finding(
+            batch,
+            "stale_weights",
+            claimed,
+            f"{evidence} ({drift})",
+            severity="fault" if claimed.any() else "info",
+        ),
+        claimed,
+    )
+
+
+def data_shift_rule(batch: Batch, open_: np.ndarray):
+    sig = batch.sig
     for shift in (1, -1):
-        candidates = bad[(bad + shift >= 0) & (bad + shift < len(view.rollout))]
-        if len(candidates) < MIN_TOKENS:
-            continue
-        fits = np.abs(view.train[candidates] - view.rollout[candidates + shift]) <= view.tau
-        if fits.mean() >= EXPLAINS and fits.sum() >= MIN_TOKENS:
-            return (
+        fits = open_ & (sig.bad >= MIN_TOKENS) & (sig.shift_fit[shift] >= EXPLAINS)
+        if fits.any():
+            share = float(np.mean(sig.shift_fit[shift][fits]))
+            yield (
+                _finding(
+                    batch,
+                    "token_shift",
+                    fits,
+                    f"shifted by {shift:+d}, the replay logprob at t equals the rollout logprob at "
+                    f"t{shift:+d} for {share:.0%} of the drifting tokens: logprobs and tokens are "
+                    "off by one",
+                    details={"shift": shift, "fit_fraction": share},
+                    confidence=share,
+                ),
+                fits,
+            )
+            open_ = open_ & ~fits
+
+
+def constant_fill_rule(batch: Batch, open_: np.ndarray):
+    sig = batch.sig
+    for side, other in (("rollout", "train"), ("train", "rollout")):
+        filled = (
+            open_
+            & (sig.bad >= MIN_TOKENS)
+            & (sig.constant_fill[side] >= EXPLAINS)
+            & (sig.constant_fill[other] < 0.5)
+        )
+        if side == "rollout" and _truncated_sampling(batch):
+            # Under top-k/top-p a token alone in its kept set has processed logprob 0.0
+            # exactly: a repeated 0.0 there is truncation, which the sampling rule names.
+            filled &= ~_fills_zero(batch, filled)
+        if filled.any():
+            values = batch.rollout if side == "rollout" else batch.train
+            first = int(batch.offsets[np.argmax(filled)] + max(sig.first_bad[np.argmax(filled)], 0))
+            name = "rollout" if side == "rollout" else "replay"
+            yield (
+                _finding(
+                    batch,
+                    "mask_padding",
+                    filled,
+                    f"the {name} side repeats one value ({float(values[first]):g}) at "
+                    f"{float(np.mean(sig.constant_fill[side][filled])):.0%} of the drifting tokens "
+                    "while the other side varies: padding or masked tokens were treated as "
+                    "active; check the completion mask and pad handling",
+                    details={"side": name, "fill_value": float(values[first])},
+                    runner_up=("token_shift", "the values repeat rather than move by a token"),
+                ),
+                filled,
+            )
+            open_ = open_ & ~filled
+
+
+def label_shift_rule(batch: Batch, open_: np.ndarray):
+    """Labels scored off by one in the model: one side scores each token with the logits of
+    the next position, so it is far lower on nearly every token from the first."""
+    sig = batch.sig
+    lower = np.where(sig.train_lower >= 0.5, sig.train_lower, 1 - sig.train_lower)
+    fits = (
+        open_
+        & (sig.bad >= MIN_TOKENS)
+        & (lower >= ONE_SIGNED)
+        & (sig.low_side_gap >= LABEL_SHIFT_GAP)
+        & (sig.first_bad <= 1)
+    )
+    drifting = open_ & (sig.bad >= MIN_TOKENS)
+    # Label code is shared by the batch: it shifts every sequence, from the first token.
+    if fits.sum() >= max(1, EXPLAINS * drifting.sum()):
+        fits = drifting & (sig.first_bad <= 1)
+        side = "replay" if np.mean(sig.train_lower[fits]) >= 0.5 else "rollout"
+        gap = float(np.median(sig.low_side_gap[fits]))
+        yield (
+            _finding(
+                batch,
                 "token_shift",
-                f"shifted by {shift:+d} fits {fits.mean():.0%} of {view.where()}: the replay "
-                f"logprob at position t equals the rollout logprob at t{shift:+d} "
-                f"({int(fits.sum())}/{len(candidates)} drifting tokens); logprobs and tokens "
-                "are off by one",
-                {"shift": shift, "fit_fraction": float(fits.mean())},
-            )
-    return None
+                fits,
+                f"the {side} side is lower on {float(np.mean(lower[fits])):.0%} of the drifting "
+                f"tokens by {gap:.2g} nats (median over sequences) from the first token: it scores "
+                "each token with the logits of the wrong position (labels off by one)",
+                details={"shift": "labels", "side": side, "median_gap": gap},
+                runner_up=(
+                    "top_k",
+                    f"a truncation gap stays near 0 on confident tokens; this one is {gap:.2g}",
+                ),
+            ),
+            fits,
+        )
 
 
-def detect_mask_padding(view: SequenceView, context: dict):
-    bad = view.bad
-    if bad.sum() < MIN_TOKENS:
-        return None
-    for side, values, other in (
-        ("rollout", view.rollout, view.train),
-        ("replay", view.train, view.rollout),
-    ):
-        constant, count = Counter(values[bad].tolist()).most_common(1)[0]
-        distinct_other = len(np.unique(other[bad]))
-        if count / bad.sum() >= EXPLAINS and count >= MIN_TOKENS and distinct_other > 1:
-            return (
-                "mask_padding",
-                f"the {side} side holds the constant {constant:g} at {count}/{int(bad.sum())} "
-                f"drifting tokens of {view.where()} while the other side varies: padding or "
-                "masked tokens were treated as active; check the completion mask and pad handling",
-                {"side": side, "fill_value": float(constant)},
-            )
-    return None
-
-
-def detect_dtype_rounding(view: SequenceView, context: dict):
-    bad = view.bad
-    if bad.sum() < MIN_TOKENS:
-        return None
-    for side, values, other in (
-        ("rollout", view.rollout, view.train),
-        ("replay", view.train, view.rollout),
-    ):
-        for dtype, representable in (
-            ("bfloat16", _bf16_representable),
-            ("float16", _fp16_representable),
-        ):
-            if representable(values[bad]).all() and representable(other[bad]).mean() < 0.5:
-                rms = float(np.sqrt(np.mean(view.diff[bad] ** 2)))
-                return (
-                    "dtype",
-                    f"the {side} logprobs of {view.where()} are exactly representable in {dtype} "
-                    f"at all {int(bad.sum())} drifting tokens and the other side's are not: "
-                    f"they were rounded to {dtype} (drift RMS {rms:.3g})",
-                    {"side": side, "dtype": dtype},
+def precision_rounding_rule(batch: Batch, open_: np.ndarray):
+    sig = batch.sig
+    for side, other, name in (("rollout", "train", "rollout"), ("train", "rollout", "replay")):
+        for dtype, exact in (("bfloat16", sig.bf16_exact), ("float16", sig.fp16_exact)):
+            rounded = open_ & (sig.bad >= MIN_TOKENS) & (exact[side] >= 1.0) & (exact[other] < 0.5)
+            if rounded.any():
+                yield (
+                    _finding(
+                        batch,
+                        "dtype",
+                        rounded,
+                        f"the {name} logprobs are exactly representable in {dtype} at every "
+                        "drifting token and the other side's are not: they were rounded to "
+                        f"{dtype} (drift RMS {_rms(batch, rounded):.3g})",
+                        severity="info",
+                        details={"side": name, "dtype": dtype},
+                    ),
+                    rounded,
                 )
-    return None
+                open_ = open_ & ~rounded
 
 
-def detect_weight_version(view: SequenceView, context: dict):
-    reference = context.get("reference_weight_version")
-    if view.weight_versions is None or reference is None:
-        return None
-    stale = view.weight_versions != reference
-    if not stale.any():
-        return None
-    explained = (stale & view.bad).sum() / max(view.bad.sum(), 1)
-    if explained < EXPLAINS:
-        return None
-    versions = sorted({str(v) for v in view.weight_versions[stale]})
-    drift_stale = float(np.abs(view.diff[stale]).mean())
-    drift_fresh = float(np.abs(view.diff[~stale]).mean()) if (~stale).any() else 0.0
-    return (
-        "stale_weights",
-        f"{int(stale.sum())} tokens of {view.where()} were sampled under weight_version "
-        f"{', '.join(versions)} while the batch is at {reference}; mean |d| on them "
-        f"{drift_stale:.3g} vs {drift_fresh:.3g} on the others",
-        {"stale_versions": versions, "reference": str(reference)},
+def weight_version_rule(batch: Batch, open_: np.ndarray):
+    """Recorded per-token weight versions: tokens sampled under another version than the
+    batch's reference explain the drift on exactly those tokens."""
+    reference = batch.context.get("reference_weight_version")
+    versions = batch.versions
+    if versions is None or reference is None:
+        return
+    other = np.asarray(versions != reference, dtype=bool)
+    seq = np.repeat(np.arange(len(batch.ids)), np.diff(batch.offsets))
+    n_other = np.bincount(seq, weights=other.astype(float), minlength=len(batch.ids))
+    bad_tokens = np.abs(batch.train.astype(np.float64) - batch.rollout) > batch.tau
+    explained = np.bincount(
+        seq, weights=(bad_tokens & other).astype(float), minlength=len(batch.ids)
+    )
+    covered = open_ & (n_other > 0) & (explained >= EXPLAINS * np.maximum(batch.sig.bad, 1))
+    if not covered.any():
+        return
+    whole = covered & (n_other == batch.sig.tokens)
+    part = covered & ~whole
+    other_versions = sorted({str(v) for v in versions[other]})
+    drift_other = float(np.abs(batch.train - batch.rollout)[other].mean())
+    drift_same = (
+        float(np.abs(batch.train - batch.rollout)[~other].mean()) if (~other).any() else 0.0
+    )
+    if part.any():
+        changes = np.flatnonzero(other & ~np.roll(other, 1) & (np.arange(len(other)) > 0))
+        local = changes - batch.offsets[seq[changes]]
+        at = int(np.bincount(local).argmax()) if len(local) else 0
+        yield (
+            _finding(
+                batch,
+                "version_change",
+                part,
+                f"the weight version changes within {int(part.sum())} sequences (to "
+                f"{', '.join(other_versions)}, from completion index {at} in most) while the "
+                f"batch is at {reference}; mean |d| {drift_other:.3g} on those tokens vs "
+                f"{drift_same:.3g} on the others: score each token with its own version",
+                details={"at": at, "versions": other_versions, "reference": str(reference)},
+            ),
+            part,
+        )
+    if whole.any():
+        yield (
+            _finding(
+                batch,
+                "stale_weights",
+                whole,
+                f"{int(whole.sum())} sequences were sampled under weight_version "
+                f"{', '.join(other_versions)} while the batch is at {reference}; mean |d| "
+                f"{drift_other:.3g} on them vs {drift_same:.3g} on the others",
+                details={"stale_versions": other_versions, "reference": str(reference)},
+            ),
+            whole,
+        )
+
+
+def sampling_rule(batch: Batch, open_: np.ndarray):
+    """Processed vs raw logprobs. Truncation renormalises the kept tokens, so the processed
+    side is higher at every sampled token, by -log(kept mass): never more than -log(top_p)
+    under top-p. Temperature makes the gap linear in the logprob. The rollout's recorded
+    sampling names which processing was in use."""
+    candidates = open_ & (batch.sig.bad >= MIN_TOKENS)
+    if candidates.sum() == 0:
+        return
+    d = _flat_bad_diff(batch, candidates)
+    if len(d) < 3:
+        return
+    processed_higher_rollout = float(np.mean(d < 0))
+    one_signed = max(processed_higher_rollout, 1 - processed_higher_rollout) >= ONE_SIGNED
+    sampling = batch.context.get("sampling") or {}
+    temperature = float(sampling.get("temperature", 1.0) or 1.0)
+    top_k = int(sampling.get("top_k", 0) or 0)
+    top_p = float(sampling.get("top_p", 1.0) or 1.0)
+    side = "rollout" if processed_higher_rollout >= 0.5 else "replay"
+    gap = np.abs(d)
+    max_gap = float(np.quantile(gap, 0.999))
+    fit = _temperature_fit(batch, candidates) or (
+        _sharpening(batch, candidates) if temperature != 1.0 else None
+    )
+    causes = []
+    if one_signed and (top_k > 0 or top_p < 1.0):
+        if top_k > 0:
+            causes.append(("top_k", f"top-k {top_k} in the rollout's sampling"))
+        if top_p < 1.0:
+            bound = -np.log(top_p)
+            causes.append(
+                ("top_p", f"top-p {top_p:g} in the rollout's sampling; gap <= {bound:.3g} nats")
+            )
+    elif fit and (temperature != 1.0 or batch.context.get("temperature_hint") or not sampling):
+        causes.append(("temperature", fit[0]))
+    elif one_signed and not sampling:
+        if max_gap <= -np.log(0.5):
+            causes.append(
+                ("top_p", f"every gap under {max_gap:.3g} nats: top-p ~{np.exp(-max_gap):.2f}")
+            )
+        else:
+            causes.append(("top_k", f"gaps up to {max_gap:.3g} nats, beyond a top-p bound"))
+    elif batch.context.get("temperature_hint") and one_signed:
+        causes.append(("temperature", batch.context["temperature_hint"]))
+    if not causes:
+        return
+    claimed = candidates.copy()
+    for cause, why in causes:
+        yield (
+            _finding(
+                batch,
+                cause,
+                claimed,
+                f"the {side} side is higher on {max(processed_higher_rollout, 1 - processed_higher_rollout):.0%} "
+                f"of the drifting tokens (max gap {max_gap:.3g} nats); {why}: one side's logprobs "
+                "are processed (after temperature/truncation) and the other's are raw; return "
+                "raw logprobs from the rollout, or apply the same processing on both sides",
+                details={
+                    "processed_side": side,
+                    "max_gap": max_gap,
+                    **({"temperature_fit": fit[1]} if fit and cause == "temperature" else {}),
+                },
+                runner_up=(
+                    "stale_weights",
+                    "weights move sampled tokens both ways; here one side is higher throughout",
+                )
+                if one_signed
+                else (
+                    "stale_weights",
+                    "the gap is linear in the logprob, as a temperature makes it",
+                ),
+            ),
+            claimed,
+        )
+
+
+def onset_rule(batch: Batch, open_: np.ndarray):
+    """Drift that starts after clean tokens and stays: positions shifted from there, or a
+    weight update in flight when many sequences share the onset index."""
+    sig = batch.sig
+    # Before an onset the two sides computed the same thing: agreement at the floor, not
+    # merely under tau (context faults leave the first tokens a little off, under tau).
+    floor = sig.prefix_floor >= 0.5
+    after = (
+        open_
+        & (sig.first_bad >= 1)
+        & floor
+        & (sig.bad_after_onset >= 0.5)
+        & (sig.bad >= MIN_TOKENS)
+        & (sig.mean_abs > _ceiling(batch))
+    )
+    if not after.any():
+        return
+    onsets = sig.first_bad[after]
+    k0 = int(onsets.min())
+    shared = after & (sig.first_bad <= k0 + ONSET_WINDOW)
+    relative = float(np.median(sig.relative[after]))
+    if k0 >= 2 and shared.sum() >= 2 and relative <= WEIGHT_STEP_RELATIVE:
+        # Every sequence in flight switches weights at once: none drifts before k0, many
+        # from k0 on, and the later onsets are tokens whose drift stayed under tau at first.
+        late = open_ & floor & (sig.first_bad >= k0)
+        yield (
+            _finding(
+                batch,
+                "version_change",
+                late,
+                f"{int(late.sum())} sequences are clean up to completion index {k0} and drift "
+                f"from there on ({int(shared.sum())} of them within {ONSET_WINDOW} tokens of it), "
+                f"by a small fraction of the logprobs (median {relative:.1%}), as a weight update "
+                "does: the weights changed while they were being generated (an in-flight "
+                "update); record per-token weight versions and score each token with its own",
+                details={"at": k0, "relative_drift": relative},
+                confidence=float(shared.sum() / late.sum()),
+                runner_up=(
+                    "position_ids",
+                    f"a position bug scrambles attention, moving logprobs by tens of % "
+                    f"(here {relative:.1%})",
+                ),
+            ),
+            late,
+        )
+        after = after & ~late
+    restart = after & (sig.first_bad == 1)
+    drifting = open_ & (sig.bad >= MIN_TOKENS)
+    if restart.sum() >= 2 and restart.sum() >= EXPLAINS * drifting.sum():
+        restart = open_ & floor & (sig.first_bad >= 1)  # every sequence restarts there
+    else:
+        restart[:] = False
+    positions = (after & (sig.first_bad >= MIN_TOKENS)) | restart
+    if positions.any():
+        first = int(np.argmax(positions))
+        yield (
+            _finding(
+                batch,
+                "position_ids",
+                positions,
+                f"drift starts at position {_position(batch, first)} of seq {batch.ids[first]} "
+                f"(clean before) and stays on ({float(np.mean(sig.bad_after_onset[positions])):.0%} "
+                "of the later tokens over tau) in "
+                f"{int(positions.sum())} sequences: position ids are offset from there "
+                "(restarted at the completion, KV-cache or packing position bug)",
+                details={"onset": _position(batch, first)},
+                runner_up=(
+                    "version_change",
+                    "the onsets are not one shared index across the batch"
+                    if positions.sum() > 1
+                    else "only one sequence drifts; a weight update hits every sequence in flight",
+                ),
+            ),
+            positions,
+        )
+
+
+def from_start_rule(batch: Batch, open_: np.ndarray):
+    """Drift from the first tokens on: precision, the batch's weights, or one sequence's
+    context (padding, a different prompt)."""
+    sig = batch.sig
+    if not open_.any():
+        return
+    ceiling = _ceiling(batch)
+    bias = _bias_score(sig, open_)
+    chance = 1.0 + BIAS_Z * np.sqrt(2.0 / open_.sum())
+    mean_abs = float(np.average(sig.mean_abs[open_], weights=sig.tokens[open_]))
+    # Clean at the floor, not merely under tau; substantial: most tokens from the onset on.
+    clean = ~batch.drifting & (sig.tokens > 0) & (sig.mean_abs <= batch.tau * PREFIX_FLOOR)
+    substantial = open_ & (sig.bad >= MIN_TOKENS) & (sig.bad_after_onset >= 0.5)
+    if clean.any() and substantial.any():
+        # Precision and weights touch every sequence; some at the floor rule both out.
+        yield from _context_findings(batch, substantial, clean, bias, chance)
+        open_ = open_ & ~substantial
+        if not open_.any():
+            return
+        bias = _bias_score(sig, open_)
+        chance = 1.0 + BIAS_Z * np.sqrt(2.0 / open_.sum())
+        mean_abs = float(np.average(sig.mean_abs[open_], weights=sig.tokens[open_]))
+        if mean_abs > ceiling:
+            yield (_unexplained(batch, open_), open_.copy())
+            return
+    if bias <= chance and mean_abs <= ceiling:
+        yield (
+            _finding(
+                batch,
+                "dtype",
+                open_,
+                f"numeric drift in {int(open_.sum())} sequences: mean |d| {mean_abs:.3g} within "
+                f"what precision gives ({ceiling:g} for {_low_dtype(batch)} sides: lower-precision "
+                f"kernels, TF32, another reduction order), unbiased per sequence (mean t^2 "
+                f"{bias:.2f}, chance <= {chance:.2f}); no semantic cause fits",
+                severity="info",
+                details={"dtype": _low_dtype(batch), "mean_abs_diff": mean_abs, "bias": bias},
+                confidence=min(1.0, ceiling / max(mean_abs, 1e-12) / 2),
+                runner_up=(
+                    "stale_weights",
+                    f"weights bias whole sequences; mean t^2 is {bias:.2f} (chance <= {chance:.2f})",
+                ),
+            ),
+            open_.copy(),
+        )
+        return
+    if bias <= chance:
+        # Unbiased drift in every sequence, beyond precision: the whole batch saw other
+        # inputs (a BOS added or dropped, another chat template). One optimiser step
+        # instead favours or disfavours whole sequences, which shows as a per-sequence bias.
+        yield (
+            _finding(
+                batch,
+                "prompt_mismatch",
+                open_,
+                f"drift in every sequence ({int(open_.sum())}) from the first tokens on, mean "
+                f"|d| {mean_abs:.3g} (beyond the {ceiling:g} precision gives) and unbiased within "
+                f"each sequence (mean t^2 {bias:.2f}, chance <= {chance:.2f}): the two sides "
+                "scored different prompt tokens for the whole batch (a BOS added or dropped, "
+                "another chat template); compare the prompt ids each side used",
+                details={"mean_abs_diff": mean_abs, "bias": bias},
+                confidence=0.6,
+                runner_up=(
+                    "stale_weights",
+                    f"weights one step apart bias whole sequences; mean t^2 here is {bias:.2f}",
+                ),
+            ),
+            open_.copy(),
+        )
+        return
+    yield (
+        _finding(
+            batch,
+            "stale_weights",
+            open_,
+            f"drift in every sequence ({int(open_.sum())}) from the first tokens on, mean |d| "
+            f"{mean_abs:.3g} (beyond the {ceiling:g} precision gives), biased per sequence "
+            f"(mean t^2 {bias:.2f}, chance <= {chance:.2f}), with equal weight fingerprints on "
+            "file: the engines likely hold different weights (stale policy version, wrong "
+            "weight conversion or sharding)",
+            details={"mean_abs_diff": mean_abs, "bias": bias},
+            confidence=0.9,
+            runner_up=(
+                "prompt_mismatch",
+                "a prompt mismatch hitting every sequence averages out within each sequence",
+            ),
+        ),
+        open_.copy(),
     )
 
 
-def detect_temperature(view: SequenceView, context: dict):
-    """Raw vs processed logprobs, from the numbers alone.
-
-    Processed logprobs are log p^(1/T) - log sum_j p_j^(1/T) (plus a log 1/S renormaliser
-    under top-k/top-p). Two signatures, either suffices: the gap is linear in the logprob
-    (peaked distributions, where the normaliser barely moves), or the likely tokens all
-    move the same way (T < 1 and top-k/top-p raise them, T > 1 lowers them), where noise,
-    other weights or position bugs move them both ways.
-    """
-    bad = view.bad
-    if bad.sum() < 3 or context.get("weights_differ"):
-        return None  # different weights can rescale logits too: the fingerprint says more
-    rollout, train = view.rollout[bad].astype(np.float64), view.train[bad].astype(np.float64)
-    found = _temperature_fit(rollout, train) or _sharpening(rollout, train)
-    if found is None:
-        return None
-    summary, details = found
-    return (
-        "temperature",
-        f"{summary} over the {int(bad.sum())} drifting tokens of {view.where()}: one side's "
-        f"logprobs are processed (temperature/top-k/top-p) and the other's are raw"
-        f"{_sampling_hint(context)}",
-        details,
+def _context_findings(batch: Batch, open_, clean, bias, chance):
+    """Some sequences drift from the start while others are clean at the noise floor:
+    weights are shared by the batch, so it is each sequence's own input."""
+    prompt_lengths = batch.context.get("prompt_lengths")
+    lengths = batch.context.get("sequence_lengths")
+    drift_ids = open_
+    cause, why = "mask_padding", ""
+    if prompt_lengths is not None and lengths is not None:
+        longest_prompts = prompt_lengths[drift_ids].min() > prompt_lengths[clean].max()
+        padded = lengths[drift_ids].max() < lengths[clean].max() or (
+            np.median(lengths[drift_ids]) < np.median(lengths[clean])
+        )
+        if longest_prompts:
+            cause = "prompt_mismatch"
+            why = (
+                f"every drifting sequence has a longer prompt ({int(prompt_lengths[drift_ids].min())}+ "
+                f"tokens) than every clean one (<= {int(prompt_lengths[clean].max())}): the long "
+                "prompts were cut (truncation to a max prompt length) on one side"
+            )
+        elif padded:
+            why = (
+                "the drifting sequences are shorter than the clean ones, as the sequences that "
+                "get padding in a batch are: padding was attended (attention mask lost or "
+                "dropped), or packed sequences attended across segments"
+            )
+        else:
+            why = (
+                "the drifting and clean sequences do not differ in length, as in packed "
+                "micro-batches whose segments attend to each other (position ids not reset)"
+            )
+    runner = "prompt_mismatch" if cause == "mask_padding" else "mask_padding"
+    yield (
+        _finding(
+            batch,
+            cause,
+            open_,
+            f"{int(open_.sum())} sequences drift from their first tokens while "
+            f"{int(clean.sum())} are clean at the noise floor; {why}",
+            confidence=0.8 if why else 0.5,
+            runner_up=(
+                "stale_weights",
+                f"weights are shared by the whole batch, yet {int(clean.sum())} sequences are "
+                f"clean (second: {runner})",
+            ),
+        ),
+        open_.copy(),
     )
 
 
-def _temperature_fit(rollout: np.ndarray, train: np.ndarray):
-    gap = rollout - train
-    gap_slope, intercept = np.polyfit(train, gap, 1)
-    residual = gap - (gap_slope * train + intercept)
-    total = np.sum((gap - gap.mean()) ** 2)
-    r2 = 1.0 - np.sum(residual**2) / total if total > 0 else 0.0
-    slope = 1.0 + gap_slope
-    # Sampling temperatures in use lie within [0.2, 5]; a slope outside means one side is
-    # near-constant, which is not a temperature.
-    if r2 < 0.8 or abs(gap_slope) < 0.05 or not 0.2 <= slope <= 5.0:
-        return None
-    summary = (
-        f"rollout = {slope:.3f} x replay {intercept:+.3f} (R^2 of the gap {r2:.3f}, "
-        f"temperature ~{1 / slope:.2f})"
-    )
-    return summary, {
-        "slope": float(slope),
-        "estimated_temperature": float(1 / slope),
-        "r2": float(r2),
-    }
-
-
-def _sharpening(rollout: np.ndarray, train: np.ndarray):
-    likely = (rollout + train) / 2 > LIKELY_LOGPROB
-    if likely.sum() < 6:
-        return None
-    up = float(np.mean(rollout[likely] > train[likely]))
-    if max(up, 1 - up) < 0.9:
-        return None
-    side = "rollout" if up >= 0.9 else "replay"
-    summary = (
-        f"on the {int(likely.sum())} likely tokens (p > {np.exp(LIKELY_LOGPROB):.2f}) the {side} "
-        f"logprob is higher in {max(up, 1 - up):.0%} (the {side} distribution is sharpened: "
-        "temperature < 1 or top-k/top-p renormalisation applied on that side only)"
-    )
-    return summary, {"sharpened_side": side, "agreement": max(up, 1 - up)}
-
-
-def detect_temperature_metadata(view: SequenceView, context: dict):
-    """The fit above needs spread in the logprobs; the run's own records can say it too."""
-    hint = context.get("temperature_hint")
-    if not hint:
-        return None
-    return (
-        "temperature",
-        f"{int(view.bad.sum())} drifting tokens in {view.where()}, and {hint}: raw vs processed "
-        "logprobs (apply the same temperature/top-k/top-p on both sides)",
-        {"from_metadata": True},
-    )
-
-
-def detect_position_onset(view: SequenceView, context: dict):
-    before, after = view.bad[: view.first_bad], view.bad[view.first_bad :]
-    if (
-        context.get("weights_differ")
-        or view.first_bad < MIN_TOKENS
-        or after.mean() < 0.5
-        or after.sum() < MIN_TOKENS
-    ):
-        return None
-    # Low-precision noise also leaves a few confident tokens clean at the start; an onset
-    # only counts when the drift after it stands above that dtype's noise.
-    low_dtype = context.get("low_precision_dtype", "float32")
-    rms_after = float(np.sqrt(np.mean(view.diff[view.first_bad :] ** 2)))
-    if low_dtype != "float32" and rms_after <= DTYPE_NOISE_CEILING.get(low_dtype, 0.0):
-        return None
-    clean_max = float(np.abs(view.diff[: view.first_bad]).max())
-    growth = _rank_correlation(np.arange(len(after)), np.abs(view.diff[view.first_bad :]))
-    return (
-        "position_ids",
-        f"drift starts at position {view.first_bad_position} of seq {view.sequence_id} "
-        f"(the {len(before)} tokens before are clean, max |d| {clean_max:.2g}) and stays on "
-        f"({after.mean():.0%} of the {len(after)} later tokens over tau, rank correlation with "
-        f"position {growth:+.2f}) with no weight-version change: position ids are offset from "
-        "there (KV-cache, padding or packing position bug)",
-        {"onset": view.first_bad_position, "growth_correlation": growth},
-    )
-
-
-SEQUENCE_DETECTORS = (
-    detect_token_shift,
-    detect_mask_padding,
-    detect_dtype_rounding,
-    detect_weight_version,
-    detect_temperature,
-    detect_temperature_metadata,
-    detect_position_onset,
+RULES = (
+    fingerprint_rule,
+    data_shift_rule,
+    constant_fill_rule,
+    label_shift_rule,
+    precision_rounding_rule,
+    weight_version_rule,
+    sampling_rule,
+    onset_rule,
+    from_start_rule,
 )
 
 
-# --- batch-level findings ---------------------------------------------------------------
-
-
-def _batch_findings(unexplained: list[SequenceView], views: list[SequenceView], context: dict):
-    findings = []
-    evidence = weights_evidence(context)
-    if evidence:
-        drift = (
-            f"drift above tau in {len(unexplained)} sequences" if unexplained else "yet no drift"
-        )
-        findings.append(
-            Finding(
-                "stale_weights",
-                [v.sequence_id for v in unexplained],
-                _first(unexplained),
-                f"{evidence} ({drift})",
-                severity="fault" if unexplained else "info",
-            )
-        )
-        return findings
-    if not unexplained:
-        return findings
-    diff = np.concatenate([v.diff for v in unexplained])
-    bad_fraction = float(np.mean(np.concatenate([v.bad for v in unexplained])))
-    rms = float(np.sqrt(np.mean(diff**2)))
-    low_dtype = context.get("low_precision_dtype", "float32")
-    ceiling = DTYPE_NOISE_CEILING.get(low_dtype, 1e-4)
-    ids = [v.sequence_id for v in unexplained]
-    if low_dtype != "float32" and rms <= ceiling:
-        findings.append(
-            Finding(
-                "dtype",
-                ids,
-                _first(unexplained),
-                f"noise-like drift at the {low_dtype} floor in {len(ids)} sequences: RMS {rms:.3g} "
-                f"(typical {low_dtype} ceiling {ceiling:g}), mean d {float(diff.mean()):+.2g}; "
-                "no semantic cause fits (shift, mask, temperature, weights, positions tested)",
-                severity="info",
-                details={"dtype": low_dtype, "rms_diff": rms},
-            )
-        )
-    elif len(unexplained) >= max(1, len(views) // 2) and bad_fraction >= 0.5:
-        findings.append(
-            Finding(
-                "stale_weights",
-                ids,
-                _first(unexplained),
-                f"large, uniform drift in {len(ids)}/{len(views)} sequences ({bad_fraction:.0%} of "
-                f"their tokens over tau, RMS {rms:.3g}) from the first token on, with equal weight "
-                "fingerprints on file: the engines likely hold different weights (stale policy "
-                "version, wrong weight conversion or sharding)",
-                details={"rms_diff": rms, "bad_fraction": bad_fraction},
-            )
-        )
-    else:
-        findings.append(
-            Finding(
-                "unexplained",
-                ids,
-                _first(unexplained),
-                f"drift above tau in {len(ids)} sequences (RMS {rms:.3g}, {bad_fraction:.0%} of their "
-                "tokens) that no known cause explains; inspect the worst tokens",
-            )
-        )
-    return findings
+# --- helpers -------------------------------------------------------------------------------
 
 
 def weights_evidence(context: dict) -> str | None:
@@ -372,44 +636,129 @@ def weights_evidence(context: dict) -> str | None:
     return None
 
 
-def _merge(cause: str, hits: list[tuple[SequenceView, str, dict]]) -> Finding:
-    view, evidence, details = hits[0]
-    more = f" (and {len(hits) - 1} more sequences)" if len(hits) > 1 else ""
-    severity = "fault" if cause in FAULT_CAUSES else "info"
-    return Finding(
-        cause,
-        [v.sequence_id for v, _, _ in hits],
-        {"sequence_id": view.sequence_id, "position": view.first_bad_position},
-        evidence + more,
-        severity,
-        details,
+def _unexplained(batch: Batch, open_: np.ndarray) -> Finding:
+    return _finding(
+        batch,
+        "unexplained",
+        open_,
+        f"drift above tau in {int(open_.sum())} sequences (RMS {_rms(batch, open_):.3g}) that no "
+        "known cause explains; ruled out: a token shift, a constant fill, labels off by one, "
+        "rounding, recorded weight versions, sampling processing, a position or version onset, "
+        "precision noise, weights and per-sequence context; inspect the worst tokens",
+        confidence=0.0,
     )
 
 
-def _first(views: list[SequenceView]) -> dict:
-    if not views:
-        return {}
-    return {"sequence_id": views[0].sequence_id, "position": views[0].first_bad_position}
+def _finding(
+    batch, cause, claimed, evidence, severity=None, details=None, confidence=1.0, runner_up=None
+):
+    index = np.flatnonzero(claimed)
+    ids = [batch.ids[i] for i in index]
+    first = {}
+    if len(index):
+        i = int(index[0])
+        first = {"sequence_id": batch.ids[i], "position": _position(batch, i)}
+    return Finding(
+        cause,
+        ids,
+        first,
+        evidence,
+        severity or ("fault" if cause in FAULT_CAUSES else "info"),
+        details or {},
+        round(float(confidence), 3),
+        None if runner_up is None else {"cause": runner_up[0], "why_not": runner_up[1]},
+    )
 
 
-def _sampling_hint(context: dict) -> str:
-    hint = context.get("temperature_hint")
-    return f"; {hint}" if hint else ""
+def _position(batch: Batch, i: int) -> int:
+    return int(batch.positions[i]) + max(int(batch.sig.first_bad[i]), 0)
 
 
-def _bf16_representable(values: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    return (bits & 0xFFFF) == 0
+def _rms(batch: Batch, which: np.ndarray) -> float:
+    sig = batch.sig
+    weights = sig.tokens[which]
+    return (
+        float(np.sqrt(np.average(sig.rms[which] ** 2, weights=weights))) if weights.sum() else 0.0
+    )
 
 
-def _fp16_representable(values: np.ndarray) -> np.ndarray:
-    values = values.astype(np.float32)
-    with np.errstate(over="ignore"):
-        return values.astype(np.float16).astype(np.float32) == values
+def _bias_score(sig: Signatures, which: np.ndarray) -> float:
+    """Mean squared per-sequence t statistic of d: ~1 for noise that averages out."""
+    t = np.minimum(sig.bias_t[which] ** 2, 100.0)
+    return float(t.mean()) if len(t) else 0.0
 
 
-def _rank_correlation(x: np.ndarray, y: np.ndarray) -> float:
-    if len(x) < 3 or np.all(y == y[0]):
-        return 0.0
-    rx, ry = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
-    return float(np.corrcoef(rx, ry)[0, 1])
+def _low_dtype(batch: Batch) -> str:
+    return batch.context.get("low_precision_dtype", "float32")
+
+
+def _ceiling(batch: Batch) -> float:
+    return NUMERIC_CEILING.get(_low_dtype(batch), NUMERIC_CEILING["float32"])
+
+
+def _flat_bad_diff(batch: Batch, which: np.ndarray) -> np.ndarray:
+    seq = np.repeat(np.arange(len(batch.ids)), np.diff(batch.offsets))
+    d = batch.train.astype(np.float64) - batch.rollout.astype(np.float64)
+    keep = which[seq] & (np.abs(d) > batch.tau)
+    return d[keep]
+
+
+def _truncated_sampling(batch: Batch) -> bool:
+    sampling = batch.context.get("sampling") or {}
+    return int(sampling.get("top_k") or 0) > 0 or float(sampling.get("top_p") or 1.0) < 1.0
+
+
+def _fills_zero(batch: Batch, which: np.ndarray) -> np.ndarray:
+    """Sequences whose repeated rollout value is exactly 0.0."""
+    seq = np.repeat(np.arange(len(batch.ids)), np.diff(batch.offsets))
+    bad = np.abs(batch.train.astype(np.float64) - batch.rollout) > batch.tau
+    zeros = np.bincount(
+        seq, weights=(bad & (batch.rollout == 0.0)).astype(float), minlength=len(batch.ids)
+    )
+    return which & (zeros >= EXPLAINS * np.maximum(batch.sig.bad, 1))
+
+
+def _sharpening(batch: Batch, which: np.ndarray):
+    """T < 1 raises the likely tokens and T > 1 lowers them, all the same way; weights and
+    noise move them both ways."""
+    seq = np.repeat(np.arange(len(batch.ids)), np.diff(batch.offsets))
+    rollout, train = batch.rollout.astype(np.float64), batch.train.astype(np.float64)
+    likely = (
+        which[seq]
+        & ((rollout + train) / 2 > LIKELY_LOGPROB)
+        & (np.abs(train - rollout) > batch.tau)
+    )
+    if likely.sum() < 6:
+        return None
+    up = float(np.mean(rollout[likely] > train[likely]))
+    if max(up, 1 - up) < 0.9:
+        return None
+    side = "rollout" if up >= 0.9 else "replay"
+    return (
+        f"on the {int(likely.sum())} likely tokens (p > 0.3) the {side} logprob is higher in "
+        f"{max(up, 1 - up):.0%}: the {side} distribution is sharpened",
+        {"sharpened_side": side, "agreement": max(up, 1 - up)},
+    )
+
+
+def _temperature_fit(batch: Batch, which: np.ndarray):
+    """rollout - train linear in train over the drifting tokens, with a temperature's slope."""
+    seq = np.repeat(np.arange(len(batch.ids)), np.diff(batch.offsets))
+    d = batch.train.astype(np.float64) - batch.rollout.astype(np.float64)
+    keep = which[seq] & (np.abs(d) > batch.tau)
+    if keep.sum() < 3:
+        return None
+    x, gap = batch.train[keep].astype(np.float64), -d[keep]
+    var_x = x.var()
+    if var_x <= 0 or gap.var() <= 0:
+        return None
+    cov = np.mean((x - x.mean()) * (gap - gap.mean()))
+    gap_slope = cov / var_x
+    r2 = cov * cov / (var_x * gap.var())
+    slope = 1.0 + gap_slope
+    if r2 < 0.8 or abs(gap_slope) < 0.05 or not 0.2 <= slope <= 5.0:
+        return None
+    return (
+        f"rollout = {slope:.3f} x replay + c (R^2 of the gap {r2:.3f}, temperature ~{1 / slope:.2f})",
+        {"slope": float(slope), "estimated_temperature": float(1 / slope), "r2": float(r2)},
+    )

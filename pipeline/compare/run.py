@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.compare.align import Aligned, Region, align
-from pipeline.compare.diagnosis import SequenceView, diagnose, weights_evidence
+from pipeline.compare.diagnosis import diagnose_region, weights_evidence
 from pipeline.compare.drift_map import drift_map
 from pipeline.compare.metrics import (
     SIGN_CONVENTION,
@@ -116,7 +116,22 @@ def compare_tables(
         held_tensors=held.get("held_tensor_fingerprint"),
     )
     context["weights_differ"] = weights_evidence(context) is not None
-    findings = [f.as_dict() for f in diagnose(_views(aligned, per_sequence, tau), context)]
+    context.update(_lengths(fixture, aligned))
+    region = aligned.completion
+    first_positions = np.zeros(len(aligned.sequence_ids), dtype=np.int64)
+    nonempty = np.diff(region.offsets) > 0
+    first_positions[nonempty] = region.positions[region.offsets[:-1][nonempty]]
+    findings = diagnose_region(
+        region.train,
+        region.rollout,
+        region.offsets,
+        first_positions,
+        aligned.sequence_ids,
+        aligned.weight_versions,
+        tau,
+        context,
+    )
+    findings = [f.as_dict() for f in findings]
     judgement = judge(policy, profile, metrics, findings)
     report = {
         "verdict": judgement["verdict"],
@@ -193,26 +208,20 @@ def _regions(aligned: Aligned) -> list[tuple[str, Region]]:
     return regions + ([("prompt", aligned.prompt)] if aligned.prompt is not None else [])
 
 
-def _views(aligned: Aligned, per_sequence: dict, tau: float) -> list[SequenceView]:
-    region, views = aligned.completion, []
-    for i in np.flatnonzero(per_sequence["max_abs_diff"] > tau):
-        span = slice(int(region.offsets[i]), int(region.offsets[i + 1]))
-        versions = aligned.weight_versions
-        views.append(
-            SequenceView(
-                aligned.sequence_ids[i],
-                region.positions[span],
-                region.rollout[span],
-                region.train[span],
-                None if versions is None else versions[span],
-                tau,
-            )
-        )
-    return views
+def _lengths(fixture: TokenTable, aligned: Aligned) -> dict:
+    """Prompt and whole-sequence lengths in the aligned order: padding and truncation bugs
+    pick their victims by length."""
+    index = fixture.index_of()
+    rows = np.array([index[s] for s in aligned.sequence_ids], dtype=np.int64)
+    prompt = np.diff(fixture.prompt_offsets)[rows]
+    return {
+        "prompt_lengths": prompt,
+        "sequence_lengths": prompt + np.diff(fixture.completion_offsets)[rows],
+    }
 
 
 def _diagnosis_context(fixture_meta: dict, replay_meta: dict, aligned: Aligned, dtypes) -> dict:
-    context = {"low_precision_dtype": profile_for(dtypes)}
+    context = {"low_precision_dtype": profile_for(dtypes), "sampling": fixture_meta.get("sampling")}
     reference = replay_meta.get("weight_version")
     if reference is None and aligned.weight_versions is not None and len(aligned.weight_versions):
         reference = Counter(aligned.weight_versions.tolist()).most_common(1)[0][0]

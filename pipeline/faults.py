@@ -1,0 +1,233 @@
+"""Realistic faults: the real model re-scores sequences under a real misconfiguration.
+
+Each fault is the bug as an engine would commit it (padding attended, positions restarted,
+labels off by one, a prompt with a second BOS, logprobs after top-k renormalisation, weights
+one optimiser step away, a head in bf16), run through the model's own forward, so the drift
+it plants has exactly the shape the real bug gives. `lpx inject` writes the results into a
+fixture or replay; `bench/diagnosis.py` builds its confusion matrix from them.
+
+Batch-composition faults (padding, packing) act on micro-batches of the chosen sequences in
+table order, as a replay engine's micro-batches would: a sequence as long as the longest in
+its micro-batch gets no padding and stays clean, as it would in the real bug.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+
+# kind -> (cause the diagnosis should name, the real bug it stands for)
+FAULTS = {
+    "pad_attended": (
+        "mask_padding",
+        "left padding attended: the attention mask was lost after position ids were built",
+    ),
+    "mask_dropped": (
+        "mask_padding",
+        "no attention mask on a left-padded batch: pads attended and counted in positions",
+    ),
+    "pad_positions": (
+        None,
+        "pads masked but counted in position ids: a constant offset, invisible to RoPE",
+    ),
+    "packed_no_reset": (
+        "mask_padding",
+        "packed sequences whose position ids do not reset: attention crosses the segments",
+    ),
+    "positions_restart": ("position_ids", "position ids restart at 0 at the completion"),
+    "position_ids": (
+        "position_ids",
+        "position ids offset by +16 from a completion index on (a KV-cache or cache-reuse bug)",
+    ),
+    "label_shift": ("token_shift", "labels off by one: logits[t] scored against token t"),
+    "bos_extra": ("prompt_mismatch", "a second BOS token before the prompt"),
+    "bos_missing": ("prompt_mismatch", "the prompt's BOS token dropped"),
+    "prompt_truncated": ("prompt_mismatch", "the prompt truncated from the left on one side"),
+    "temperature": ("temperature", "processed logprobs at temperature 0.7 on one side"),
+    "top_k": ("top_k", "processed logprobs after top-k truncation on one side"),
+    "top_p": ("top_p", "processed logprobs after top-p truncation on one side"),
+    "top_k_top_p": ("top_k+top_p", "processed logprobs after top-k then top-p on one side"),
+    "stale_weights": ("stale_weights", "weights one optimiser step away from the other side"),
+    "version_change": (
+        "version_change",
+        "an in-flight weight update at token k, weight versions recorded",
+    ),
+    "version_change_unrecorded": (
+        "version_change",
+        "an in-flight weight update at token k, no weight versions recorded",
+    ),
+    "lm_head_bf16": ("dtype", "the LM head computed in bf16, the rest in fp32"),
+    "bf16": ("dtype", "the whole forward in bf16"),
+    "fp16": ("dtype", "the whole forward in fp16"),
+}
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    micro_batch: int = 8  # padding and packing faults act within micro-batches of this size
+    temperature: float = 0.7
+    top_k: int = 8
+    top_p: float = 0.8
+    at: int = 8  # version_change, position_ids: the completion index where the fault starts
+    keep_prompt: float = 0.75  # prompt_truncated: prompts cut to this fraction of the longest
+    step_lr: float = 1e-4  # stale_weights / version_change: one AdamW step of this size
+    position_offset: int = 16
+    bos_id: int = 1
+
+
+def rescore(model, pairs: list, kind: str, settings: FaultSettings) -> list[np.ndarray]:
+    """Completion logprobs of every (prompt ids, completion ids) pair under fault ``kind``."""
+    import torch
+
+    with torch.no_grad():
+        if kind in ("stale_weights", "version_change", "version_change_unrecorded"):
+            return _other_weights(model, pairs, kind, settings)
+        if kind in ("pad_attended", "mask_dropped", "pad_positions", "packed_no_reset"):
+            results = []
+            for start in range(0, len(pairs), settings.micro_batch):
+                batch = pairs[start : start + settings.micro_batch]
+                results += _batched(model, batch, kind)
+            return results
+        if kind in ("bf16", "fp16"):
+            low = copy.deepcopy(model).to(torch.bfloat16 if kind == "bf16" else torch.float16)
+            return [_single(low, p, c) for p, c in pairs]
+        if kind == "prompt_truncated":  # a max prompt length: only longer prompts are cut
+            limit = max(1, int(max(len(p) for p, _ in pairs) * settings.keep_prompt))
+            return [_single(model, np.asarray(p)[-limit:], c) for p, c in pairs]
+        return [_single_faulted(model, p, c, kind, settings) for p, c in pairs]
+
+
+def _single_faulted(model, prompt, completion, kind: str, settings: FaultSettings):
+    prompt = np.asarray(prompt, dtype=np.int64)
+    if kind == "bos_extra":
+        return _single(model, np.concatenate([[settings.bos_id], prompt]), completion)
+    if kind == "bos_missing":
+        return _single(model, prompt[1:] if prompt[0] == settings.bos_id else prompt, completion)
+    if kind == "positions_restart":
+        positions = np.concatenate([np.arange(len(prompt)), np.arange(len(completion))])
+        return _single(model, prompt, completion, positions=positions)
+    if kind == "position_ids":
+        positions = np.arange(len(prompt) + len(completion))
+        positions[len(prompt) + settings.at :] += settings.position_offset
+        return _single(model, prompt, completion, positions=positions)
+    if kind == "label_shift":
+        return _single(model, prompt, completion, label_shift=True)
+    if kind == "lm_head_bf16":
+        return _single(model, prompt, completion, head_dtype="bfloat16")
+    processing = {
+        "temperature": {"temperature": settings.temperature},
+        "top_k": {"top_k": settings.top_k},
+        "top_p": {"top_p": settings.top_p},
+        "top_k_top_p": {"top_k": settings.top_k, "top_p": settings.top_p},
+    }
+    if kind in processing:
+        return _single(model, prompt, completion, processing=processing[kind])
+    raise ValueError(f"unknown fault kind {kind!r}")
+
+
+def _single(
+    model, prompt, completion, positions=None, label_shift=False, head_dtype=None, processing=None
+):
+    """One sequence in its own row, no padding: the reference layout, with one thing changed."""
+    import torch
+
+    ids = np.concatenate([prompt, completion]).astype(np.int64)
+    inputs = {"input_ids": torch.from_numpy(ids)[None]}
+    if positions is not None:
+        inputs["position_ids"] = torch.as_tensor(positions, dtype=torch.long)[None]
+    # The hidden state at t predicts token t + 1; label_shift reads the one at t instead.
+    columns = np.arange(len(prompt) - 1, len(ids) - 1) + (1 if label_shift else 0)
+    hidden = model.base_model(**inputs).last_hidden_state[0, torch.from_numpy(columns)]
+    return _selected(model, hidden, completion, head_dtype, processing)
+
+
+def _batched(model, batch, kind: str):
+    """Left-padded (or packed) micro-batch, scored the way the buggy engine scores it."""
+    import torch
+
+    sequences = [np.concatenate([p, c]).astype(np.int64) for p, c in batch]
+    if kind == "packed_no_reset":
+        # One row, positions running on across segments: with no reset, a varlen kernel
+        # sees one long sequence, so every segment attends to the ones before it.
+        row = torch.from_numpy(np.concatenate(sequences))[None]
+        hidden = model.base_model(input_ids=row).last_hidden_state[0]
+        starts = np.cumsum([0] + [len(s) for s in sequences[:-1]])
+        return [
+            _selected(model, hidden[start + len(p) - 1 : start + len(p) + len(c) - 1], c)
+            for (p, c), start in zip(batch, starts, strict=True)
+        ]
+    width = max(len(s) for s in sequences)
+    pad_id = model.config.pad_token_id or 0
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    real_positions = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, sequence in enumerate(sequences):
+        ids[i, width - len(sequence) :] = torch.from_numpy(sequence)
+        mask[i, width - len(sequence) :] = 1
+        real_positions[i, width - len(sequence) :] = torch.arange(len(sequence))
+    counted_positions = torch.arange(width).expand(len(sequences), width)
+    if kind == "pad_attended":
+        inputs = {"input_ids": ids, "position_ids": real_positions}  # no mask: pads attended
+    elif kind == "mask_dropped":
+        inputs = {"input_ids": ids, "position_ids": counted_positions}
+    else:  # pad_positions
+        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": counted_positions}
+    hidden = model.base_model(**inputs).last_hidden_state
+    results = []
+    for i, ((p, c), sequence) in enumerate(zip(batch, sequences, strict=True)):
+        first = width - len(sequence) + len(p) - 1
+        results.append(_selected(model, hidden[i, first : first + len(c)], c))
+    return results
+
+
+def _other_weights(model, pairs, kind: str, settings: FaultSettings):
+    """Scores under the weights one AdamW step away (a step on these very sequences, as the
+    trainer would take); version_change switches to them at completion index ``at``."""
+    stepped = optimiser_step(model, pairs, settings.step_lr)
+    results = []
+    for prompt, completion in pairs:
+        moved = _single(stepped, prompt, completion)
+        if kind != "stale_weights":
+            at = min(settings.at, len(completion))
+            moved = np.concatenate([_single(model, prompt, completion)[:at], moved[at:]])
+        results.append(moved)
+    return results
+
+
+def optimiser_step(model, pairs, lr: float):
+    """A copy of ``model`` after one AdamW step on the pairs' next-token loss."""
+    import torch
+
+    stepped = copy.deepcopy(model).requires_grad_(True)
+    optimiser = torch.optim.AdamW(stepped.parameters(), lr=lr, weight_decay=0.0)
+    with torch.enable_grad():
+        loss = 0.0
+        for prompt, completion in pairs:
+            ids = torch.from_numpy(np.concatenate([prompt, completion]).astype(np.int64))[None]
+            logits = stepped(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+            loss = loss + torch.nn.functional.cross_entropy(
+                logits.float(), torch.as_tensor(np.asarray(completion, dtype=np.int64))
+            )
+        (loss / len(pairs)).backward()
+    optimiser.step()
+    return stepped.requires_grad_(False).eval()
+
+
+def _selected(model, hidden_rows, completion, head_dtype=None, processing=None):
+    import torch
+
+    from pipeline.engines.hf_common import process_logits
+
+    head = model.get_output_embeddings()
+    if head_dtype == "bfloat16":
+        logits = torch.nn.functional.linear(
+            hidden_rows.to(torch.bfloat16), head.weight.to(torch.bfloat16)
+        ).float()
+    else:
+        logits = head(hidden_rows).float()
+    if processing:
+        logits = process_logits(logits, **processing)
+    targets = torch.as_tensor(np.asarray(completion, dtype=np.int64))[:, None]
+    return logits.log_softmax(-1).gather(-1, targets)[:, 0].numpy().astype(np.float32)
