@@ -1,6 +1,7 @@
-"""lpx benchmark: comparator throughput and memory, fixture size and load time, replay overhead.
+"""lpx benchmark: comparator throughput and memory, the whole comparison (diagnosis included)
+in one process and as a whole `lpx compare` command, fixture size and load time, replay overhead.
 
-Run with one command (prints ratios against the targets of issue #2):
+Run with one command (prints ratios against the targets of issues #2 and #10):
 
     .venv/bin/python bench/run.py            # 10 million tokens, ~1 minute
     .venv/bin/python bench/run.py --tokens 1000000
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +36,9 @@ TARGET_MEMORY_RATIO = 3.0
 TARGET_BYTES_PER_TOKEN = 12.0
 TARGET_LOAD_S = 2.0
 TARGET_REPLAY_OVERHEAD = 1.10
+TARGET_COMPARE_TOKENS_PER_S = 5e6  # compare_tables, diagnosis included, on 1 M tokens
+TARGET_COMMAND_S = 5.0  # `lpx compare` from files to written outputs on 10 M tokens
+DRIFT_SIGMA = 0.05  # nats: every token of every sequence drifts above any tau
 
 
 def synthetic_logprobs(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -70,6 +75,92 @@ def bench_comparator(tokens: int, repeats: int = 3) -> dict:
         "peak_extra_memory_ratio": peak / (train.nbytes + rollout.nbytes),
         "sequence_metrics_s": per_sequence_s,
     }
+
+
+def synthetic_pair(tokens: int, mean_length: int, drifting: bool, seed: int = 3):
+    """A fixture and its replay of about ``tokens`` completion tokens in sequences of
+    ``mean_length`` on average (uniform from a quarter to 1.75x). Clean: the replay differs
+    by fp32 noise; drifting: every token moves by N(0, DRIFT_SIGMA)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(mean_length // 4, mean_length * 7 // 4, tokens // mean_length * 2 + 8)
+    lengths = lengths[: np.searchsorted(np.cumsum(lengths), tokens)]
+    n, sequences = int(lengths.sum()), len(lengths)
+    _, rollout = synthetic_logprobs(rng, n)
+    sigma = DRIFT_SIGMA if drifting else 1e-7
+    replay = np.minimum(rollout + rng.normal(0, sigma, n), 0).astype(np.float32)
+    shared = {
+        "sequence_ids": [f"seq-{i}" for i in range(sequences)],
+        "prompt_offsets": offsets_from_lengths(np.full(sequences, 16)),
+        "prompt_ids": rng.integers(3, 32_000, sequences * 16).astype(np.int32),
+        "completion_offsets": offsets_from_lengths(lengths),
+        "completion_ids": rng.integers(3, 32_000, n).astype(np.int32),
+        "completion_mask": np.ones(n, dtype=bool),
+    }
+    metadata = {"dtype": "float32", "model": {"vocab_size": 32_000}}
+    fixture = TokenTable(
+        kind="fixture", channels={"rollout": rollout}, metadata=dict(metadata), **shared
+    )
+    replayed = TokenTable(
+        kind="replay", channels={"replay": replay}, metadata=dict(metadata), **shared
+    )
+    return fixture, replayed
+
+
+def bench_compare(tokens: int, mean_lengths=(512, 32), repeats: int = 3) -> list[dict]:
+    """compare_tables (align, metrics, worst tokens, drift map, diagnosis, verdict) on a
+    clean and on an all-drifting batch, long and short sequences."""
+    from pipeline.compare.run import compare_tables
+
+    rows = []
+    for mean_length in mean_lengths:
+        for drifting in (False, True):
+            fixture, replay = synthetic_pair(tokens, mean_length, drifting)
+            compare_tables(fixture, replay, "fixture", "replay")  # warm up
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                comparison = compare_tables(fixture, replay, "fixture", "replay")
+                times.append(time.perf_counter() - start)
+            n = len(fixture.completion_ids)
+            rows.append(
+                {
+                    "tokens": n,
+                    "sequences": len(fixture.sequence_ids),
+                    "drifting": drifting,
+                    "seconds": min(times),
+                    "tokens_per_s": n / min(times),
+                    "verdict": comparison.report["verdict"],
+                }
+            )
+    return rows
+
+
+def bench_compare_command(tokens: int, mean_length: int = 512) -> list[dict]:
+    """The whole `lpx compare` command (Python start, reading both files, the comparison,
+    writing report.json, tokens.parquet and summary.md) on a clean and a drifting batch."""
+    lpx = Path(sys.executable).with_name("lpx")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for drifting in (False, True):
+            fixture, replay = synthetic_pair(tokens, mean_length, drifting)
+            name = "drifting" if drifting else "clean"
+            fixture_path = Path(tmp) / f"{name}-fixture.parquet"
+            replay_path = Path(tmp) / f"{name}-replay.parquet"
+            write_table(fixture, fixture_path)
+            write_table(replay, replay_path)
+            del fixture, replay
+            out = Path(tmp) / f"{name}-out"
+            start = time.perf_counter()
+            done = subprocess.run(
+                [str(lpx), "compare", str(fixture_path), str(replay_path), "--out", str(out)],
+                capture_output=True,
+                text=True,
+            )
+            seconds = time.perf_counter() - start
+            if done.returncode not in (0, 1):
+                raise SystemExit(f"lpx compare failed ({done.returncode}): {done.stderr}")
+            rows.append({"drifting": drifting, "seconds": seconds, "exit": done.returncode})
+    return rows
 
 
 def bench_fixture(tokens: int) -> dict:
@@ -177,6 +268,20 @@ def main() -> None:
         f"peak extra memory {comparator['peak_extra_memory_ratio']:.2f}x the two logprob arrays "
         f"(target <= {TARGET_MEMORY_RATIO:.0f}x); per-sequence metrics {comparator['sequence_metrics_s']:.3f} s"
     )
+    for row in bench_compare(min(args.tokens, 1_000_000)):
+        rate = row["tokens_per_s"]
+        print(
+            f"compare     {row['tokens']:,} tokens in {row['sequences']:,} sequences, "
+            f"{'every sequence drifting' if row['drifting'] else 'clean'}: compare_tables "
+            f"(diagnosis included) {row['seconds']:.3f} s = {rate / 1e6:.1f} M tokens/s "
+            f"(target 5 M: ratio {rate / TARGET_COMPARE_TOKENS_PER_S:.2f}x); verdict {row['verdict']}"
+        )
+    for row in bench_compare_command(args.tokens):
+        print(
+            f"lpx compare {args.tokens:,} tokens, {'every sequence drifting' if row['drifting'] else 'clean'}: "
+            f"whole command {row['seconds']:.2f} s (target < {TARGET_COMMAND_S:.0f} s: ratio "
+            f"{row['seconds'] / TARGET_COMMAND_S:.2f}); exit {row['exit']}"
+        )
     fixture = bench_fixture(args.tokens)
     print(
         f"fixture     {fixture['tokens']:,} tokens: {fixture['bytes_per_token']:.2f} bytes/completion token "

@@ -248,11 +248,7 @@ def _sequence_rows(aligned: Aligned, per_sequence: dict, tau: float) -> list[dic
         "log_ppl_diff",
         "chi2_seq",
     )
-    columns = {name: per_sequence[name].tolist() for name in names}
-    rows = []
-    for i, sequence_id in enumerate(aligned.sequence_ids):
-        row = {"sequence_id": sequence_id}
-        row.update({name: columns[name][i] for name in names})
-        row["over_tau"] = columns["max_abs_diff"][i] > tau
-        rows.append(row)
-    return rows
+    columns = [list(aligned.sequence_ids)] + [per_sequence[name].tolist() for name in names]
+    columns.append((per_sequence["max_abs_diff"] > tau).tolist())
+    keys = ("sequence_id", *names, "over_tau")
+    return [dict(zip(keys, values, strict=True)) for values in zip(*columns, strict=True)]

@@ -2,7 +2,7 @@
 
 The diagnosis reasons over these arrays (one value per sequence) rather than over Python
 objects per sequence: each signature is a segment reduction over the flat token arrays
-(``np.bincount`` with weights, which also handles sequences with no tokens), so a batch of a
+(``np.add.reduceat`` over the sequences' offsets, see ``segment_sum``), so a batch of a
 million tokens costs a few array passes whatever its number of sequences.
 
 d = train - rollout per active completion token; a token is "bad" when |d| > tau.
@@ -53,23 +53,25 @@ def signatures(train: np.ndarray, rollout: np.ndarray, offsets: np.ndarray, tau:
     d = t64 - r64
     a = np.abs(d)
     bad = a > tau
+    # -inf on both sides makes d NaN; multiplying by a 0/1 mask would keep that NaN.
+    finite = bool(np.isfinite(d).all())
 
     def total(values, where=None):
-        weights = values if where is None else np.where(where, values, 0.0)
-        return np.bincount(seq, weights=weights, minlength=n_seq)
+        if where is not None:
+            values = values * where if finite else np.where(where, values, 0.0)
+        return segment_sum(values, offsets)
 
     count = lengths.astype(np.float64)
-    n_bad = total(bad.astype(np.float64))
+    n_bad = total(bad)
     safe_count, safe_bad = np.maximum(count, 1), np.maximum(n_bad, 1)
-    first_bad = np.full(n_seq, -1, dtype=np.int64)
-    bad_index = np.flatnonzero(bad)
-    seqs_with_bad, first = np.unique(seq[bad_index], return_index=True)
-    first_bad[seqs_with_bad] = local[bad_index[first]]
-    onset = np.where(first_bad >= 0, first_bad, lengths)
+    # the first bad token's index in each sequence: a segment minimum, lengths when none
+    onset = np.minimum(segment_min(np.where(bad, local, len(train)), offsets), lengths)
+    first_bad = np.where(onset < lengths, onset, -1)
     after = local >= onset[seq]
-    tokens_after = np.maximum(total(after.astype(np.float64)), 1)
+    tokens_after = np.maximum(total(after), 1)
 
     mean_d = total(d) / safe_count
+    mean_abs = total(a) / safe_count
     mean_sq = total(d * d) / safe_count
     variance = np.maximum(mean_sq - mean_d**2, 0.0) * count / np.maximum(count - 1, 1)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -80,13 +82,13 @@ def signatures(train: np.ndarray, rollout: np.ndarray, offsets: np.ndarray, tau:
     early = after & (local < half[seq])
     late = local >= half[seq]
     with np.errstate(divide="ignore", invalid="ignore"):
-        early_mean = total(a, early) / np.maximum(total(early.astype(np.float64)), 1)
-        late_mean = total(a, late) / np.maximum(total(late.astype(np.float64)), 1)
+        early_mean = total(a, early) / np.maximum(total(early), 1)
+        late_mean = total(a, late) / np.maximum(total(late), 1)
         early_late = np.where(late_mean > 0, early_mean / late_mean, np.inf)
 
     before = ~after
-    n_before = total(before.astype(np.float64))
-    at_floor = total((before & (a <= tau * FLOOR)).astype(np.float64))
+    n_before = total(before)
+    at_floor = total(before & (a <= tau * FLOOR))
     prefix_floor = np.where(n_before > 0, at_floor / np.maximum(n_before, 1), 1.0)
     scale = total(np.abs(r64)) / safe_count
 
@@ -106,10 +108,10 @@ def signatures(train: np.ndarray, rollout: np.ndarray, offsets: np.ndarray, tau:
         first_bad=first_bad,
         bad_after_onset=n_bad / tokens_after,
         mean_diff=mean_d,
-        mean_abs=total(a) / safe_count,
+        mean_abs=mean_abs,
         rms=np.sqrt(mean_sq),
         bias_t=bias_t,
-        train_lower=total((d < 0).astype(np.float64), bad) / safe_bad,
+        train_lower=total(bad & (d < 0)) / safe_bad,
         shift_fit={s: _shift_fit(t64, r64, seq, bad, tau, s, total) / safe_bad for s in (1, -1)},
         constant_fill={
             "rollout": _repeats(r64, seq, bad, total) / safe_bad,
@@ -117,19 +119,43 @@ def signatures(train: np.ndarray, rollout: np.ndarray, offsets: np.ndarray, tau:
         },
         early_late=early_late,
         prefix_floor=prefix_floor,
-        relative=np.where(scale > 0, (total(a) / safe_count) / np.maximum(scale, 1e-12), 0.0),
+        relative=np.where(scale > 0, mean_abs / np.maximum(scale, 1e-12), 0.0),
         low_side_gap=total(a, bad) / safe_bad,
         gap_slope=slope,
         gap_r2=r2,
         bf16_exact={
-            "rollout": total(_bf16_exact(rollout).astype(np.float64), bad) / safe_bad,
-            "train": total(_bf16_exact(train).astype(np.float64), bad) / safe_bad,
+            "rollout": total(bad & _bf16_exact(rollout)) / safe_bad,
+            "train": total(bad & _bf16_exact(train)) / safe_bad,
         },
         fp16_exact={
-            "rollout": total(_fp16_exact(rollout).astype(np.float64), bad) / safe_bad,
-            "train": total(_fp16_exact(train).astype(np.float64), bad) / safe_bad,
+            "rollout": total(bad & _fp16_exact(rollout)) / safe_bad,
+            "train": total(bad & _fp16_exact(train)) / safe_bad,
         },
     )
+
+
+def segment_sum(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Sum of ``values`` within each sequence (0 for a sequence with no tokens), as float64.
+
+    ``np.add.reduceat`` is ~15x faster than ``np.bincount`` with weights; it needs the start
+    of every non-empty segment only, since an empty one would read its neighbour's first value.
+    """
+    lengths = np.diff(offsets)
+    out = np.zeros(len(lengths), dtype=np.float64)
+    nonempty = lengths > 0
+    if nonempty.any():
+        out[nonempty] = np.add.reduceat(values, offsets[:-1][nonempty], dtype=np.float64)
+    return out
+
+
+def segment_min(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Minimum of integer ``values`` within each sequence (int64 max for an empty one)."""
+    lengths = np.diff(offsets)
+    out = np.full(len(lengths), np.iinfo(np.int64).max, dtype=np.int64)
+    nonempty = lengths > 0
+    if nonempty.any():
+        out[nonempty] = np.minimum.reduceat(values, offsets[:-1][nonempty])
+    return out
 
 
 def _shift_fit(train, rollout, seq, bad, tau, shift, total):
@@ -139,7 +165,7 @@ def _shift_fit(train, rollout, seq, bad, tau, shift, total):
     index = np.clip(index, 0, len(train) - 1)
     same = inside & (seq[index] == seq)
     fits = bad & same & (np.abs(train - rollout[index]) <= tau)
-    return total(fits.astype(np.float64))
+    return total(fits)
 
 
 def _repeats(values, seq, bad, total):
