@@ -110,7 +110,9 @@ def _single_faulted(model, prompt, completion, kind: str, settings: FaultSetting
         return _single(model, prompt, completion, positions=positions)
     if kind == "position_ids":
         positions = np.arange(len(prompt) + len(completion))
-        positions[len(prompt) + settings.at :] += settings.position_offset
+        # offset from the input that predicts completion token ``at``: its logprob is the
+        # first one wrong
+        positions[len(prompt) + settings.at - 1 :] += settings.position_offset
         return _single(model, prompt, completion, positions=positions)
     if kind == "label_shift":
         return _single(model, prompt, completion, label_shift=True)

@@ -20,6 +20,7 @@ lost; `unexplained` says what was ruled out. Causes follow shared/notes/metrics.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 
@@ -47,7 +48,7 @@ LABEL_SHIFT_GAP = 2.0  # nats: a factor e^2 at the typical token, beyond any pro
 # runs still meet TF32 matmuls, another reduction order or a head left in bf16 (~1e-3);
 # bf16 engines of the same weights differ by a mean |d| of ~0.011-0.013 in public reports.
 NUMERIC_CEILING = {"float32": 0.01, "float16": 0.01, "bfloat16": 0.03}
-BIAS_Z = 4.0  # how many standard errors above chance the per-sequence bias must stand
+WEIGHT_SIGN_Z = 8.0  # a weight change: per-sequence direction this many s.e. above chance
 ONSET_WINDOW = 3  # tokens: a shared onset may show up to this late (drift under tau at first)
 PREFIX_FLOOR = 0.1  # before an onset, |d| stays under this fraction of tau
 # A weight update moves logprobs by a small fraction of their size (one RL step: KL ~1e-3,
@@ -78,7 +79,7 @@ class Batch:
 
     sig: Signatures
     ids: list[str]
-    positions: np.ndarray  # position of each sequence's first active token
+    positions: np.ndarray  # each token's position in its completion (masked tokens skipped)
     offsets: np.ndarray
     train: np.ndarray
     rollout: np.ndarray
@@ -293,7 +294,10 @@ def weight_version_rule(batch: Batch, open_: np.ndarray):
     if part.any():
         changes = np.flatnonzero(other & ~np.roll(other, 1) & (np.arange(len(other)) > 0))
         local = changes - batch.offsets[seq[changes]]
-        at = int(np.bincount(local).argmax()) if len(local) else 0
+        index = int(np.bincount(local).argmax()) if len(local) else 0
+        # point at a sequence that changes there; `at` is its completion position
+        first = int(seq[changes[local == index][0]]) if len(local) else int(np.argmax(part))
+        at = int(batch.positions[batch.offsets[first] + index]) if len(local) else 0
         yield (
             _finding(
                 batch,
@@ -304,6 +308,7 @@ def weight_version_rule(batch: Batch, open_: np.ndarray):
                 f"batch is at {reference}; mean |d| {drift_other:.3g} on those tokens vs "
                 f"{drift_same:.3g} on the others: score each token with its own version",
                 details={"at": at, "versions": other_versions, "reference": str(reference)},
+                first=first,
             ),
             part,
         )
@@ -328,8 +333,8 @@ def sampling_rule(batch: Batch, open_: np.ndarray):
     under top-p. Temperature makes the gap linear in the logprob. The rollout's recorded
     sampling names which processing was in use."""
     candidates = open_ & (batch.sig.bad >= MIN_TOKENS)
-    if candidates.sum() == 0:
-        return
+    if candidates.sum() == 0 or _clean_at_floor(batch).any():
+        return  # processing touches every sequence; some at the floor rule it out
     d = _flat_bad_diff(batch, candidates)
     if len(d) < 3:
         return
@@ -418,10 +423,14 @@ def onset_rule(batch: Batch, open_: np.ndarray):
     k0 = int(onsets.min())
     shared = after & (sig.first_bad <= k0 + ONSET_WINDOW)
     relative = float(np.median(sig.relative[after]))
-    if k0 >= 2 and shared.sum() >= 2 and relative <= WEIGHT_STEP_RELATIVE:
+    # An update reaches every sequence still generating at k0: one clean at the floor well
+    # past k0 rules it out (a request admitted after it would drift from its first token).
+    untouched = (_clean_at_floor(batch) & (sig.tokens > k0 + ONSET_WINDOW)).any()
+    if k0 >= 2 and shared.sum() >= 2 and relative <= WEIGHT_STEP_RELATIVE and not untouched:
         # Every sequence in flight switches weights at once: none drifts before k0, many
         # from k0 on, and the later onsets are tokens whose drift stayed under tau at first.
         late = open_ & floor & (sig.first_bad >= k0)
+        onset_seq = int(np.flatnonzero(after & (sig.first_bad == k0))[0])
         yield (
             _finding(
                 batch,
@@ -432,8 +441,9 @@ def onset_rule(batch: Batch, open_: np.ndarray):
                 f"by a small fraction of the logprobs (median {relative:.1%}), as a weight update "
                 "does: the weights changed while they were being generated (an in-flight "
                 "update); record per-token weight versions and score each token with its own",
-                details={"at": k0, "relative_drift": relative},
+                details={"at": _position(batch, onset_seq), "relative_drift": relative},
                 confidence=float(shared.sum() / late.sum()),
+                first=onset_seq,
                 runner_up=(
                     "position_ids",
                     f"a position bug scrambles attention, moving logprobs by tens of % "
@@ -481,25 +491,24 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
     if not open_.any():
         return
     ceiling = _ceiling(batch)
-    bias = _bias_score(sig, open_)
-    chance = 1.0 + BIAS_Z * np.sqrt(2.0 / open_.sum())
     mean_abs = float(np.average(sig.mean_abs[open_], weights=sig.tokens[open_]))
     # Clean at the floor, not merely under tau; substantial: most tokens from the onset on.
-    clean = ~batch.drifting & (sig.tokens > 0) & (sig.mean_abs <= batch.tau * PREFIX_FLOOR)
+    clean = _clean_at_floor(batch)
     substantial = open_ & (sig.bad >= MIN_TOKENS) & (sig.bad_after_onset >= 0.5)
     if clean.any() and substantial.any():
         # Precision and weights touch every sequence; some at the floor rule both out.
-        yield from _context_findings(batch, substantial, clean, bias, chance)
+        yield from _context_findings(batch, substantial, clean)
         open_ = open_ & ~substantial
         if not open_.any():
             return
-        bias = _bias_score(sig, open_)
-        chance = 1.0 + BIAS_Z * np.sqrt(2.0 / open_.sum())
         mean_abs = float(np.average(sig.mean_abs[open_], weights=sig.tokens[open_]))
-        if mean_abs > ceiling:
-            yield (_unexplained(batch, open_), open_.copy())
-            return
-    if bias <= chance and mean_abs <= ceiling:
+    if clean.any() and mean_abs > ceiling:
+        # Weights, precision and prompts of the whole batch would reach the clean ones too.
+        yield (_unexplained(batch, open_), open_.copy())
+        return
+    weights, why_weights = _weight_like(sig, open_)
+    bias = _bias_score(sig, open_)
+    if not weights and mean_abs <= ceiling:
         yield (
             _finding(
                 batch,
@@ -507,38 +516,40 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
                 open_,
                 f"numeric drift in {int(open_.sum())} sequences: mean |d| {mean_abs:.3g} within "
                 f"what precision gives ({ceiling:g} for {_low_dtype(batch)} sides: lower-precision "
-                f"kernels, TF32, another reduction order), unbiased per sequence (mean t^2 "
-                f"{bias:.2f}, chance <= {chance:.2f}); no semantic cause fits",
+                f"kernels, TF32, another reduction order), not biased as a weight change biases "
+                f"sequences ({why_weights}); no semantic cause fits",
                 severity="info",
                 details={"dtype": _low_dtype(batch), "mean_abs_diff": mean_abs, "bias": bias},
                 confidence=min(1.0, ceiling / max(mean_abs, 1e-12) / 2),
                 runner_up=(
                     "stale_weights",
-                    f"weights bias whole sequences; mean t^2 is {bias:.2f} (chance <= {chance:.2f})",
+                    f"weights bias whole sequences, the same way or strongly; {why_weights}",
                 ),
             ),
             open_.copy(),
         )
         return
-    if bias <= chance:
-        # Unbiased drift in every sequence, beyond precision: the whole batch saw other
-        # inputs (a BOS added or dropped, another chat template). One optimiser step
-        # instead favours or disfavours whole sequences, which shows as a per-sequence bias.
+    if not weights:
+        # Drift in every sequence, beyond precision, yet not a weight change's bias: the
+        # whole batch saw other inputs (a BOS added or dropped, another chat template). One
+        # optimiser step instead moves whole sequences, most of them the same way (a
+        # likelihood step, an RL step with mostly positive advantages) or strongly.
         yield (
             _finding(
                 batch,
                 "prompt_mismatch",
                 open_,
                 f"drift in every sequence ({int(open_.sum())}) from the first tokens on, mean "
-                f"|d| {mean_abs:.3g} (beyond the {ceiling:g} precision gives) and unbiased within "
-                f"each sequence (mean t^2 {bias:.2f}, chance <= {chance:.2f}): the two sides "
-                "scored different prompt tokens for the whole batch (a BOS added or dropped, "
-                "another chat template); compare the prompt ids each side used",
+                f"|d| {mean_abs:.3g} (beyond the {ceiling:g} precision gives), not biased as a "
+                f"weight change biases sequences ({why_weights}): the two sides scored different "
+                "prompt tokens for the whole batch (a BOS added or dropped, another chat "
+                "template); compare the prompt ids each side used",
                 details={"mean_abs_diff": mean_abs, "bias": bias},
                 confidence=0.6,
                 runner_up=(
                     "stale_weights",
-                    f"weights one step apart bias whole sequences; mean t^2 here is {bias:.2f}",
+                    f"weights one step apart bias whole sequences, the same way or strongly; "
+                    f"{why_weights}",
                 ),
             ),
             open_.copy(),
@@ -550,22 +561,22 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
             "stale_weights",
             open_,
             f"drift in every sequence ({int(open_.sum())}) from the first tokens on, mean |d| "
-            f"{mean_abs:.3g} (beyond the {ceiling:g} precision gives), biased per sequence "
-            f"(mean t^2 {bias:.2f}, chance <= {chance:.2f}), with equal weight fingerprints on "
+            f"{mean_abs:.3g} (beyond the {ceiling:g} precision gives), biased per sequence as "
+            f"a weight change biases them ({why_weights}), with equal weight fingerprints on "
             "file: the engines likely hold different weights (stale policy version, wrong "
             "weight conversion or sharding)",
             details={"mean_abs_diff": mean_abs, "bias": bias},
             confidence=0.9,
             runner_up=(
                 "prompt_mismatch",
-                "a prompt mismatch hitting every sequence averages out within each sequence",
+                "a prompt mismatch moves each sequence its own way, and weakly on average",
             ),
         ),
         open_.copy(),
     )
 
 
-def _context_findings(batch: Batch, open_, clean, bias, chance):
+def _context_findings(batch: Batch, open_, clean):
     """Some sequences drift from the start while others are clean at the noise floor:
     weights are shared by the batch, so it is each sequence's own input."""
     prompt_lengths = batch.context.get("prompt_lengths")
@@ -648,6 +659,13 @@ def weights_evidence(context: dict) -> str | None:
     return None
 
 
+def _clean_at_floor(batch: Batch) -> np.ndarray:
+    """Sequences that agree at the noise floor, not merely under tau: what a batch-wide
+    cause (weights, precision, sampling, a shared template) cannot leave untouched."""
+    sig = batch.sig
+    return ~batch.drifting & (sig.tokens >= MIN_TOKENS) & (sig.mean_abs <= batch.tau * PREFIX_FLOOR)
+
+
 def _unexplained(batch: Batch, open_: np.ndarray) -> Finding:
     return _finding(
         batch,
@@ -662,18 +680,29 @@ def _unexplained(batch: Batch, open_: np.ndarray) -> Finding:
 
 
 def _finding(
-    batch, cause, claimed, evidence, severity=None, details=None, confidence=1.0, runner_up=None
+    batch,
+    cause,
+    claimed,
+    evidence,
+    severity=None,
+    details=None,
+    confidence=1.0,
+    runner_up=None,
+    first=None,
 ):
+    """``first``: the sequence whose first bad token the finding points at (default: the
+    first claimed one)."""
     index = np.flatnonzero(claimed)
     ids = [batch.ids[i] for i in index]
-    first = {}
-    if len(index):
-        i = int(index[0])
-        first = {"sequence_id": batch.ids[i], "position": _position(batch, i)}
+    where = {}
+    if first is None and len(index):
+        first = int(index[0])
+    if first is not None:
+        where = {"sequence_id": batch.ids[first], "position": _position(batch, first)}
     return Finding(
         cause,
         ids,
-        first,
+        where,
         evidence,
         severity or ("fault" if cause in FAULT_CAUSES else "info"),
         details or {},
@@ -683,7 +712,11 @@ def _finding(
 
 
 def _position(batch: Batch, i: int) -> int:
-    return int(batch.positions[i]) + max(int(batch.sig.first_bad[i]), 0)
+    """Completion position of sequence i's first bad token (its first token when none)."""
+    start, end = int(batch.offsets[i]), int(batch.offsets[i + 1])
+    if start == end:
+        return 0
+    return int(batch.positions[start + max(int(batch.sig.first_bad[i]), 0)])
 
 
 def _rms(batch: Batch, which: np.ndarray) -> float:
@@ -694,9 +727,24 @@ def _rms(batch: Batch, which: np.ndarray) -> float:
     )
 
 
+def _weight_like(sig: Signatures, which: np.ndarray) -> tuple[bool, str]:
+    """Moved per sequence as one weight update moves them: most of each sequence's drifting
+    tokens go one way (up for the sequences the step favoured, down for the others). A
+    prompt change moves each token its own way; precision noise averages out.
+
+    The statistic is a per-sequence sign test, mean z^2 over the sequences (1 by chance).
+    Tokens of one sequence share their context, so their signs are not independent: the
+    evidence must stand WEIGHT_SIGN_Z standard errors (of independent signs) above chance."""
+    n = int(which.sum())
+    score = _bias_score(sig, which)
+    needed = 1.0 + WEIGHT_SIGN_Z * math.sqrt(2.0 / max(n, 1))
+    why = f"sign test: mean z^2 {score:.2f} over {n} sequences, weights need > {needed:.2f}"
+    return score > needed, why
+
+
 def _bias_score(sig: Signatures, which: np.ndarray) -> float:
-    """Mean squared per-sequence t statistic of d: ~1 for noise that averages out."""
-    t = np.minimum(sig.bias_t[which] ** 2, 100.0)
+    """Mean squared per-sequence sign-test z of d: ~1 for drift that goes both ways."""
+    t = np.minimum(sig.sign_z[which] ** 2, 100.0)
     return float(t.mean()) if len(t) else 0.0
 
 

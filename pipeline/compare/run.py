@@ -118,14 +118,11 @@ def compare_tables(
     context["weights_differ"] = weights_evidence(context) is not None
     context.update(_lengths(fixture, aligned))
     region = aligned.completion
-    first_positions = np.zeros(len(aligned.sequence_ids), dtype=np.int64)
-    nonempty = np.diff(region.offsets) > 0
-    first_positions[nonempty] = region.positions[region.offsets[:-1][nonempty]]
     findings = diagnose_region(
         region.train,
         region.rollout,
         region.offsets,
-        first_positions,
+        region.positions,
         aligned.sequence_ids,
         aligned.weight_versions,
         tau,

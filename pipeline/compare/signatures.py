@@ -26,7 +26,9 @@ class Signatures:
     mean_diff: np.ndarray
     mean_abs: np.ndarray
     rms: np.ndarray
-    bias_t: np.ndarray  # mean d / its standard error: precision noise averages out
+    # (bad tokens up - bad tokens down) / sqrt(bad tokens): a sign test of the sequence's
+    # direction, robust to the heavy-tailed d that would inflate a t statistic's error
+    sign_z: np.ndarray
     train_lower: np.ndarray  # fraction of bad tokens where the train side is lower
     shift_fit: dict  # {+1, -1}: fraction of bad tokens where train[t] ~ rollout[t +/- 1]
     constant_fill: dict  # {"rollout", "train"}: fraction of bad tokens repeating a value
@@ -73,9 +75,6 @@ def signatures(train: np.ndarray, rollout: np.ndarray, offsets: np.ndarray, tau:
     mean_d = total(d) / safe_count
     mean_abs = total(a) / safe_count
     mean_sq = total(d * d) / safe_count
-    variance = np.maximum(mean_sq - mean_d**2, 0.0) * count / np.maximum(count - 1, 1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        bias_t = np.where(variance > 0, mean_d / np.sqrt(variance / safe_count), 0.0)
 
     # The two halves of each sequence's stretch from its onset on.
     half = onset + (lengths - onset) // 2
@@ -110,8 +109,8 @@ def signatures(train: np.ndarray, rollout: np.ndarray, offsets: np.ndarray, tau:
         mean_diff=mean_d,
         mean_abs=mean_abs,
         rms=np.sqrt(mean_sq),
-        bias_t=bias_t,
         train_lower=total(bad & (d < 0)) / safe_bad,
+        sign_z=(n_bad - 2 * total(bad & (d < 0))) / np.sqrt(safe_bad),
         shift_fit={s: _shift_fit(t64, r64, seq, bad, tau, s, total) / safe_bad for s in (1, -1)},
         constant_fill={
             "rollout": _repeats(r64, seq, bad, total) / safe_bad,
