@@ -10,7 +10,7 @@ bf16 replay, and vLLM rollouts with prefix caching and chunked prefill on. Print
 confusion matrix (true cause x named causes), per-class precision/recall, the false-finding
 rate on clean runs and the first-bad-position error of positional faults.
 
-    .venv/bin/python bench/diagnosis.py                      # 2 archs x 3 seeds x 2 engines
+    .venv/bin/python bench/diagnosis.py                      # 2 archs x 3 seeds x 2 engines, ~3 min
     .venv/bin/python bench/diagnosis.py --seeds 0 --archs llama --engines hf
 """
 

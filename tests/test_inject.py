@@ -1,9 +1,11 @@
 """Every planted fault is caught: compare fails, the worst token sits in the faulted
 sequence at or after the fault, and the diagnosis names the cause."""
 
+import numpy as np
 import pytest
 
 from pipeline.engines.hf_replay import HFScoringEngine
+from pipeline.fixture.io import read_table
 from tests.helpers import read_report, run_lpx
 
 CAUSE_OF_KIND = {  # kinds with an onset, planted in one sequence from a position
@@ -77,7 +79,10 @@ def test_injected_fault_is_caught_and_named(run_dir, tmp_path, kind, place):
     finding = causes[CAUSE_OF_KIND[kind]]
     assert finding["sequences"] == [sequence]
     assert finding["first_position"]["sequence_id"] == sequence
-    assert finding["first_position"]["position"] >= from_position
+    if kind == "dtype":  # a rounded value can land within tau of the exact one
+        assert finding["first_position"]["position"] >= from_position
+    else:  # positional faults: the first wrong logprob, exactly
+        assert finding["first_position"]["position"] == from_position
     assert finding["evidence"]
 
 
@@ -101,6 +106,34 @@ def test_the_zoo_is_named_from_the_whole_batch(run_dir, tmp_path, kind):
     if kind.startswith("version_change"):
         (finding,) = report["diagnosis"]
         assert finding["details"]["at"] == 4 and len(finding["sequences"]) == 16
+
+
+def test_two_faults_in_different_sequences_are_both_named(run_dir, tmp_path):
+    """Padding attended in two sequences and positions offset from index 6 in a third, each
+    re-scored by the real model: both causes, each with its own sequences."""
+    fixture = read_table(run_dir / "fixture.parquet")
+    lengths = np.diff(fixture.prompt_offsets) + np.diff(fixture.completion_offsets)
+    # the two shortest of the first micro-batch of 8: the ones that get padding
+    shortest = [fixture.sequence_ids[i] for i in np.argsort(lengths[:8], kind="stable")[:2]]
+    assert "3-0" not in shortest
+    padded, both = tmp_path / "padded.parquet", tmp_path / "both.parquet"
+    result = run_lpx(
+        "inject", run_dir / "fixture.parquet", "--kind", "pad_attended",
+        "--sequence", shortest[0], "--sequence", shortest[1], "--out", padded,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    result = run_lpx(
+        "inject", padded, "--kind", "position_ids", "--sequence", "3-0",
+        "--from-position", 6, "--out", both,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    result = run_lpx("compare", both, run_dir / "replay-float32.parquet", "--out", tmp_path / "c")
+    assert result.exit_code == 1, result.output
+    causes = {f["cause"]: f for f in read_report(tmp_path / "c")["diagnosis"]}
+    assert set(causes) == {"mask_padding", "position_ids"}
+    assert causes["position_ids"]["sequences"] == ["3-0"]
+    assert causes["position_ids"]["first_position"] == {"sequence_id": "3-0", "position": 6}
+    assert causes["mask_padding"]["sequences"] == sorted(shortest, key=fixture.sequence_ids.index)
 
 
 def test_a_truncation_fault_needs_a_fixture_sampled_with_it(run_dir, tmp_path):
