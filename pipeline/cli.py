@@ -23,6 +23,7 @@ from pipeline.commands.replay import replay
 from pipeline.commands.report import report
 from pipeline.commands.rollout import rollout
 from pipeline.commands.run import run
+from pipeline.commands.serve import serve
 from pipeline.commands.smoke import smoke
 from pipeline.commands.sweep import sweep
 from pipeline.errors import EXIT_BAD_INPUT, BadInput, Interrupted
@@ -91,6 +92,7 @@ COMMANDS = (
     gate,
     ack,
     annotate,
+    serve,
 )
 for command in COMMANDS:
     cli.add_command(command)

@@ -8,22 +8,18 @@ aborted or failed is kept and marked (finish_reason ``abort`` / ``error``), neve
 
 from __future__ import annotations
 
-import json
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.engines.base import SamplingParams, knobs_from_dict, trajectories
 from pipeline.engines.hf_common import model_metadata, software_versions
+from pipeline.engines.http_json import json_request
 from pipeline.errors import BadInput
 from pipeline.fixture.table import TokenTable, table_from_sequences
 from pipeline.progress import progress_bar
 
 APIS = ("openai", "sglang")
-RETRY_STATUS = (408, 429, 500, 502, 503, 504)
 
 
 @dataclass(frozen=True)
@@ -249,31 +245,11 @@ class _Client:
     def _request(
         self, method: str, path: str, body: dict | None = None, retries: int | None = None
     ):
-        """JSON over HTTP with a timeout, retrying transient failures with backoff."""
-        retries = self.settings.retries if retries is None else retries
-        data = None if body is None else json.dumps(body).encode()
-        url = self.base + path
-        for attempt in range(retries + 1):
-            request = urllib.request.Request(
-                url, data=data, method=method, headers={"Content-Type": "application/json"}
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=self.settings.timeout_s) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as error:
-                detail = error.read().decode(errors="replace")[:200]
-                if error.code not in RETRY_STATUS or attempt == retries:
-                    raise BadInput(f"{url}: HTTP {error.code} {detail}") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
-                if attempt == retries:
-                    reason = getattr(error, "reason", error)
-                    raise BadInput(
-                        f"{url}: {reason} after {retries + 1} attempt(s) (timeout {self.settings.timeout_s:g} s)"
-                    ) from None
-            except json.JSONDecodeError:
-                raise BadInput(f"{url}: the server did not answer JSON.") from None
-            time.sleep(self.settings.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")
+        settings = self.settings
+        retries = settings.retries if retries is None else retries
+        return json_request(
+            method, self.base + path, body, settings.timeout_s, retries, settings.backoff_s
+        )
 
 
 def _token_id(token: str) -> int:

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from pipeline.commands.options import knob_options, parse_knobs
+
+ENGINES = ("hf",)
+
+
+@click.command("serve")
+@click.option("--engine", type=click.Choice(ENGINES), default="hf", show_default=True)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    required=True,
+    help="Model directory, or a publish directory holding `latest`.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8400, show_default=True)
+@click.option("--weight-version", help="Name of the weights loaded first [default: the "
+              "directory's WEIGHT_VERSION file, else the weights fingerprint].")  # fmt: skip
+@click.option("--token-budget", type=click.IntRange(1), default=16384, show_default=True,
+              help="Padded tokens per scored batch.")  # fmt: skip
+@click.option("--max-batch", type=click.IntRange(1), default=64, show_default=True,
+              help="Sequences per scored batch.")  # fmt: skip
+@click.option("--max-wait-ms", type=click.FloatRange(0), default=5.0, show_default=True,
+              help="How long a batch waits to fill.")  # fmt: skip
+@click.option("--max-queue", type=click.IntRange(1), default=4096, show_default=True,
+              help="Queued sequences before 429.")  # fmt: skip
+@click.option("--reject-when-paused", is_flag=True,
+              help="Answer 503 + Retry-After while paused or updating, instead of holding requests.")  # fmt: skip
+@knob_options
+def serve(engine, model_dir, host, port, weight_version, token_budget, max_batch, max_wait_ms,
+          max_queue, reject_when_paused, knob_pairs):  # fmt: skip
+    """Serve selected-token logprobs over HTTP: teacher-forced scoring of (prompt ids,
+    completion ids) beside a rollout (the old_log_prob server of an async RL pipeline).
+
+    Endpoints: POST /score, /pause, /resume, /update_weights; GET /health, /metrics. Every
+    response carries the weight version and the held weights' fingerprint. Knobs (--set) are
+    the HF replay's (dtype, micro_batch_size, attn_implementation, ...). Schema and examples:
+    docs/logprob-server.md.
+
+    \b
+    Example:
+      lpx serve --model models/tiny --port 8400 --set dtype=float32
+      curl -s localhost:8400/score -d '{"sequences": [{"prompt_ids": [1, 5], "completion_ids": [7, 9]}]}'
+    """
+    import uvicorn
+
+    from pipeline.serve.app import ServeSettings, create_app
+    from pipeline.serve.model_slot import ModelSlot, resolve_model_dir
+
+    resolved = resolve_model_dir(model_dir)
+    knobs = parse_knobs(knob_pairs)
+    knobs.setdefault("micro_batch_size", str(max_batch))
+    slot = ModelSlot(resolved, knobs, weight_version)
+    settings = ServeSettings(
+        token_budget=token_budget,
+        max_batch=max_batch,
+        max_wait_s=max_wait_ms / 1000,
+        max_queue=max_queue,
+        reject_when_paused=reject_when_paused,
+    )
+    click.echo(
+        f"lpx serve: {engine} {slot.settings.dtype} {resolved} (version {slot.version.weight_version}) "
+        f"on http://{host}:{port}",
+        err=True,
+    )
+    uvicorn.run(create_app(slot, settings), host=host, port=port, log_level="warning")

@@ -1,0 +1,51 @@
+"""JSON over HTTP for the HTTP engine adapters: stdlib only, a timeout, retries with
+backoff on transient statuses, and errors that name the URL."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+from pipeline.errors import BadInput
+
+RETRY_STATUS = (408, 429, 500, 502, 503, 504)
+
+
+def json_request(
+    method: str,
+    url: str,
+    body: dict | None = None,
+    timeout_s: float = 120.0,
+    retries: int = 2,
+    backoff_s: float = 0.5,
+):
+    """The decoded JSON answer; BadInput naming the URL when it never comes. A 429 or 503
+    with Retry-After waits that long before the next attempt."""
+    data = None if body is None else json.dumps(body).encode()
+    for attempt in range(retries + 1):
+        request = urllib.request.Request(
+            url, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        wait = backoff_s * 2**attempt
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")[:200]
+            if error.code not in RETRY_STATUS or attempt == retries:
+                raise BadInput(f"{url}: HTTP {error.code} {detail}") from None
+            retry_after = error.headers.get("Retry-After")
+            if retry_after and retry_after.isdigit():
+                wait = max(wait, float(retry_after))
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+            if attempt == retries:
+                reason = getattr(error, "reason", error)
+                raise BadInput(
+                    f"{url}: {reason} after {retries + 1} attempt(s) (timeout {timeout_s:g} s)"
+                ) from None
+        except json.JSONDecodeError:
+            raise BadInput(f"{url}: the server did not answer JSON.") from None
+        time.sleep(wait)
+    raise AssertionError("unreachable")

@@ -1,0 +1,241 @@
+"""The log-prob server's HTTP surface (FastAPI): score, pause, resume, update_weights,
+health, metrics. The schema is in docs/logprob-server.md."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.errors import BadInput
+from pipeline.serve.metrics import ServerMetrics
+from pipeline.serve.model_slot import resolve_model_dir
+from pipeline.serve.scheduler import BatchScheduler, Paused, QueueFull
+
+DISCONNECT_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    token_budget: int = 16384  # padded tokens per scored batch
+    max_batch: int = 64  # sequences per scored batch
+    max_wait_s: float = 0.005  # how long a batch may wait to fill
+    max_queue: int = 4096  # sequences queued before 429
+    max_request_sequences: int = 1024  # sequences in one request before 413
+    max_sequence_tokens: int = 8192  # prompt + completion tokens of one sequence before 413
+    timeout_s: float = 600.0  # a request's default deadline (504 after it)
+    reject_when_paused: bool = False  # 503 + Retry-After instead of waiting
+    retry_after_s: int = 1
+
+
+class Sequence(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    prompt_ids: list[int] = Field(min_length=1)
+    completion_ids: list[int] = Field(min_length=1)
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sequences: list[Sequence] = Field(min_length=1)
+    prompt_logprobs: bool = False
+    timeout_s: float | None = Field(default=None, gt=0)
+
+
+class UpdateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str
+    version: str | None = None
+
+
+def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
+    """``slot``: a ModelSlot (or any object with score, load, version, vocab_size, engine)."""
+    state: dict = {}
+    metrics = ServerMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        scheduler = BatchScheduler(
+            slot.score,
+            settings.token_budget,
+            settings.max_batch,
+            settings.max_wait_s,
+            settings.max_queue,
+            settings.reject_when_paused,
+        )
+        scheduler.start()
+        state.update(scheduler=scheduler, update_lock=asyncio.Lock(), updating=False)
+        yield
+        await scheduler.stop()
+
+    app = FastAPI(title="lpx log-prob server", lifespan=lifespan)
+
+    def error(status: int, message: str, **headers) -> JSONResponse:
+        metrics.count_request(status)
+        return JSONResponse({"error": message}, status_code=status, headers=headers or None)
+
+    @app.post("/score")
+    async def score(body: ScoreRequest, request: Request):
+        started = time.perf_counter()
+        scheduler: BatchScheduler = state["scheduler"]
+        problem = _check(body, slot.vocab_size, settings)
+        if problem:
+            return error(*problem)
+        pairs = [
+            (
+                np.asarray(s.prompt_ids, dtype=np.int64),
+                np.asarray(s.completion_ids, dtype=np.int64),
+                body.prompt_logprobs,
+            )
+            for s in body.sequences
+        ]
+        try:
+            items = scheduler.submit(pairs)
+        except QueueFull as full:
+            return error(
+                429, f"{full}; retry later", **{"Retry-After": str(settings.retry_after_s)}
+            )
+        except Paused as paused:
+            return error(
+                503,
+                f"the server is {paused}; retry after {settings.retry_after_s} s",
+                **{"Retry-After": str(settings.retry_after_s)},
+            )
+        outcome = await _wait(items, request, body.timeout_s or settings.timeout_s)
+        if outcome != "done":
+            scheduler.cancel(items)
+            if outcome == "timeout":
+                return error(504, f"not scored within {body.timeout_s or settings.timeout_s} s")
+            metrics.count_request(499)
+            return JSONResponse({"error": "client went away"}, status_code=499)
+        try:
+            answers = [item.future.result() for item in items]
+        except Exception as failure:  # the engine failed on this batch
+            return error(500, f"scoring failed: {failure}")
+        versions = {answer[1] for answer in answers}
+        if len(versions) != 1:  # cannot happen: updates wait for a paused, idle scheduler
+            return error(500, f"one request met several weight versions: {versions}")
+        (version,) = versions
+        metrics.count_request(200)
+        metrics.observe_latency(time.perf_counter() - started)
+        results = [
+            {"id": s.id if s.id is not None else str(i), **answer[0]}
+            for i, (s, answer) in enumerate(zip(body.sequences, answers, strict=True))
+        ]
+        return {
+            "weight_version": version.weight_version,
+            "weights_fingerprint": version.weights_fingerprint,
+            "results": results,
+        }
+
+    @app.post("/pause")
+    async def pause():
+        await state["scheduler"].pause("user")
+        return {"paused": True, **_version(slot)}
+
+    @app.post("/resume")
+    async def resume():
+        state["scheduler"].resume("user")
+        return {"paused": state["scheduler"].paused, **_version(slot)}
+
+    @app.post("/update_weights")
+    async def update_weights(body: UpdateRequest):
+        try:
+            path = resolve_model_dir(Path(body.path))
+        except BadInput as bad:
+            return error(400, str(bad))
+        scheduler: BatchScheduler = state["scheduler"]
+        async with state["update_lock"]:
+            await scheduler.pause("update")
+            state["updating"] = True
+            started = time.perf_counter()
+            try:
+                version = await asyncio.to_thread(slot.load, path, body.version)
+            except BadInput as bad:
+                return error(400, str(bad))
+            except Exception as failure:  # noqa: BLE001 - the old weights stay in service
+                return error(
+                    400, f"could not load {path}: {failure}; still serving the old weights"
+                )
+            finally:
+                state["updating"] = False
+                scheduler.resume("update")
+        metrics.updates += 1
+        return {**asdict(version), "load_s": round(time.perf_counter() - started, 3)}
+
+    @app.get("/health")
+    async def health():
+        scheduler: BatchScheduler = state["scheduler"]
+        return {
+            "status": "updating" if state["updating"] else "paused" if scheduler.paused else "ok",
+            "engine": slot.engine,
+            "dtype": slot.settings.dtype,
+            "queue_depth": scheduler.queue_depth,
+            **_version(slot),
+        }
+
+    @app.get("/metrics")
+    async def prometheus():
+        scheduler: BatchScheduler = state["scheduler"]
+        text = metrics.render(scheduler, slot.version)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _wait(items, request: Request, timeout_s: float) -> str:
+    """ "done", "timeout" or "gone" (the client disconnected)."""
+    results = asyncio.gather(*(item.future for item in items), return_exceptions=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            results.cancel()
+            return "timeout"
+        done, _ = await asyncio.wait({results}, timeout=min(DISCONNECT_POLL_S, left))
+        if done:
+            return "done"
+        if await request.is_disconnected():
+            results.cancel()
+            return "gone"
+
+
+def _check(body: ScoreRequest, vocab_size: int, settings: ServeSettings):
+    """(status, message) for a request the server will not score, else None."""
+    if len(body.sequences) > settings.max_request_sequences:
+        return (
+            413,
+            f"{len(body.sequences)} sequences in one request; the limit is "
+            f"{settings.max_request_sequences}: split the batch",
+        )
+    for i, s in enumerate(body.sequences):
+        name = s.id if s.id is not None else f"#{i}"
+        if len(s.prompt_ids) + len(s.completion_ids) > settings.max_sequence_tokens:
+            return (
+                413,
+                f"sequence {name}: {len(s.prompt_ids) + len(s.completion_ids)} tokens; the limit "
+                f"is {settings.max_sequence_tokens}",
+            )
+        for field, ids in (("prompt_ids", s.prompt_ids), ("completion_ids", s.completion_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                return (
+                    400,
+                    f"sequence {name}: {field} holds {bad[0]}, outside the model's vocabulary "
+                    f"[0, {vocab_size}); send token ids of this model's tokenizer",
+                )
+    return None
+
+
+def _version(slot) -> dict:
+    return {
+        "weight_version": slot.version.weight_version,
+        "weights_fingerprint": slot.version.weights_fingerprint,
+    }

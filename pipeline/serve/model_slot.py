@@ -1,0 +1,102 @@
+"""The model a log-prob server scores with, its weight version and the fingerprint of the
+weights it actually holds. A new version is loaded beside the old one and swapped in whole,
+so no request ever meets a half-loaded model."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.engines.hf_common import load_model
+from pipeline.engines.hf_replay import ReplayKnobs, score_batch
+from pipeline.errors import BadInput
+from pipeline.fingerprint import tensor_fingerprint
+
+
+@dataclass(frozen=True)
+class Version:
+    """What every response carries: the version name and the held weights' fingerprint."""
+
+    weight_version: str
+    weights_fingerprint: str
+    model_dir: str
+
+
+class ModelSlot:
+    """An HF model in one process. ``score`` runs in the scheduler's worker thread; ``load``
+    in another, while the scheduler is paused."""
+
+    engine = "hf"
+
+    def __init__(self, model_dir: Path, knobs: dict, version: str | None = None):
+        self.settings = ReplayKnobs.from_dict(knobs)
+        self._lock = threading.Lock()
+        self.model, self.version = self._load(Path(model_dir), version)
+
+    def _load(self, model_dir: Path, version: str | None):
+        model = load_model(model_dir, self.settings.dtype, self.settings.attn_implementation)
+        fingerprint = tensor_fingerprint(model.state_dict().items())
+        name = version or _version_of(model_dir) or fingerprint[:19]
+        return model, Version(name, fingerprint, str(model_dir))
+
+    def load(self, model_dir: Path, version: str | None = None) -> Version:
+        """Load ``model_dir`` fully, then swap it in (call while no batch is scoring)."""
+        model, loaded = self._load(Path(model_dir), version)
+        with self._lock:
+            self.model, self.version = model, loaded
+        return loaded
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    def score(self, pairs, want_prompt: bool):
+        """Selected-token logprobs for each pair, and the version that scored them."""
+        with self._lock:
+            model, version = self.model, self.version
+        settings = self.settings
+        if want_prompt != settings.prompt_logprobs:
+            settings = ReplayKnobs(**{**settings.__dict__, "prompt_logprobs": want_prompt})
+        scored = []
+        for start in range(0, len(pairs), settings.micro_batch_size):
+            scored.extend(
+                score_batch(model, pairs[start : start + settings.micro_batch_size], settings)
+            )
+        return [_as_result(s) for s in scored], version
+
+
+def _as_result(scored) -> dict:
+    result = {"logprobs": scored.completion.astype(float).tolist()}
+    if scored.prompt is not None:
+        prompt = scored.prompt.astype(float)
+        result["prompt_logprobs"] = [None if np.isnan(v) else v for v in prompt.tolist()]
+    return result
+
+
+def resolve_model_dir(path: Path) -> Path:
+    """A model directory, or the one a publish directory's ``latest`` names."""
+    latest = path / "latest"
+    if latest.is_symlink() or latest.is_dir():
+        path = latest.resolve()
+    elif latest.is_file():
+        path = path / latest.read_text().strip()
+    if not (path / "config.json").is_file():
+        raise BadInput(
+            f"{path}: not a model directory (no config.json), nor a publish directory whose "
+            "`latest` names one"
+        )
+    return path
+
+
+def _version_of(model_dir: Path) -> str | None:
+    """A publish directory's version file, when the weights came from one."""
+    marker = model_dir / "WEIGHT_VERSION"
+    if marker.is_file():
+        text = marker.read_text().strip()
+        if not text:
+            raise BadInput(f"{marker} is empty; write the version name into it.")
+        return text
+    return None

@@ -1,0 +1,288 @@
+"""`lpx serve` for real: the server process on the tiny model on a free loopback port,
+scored through the `logprob-server` engine and raw HTTP. Logprobs against the in-process HF
+replay; weight updates under concurrent load, re-scored to prove each answer's version;
+backpressure, timeouts, disconnects and malformed requests answered with a clear 4xx/5xx
+while the server keeps serving."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from pipeline.engines.hf_common import load_model
+from pipeline.engines.hf_replay import ReplayKnobs, score_batch
+from pipeline.engines.logprob_server import LogprobServerEngine
+from pipeline.fixture.io import read_table
+from pipeline.tinymodel.build import build_tiny_model
+
+STARTUP_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(model_dir, *options, tmp_path):
+    port = _free_port()
+    log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            *options,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(
+                    f"lpx serve exited {process.returncode}: {(tmp_path / log.name).read_text()}"
+                )
+            try:
+                call(url, "GET", "/health")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail("lpx serve did not answer /health in time")
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
+
+
+def call(url, method, path, body=None, timeout=60):
+    """(status, decoded JSON or text, headers) without raising on 4xx/5xx."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw, status, headers = response.read(), response.status, response.headers
+    except urllib.error.HTTPError as error:
+        raw, status, headers = error.read(), error.code, error.headers
+    try:
+        return status, json.loads(raw), headers
+    except json.JSONDecodeError:
+        return status, raw.decode(), headers
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    with served(tiny_model, tmp_path=tmp_path_factory.mktemp("serve")) as url:
+        yield url
+
+
+def test_served_logprobs_equal_the_in_process_hf_replay(server, run_dir, tiny_model):
+    fixture = read_table(run_dir / "fixture.parquet")
+    replay = read_table(run_dir / "replay-float32.parquet")
+    served_replay = LogprobServerEngine().score(
+        fixture, tiny_model, {"url": server, "batch_size": "5"}
+    )
+    d = np.abs(served_replay.channels["replay"] - replay.channels["replay"])
+    # other batch compositions pad differently; fp32 on CPU stays at rounding level
+    assert float(d.max()) <= 1e-5
+    assert served_replay.metadata["engine"]["name"] == "logprob-server"
+    held = served_replay.metadata["weights"]["held_tensor_fingerprint"]
+    assert held.startswith("sha256:") and served_replay.metadata["weight_version"]
+
+
+def test_replay_command_through_the_server_passes_compare(server, run_dir, tiny_model, tmp_path):
+    from tests.helpers import read_report, run_lpx
+
+    out = tmp_path / "served.parquet"
+    result = run_lpx(
+        "replay", run_dir / "fixture.parquet", "--engine", "logprob-server", "--model", tiny_model,
+        "--set", f"url={server}", "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    result = run_lpx("compare", run_dir / "fixture.parquet", out, "--out", tmp_path / "cmp")
+    assert result.exit_code == 0, result.output
+    assert read_report(tmp_path / "cmp")["metrics"]["max_abs_diff"] < 1e-5
+
+
+def test_malformed_requests_get_a_clear_4xx_and_the_server_keeps_serving(server):
+    good = {"sequences": [{"prompt_ids": [1, 5, 9], "completion_ids": [7, 8]}]}
+    cases = [
+        ({"sequences": [{"prompt_ids": "abc", "completion_ids": [1]}]}, 422, "prompt_ids"),
+        ({"sequences": [{"prompt_ids": [1], "completion_ids": []}]}, 422, "completion_ids"),
+        ({"sequences": [{"id": "s7", "prompt_ids": [1], "completion_ids": [10**6]}]}, 400, "s7"),
+        ({"sequences": [{"prompt_ids": [1], "completion_ids": [2], "extra": 1}]}, 422, "extra"),
+        ({"sequences": []}, 422, "sequences"),
+        (
+            {"sequences": [{"prompt_ids": [1], "completion_ids": [2]}] * 1025},
+            413,
+            "split the batch",
+        ),
+    ]
+    for body, status, mentioned in cases:
+        got, answer, _ = call(server, "POST", "/score", body)
+        assert got == status, answer
+        assert mentioned in json.dumps(answer)
+    got, answer, _ = call(server, "POST", "/score", good)
+    assert got == 200 and len(answer["results"][0]["logprobs"]) == 2
+    assert call(server, "GET", "/health")[1]["status"] == "ok"
+
+
+def test_prompt_logprobs_on_request(server, tiny_model):
+    body = {
+        "sequences": [{"prompt_ids": [1, 5, 9], "completion_ids": [7, 8]}],
+        "prompt_logprobs": True,
+    }
+    status, answer, _ = call(server, "POST", "/score", body)
+    assert status == 200
+    prompt = answer["results"][0]["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) == 3 and all(v < 0 for v in prompt[1:])
+
+
+def _local_scores(model, pairs):
+    scored = score_batch(model, pairs, ReplayKnobs(micro_batch_size=len(pairs)))
+    return [s.completion for s in scored]
+
+
+def test_updates_under_concurrent_load_never_mix_versions(server, tiny_model, run_dir, tmp_path):
+    """Clients score while the weights change twice (v1 -> v2 -> v1): every answer's version
+    is the one whose weights reproduce its logprobs; no request lost or answered twice."""
+    other = build_tiny_model(tmp_path / "seed1", "llama", 1)
+    (other / "WEIGHT_VERSION").write_text("v2\n")
+    fixture = read_table(run_dir / "fixture.parquet")
+    pairs = [(fixture.prompt_of(i), fixture.completion_of(i)) for i in range(6)]
+    body = {
+        "sequences": [
+            {"id": f"{j}", "prompt_ids": p.tolist(), "completion_ids": c.tolist()}
+            for j, (p, c) in enumerate(pairs)
+        ]
+    }
+    answers, errors, stop = [], [], threading.Event()
+
+    def client(n):
+        while not stop.is_set():
+            status, answer, _ = call(server, "POST", "/score", body)
+            (answers if status == 200 else errors).append((n, status, answer))
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    first = call(server, "GET", "/health")[1]["weight_version"]
+    status, update, _ = call(server, "POST", "/update_weights", {"path": str(other)})
+    assert status == 200 and update["weight_version"] == "v2", update
+    time.sleep(0.5)
+    assert call(server, "POST", "/pause")[0] == 200
+    paused_count = len(answers)
+    time.sleep(0.3)
+    assert len(answers) <= paused_count + 4  # only requests already scored come back
+    status, update, _ = call(
+        server, "POST", "/update_weights", {"path": str(tiny_model), "version": "v1"}
+    )
+    assert status == 200
+    assert call(server, "POST", "/resume")[0] == 200
+    time.sleep(0.5)
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors[:3]
+    seen = {a["weight_version"] for _, _, a in answers}
+    assert seen == {first, "v2", "v1"}, seen
+    expected = {
+        first: _local_scores(load_model(tiny_model), pairs),
+        "v1": _local_scores(load_model(tiny_model), pairs),
+        "v2": _local_scores(load_model(other), pairs),
+    }
+    for _, _, answer in answers:
+        ids = [r["id"] for r in answer["results"]]
+        assert ids == [str(j) for j in range(6)]  # every sequence once, in order
+        want = expected[answer["weight_version"]]
+        for result, logprobs in zip(answer["results"], want, strict=True):
+            np.testing.assert_allclose(result["logprobs"], logprobs, atol=1e-5)
+    metrics = call(server, "GET", "/metrics")[1]
+    assert 'lpx_weight_version_info{fingerprint="sha256:' in metrics and 'version="v1"' in metrics
+    assert "lpx_weight_updates_total 2.0" in metrics
+
+
+def test_backpressure_timeouts_and_disconnects(tiny_model, tmp_path):
+    with served(tiny_model, "--max-queue", "4", tmp_path=tmp_path) as url:
+        one = {"prompt_ids": [1, 5], "completion_ids": [7, 8]}
+        assert call(url, "POST", "/pause")[0] == 200
+        # a held request past its deadline: 504, and its sequences leave the queue
+        status, answer, _ = call(url, "POST", "/score", {"sequences": [one], "timeout_s": 0.3})
+        assert status == 504 and "0.3" in answer["error"]
+        assert call(url, "GET", "/health")[1]["queue_depth"] == 0
+
+        # a client that hangs up while held: its sequences leave the queue too
+        def hang_up():
+            with contextlib.suppress(TimeoutError):
+                call(url, "POST", "/score", {"sequences": [one] * 3}, timeout=0.5)
+
+        held = threading.Thread(target=hang_up)
+        held.start()
+        time.sleep(0.2)
+        assert call(url, "GET", "/health")[1]["queue_depth"] == 3
+        status, answer, headers = call(url, "POST", "/score", {"sequences": [one] * 2})
+        assert status == 429 and headers["Retry-After"] and "4" in answer["error"]
+        held.join()
+        deadline = time.monotonic() + 5
+        while call(url, "GET", "/health")[1]["queue_depth"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert call(url, "GET", "/health")[1]["queue_depth"] == 0
+        assert call(url, "POST", "/resume")[0] == 200
+        assert call(url, "POST", "/score", {"sequences": [one]})[0] == 200
+        metrics = call(url, "GET", "/metrics")[1]
+        assert 'lpx_requests_total{code="429"} 1.0' in metrics
+        assert 'lpx_requests_total{code="504"} 1.0' in metrics
+        status, answer, _ = call(url, "POST", "/update_weights", {"path": str(tmp_path)})
+        assert status == 400 and "config.json" in answer["error"]
+
+
+def test_reject_when_paused_answers_503_with_retry_after(tiny_model, tmp_path):
+    with served(tiny_model, "--reject-when-paused", tmp_path=tmp_path) as url:
+        assert call(url, "POST", "/pause")[0] == 200
+        body = {"sequences": [{"prompt_ids": [1], "completion_ids": [2]}]}
+        status, answer, headers = call(url, "POST", "/score", body)
+        assert status == 503 and headers["Retry-After"] == "1" and "paused" in answer["error"]
+        call(url, "POST", "/resume")
+        assert call(url, "POST", "/score", body)[0] == 200
+
+
+def test_the_client_spreads_batches_over_replicas(server, tiny_model, run_dir, tmp_path):
+    fixture = read_table(run_dir / "fixture.parquet")
+    with served(tiny_model, tmp_path=tmp_path) as second:
+        before = [_scored_tokens(u) for u in (server, second)]
+        table = LogprobServerEngine().score(
+            fixture, tiny_model, {"url": f"{server},{second}", "batch_size": "4"}
+        )
+        after = [_scored_tokens(u) for u in (server, second)]
+    gained = [a - b for a, b in zip(after, before, strict=True)]
+    assert all(g > 0 for g in gained) and sum(gained) == len(fixture.completion_ids)
+    assert table.metadata["layout"]["replicas"] == 2
+
+
+def _scored_tokens(url) -> float:
+    metrics = call(url, "GET", "/metrics")[1]
+    line = next(line for line in metrics.splitlines() if line.startswith("lpx_scored_tokens_total"))
+    return float(line.split()[-1])
