@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -23,56 +20,17 @@ from pipeline.engines.hf_common import load_model
 from pipeline.engines.hf_replay import ReplayKnobs, score_batch
 from pipeline.engines.logprob_server import LogprobServerEngine
 from pipeline.fixture.io import read_table
+from pipeline.serve.process import ServerFailed, serving
 from pipeline.tinymodel.build import build_tiny_model
-
-STARTUP_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
 def served(model_dir, *options, tmp_path):
-    port = _free_port()
-    log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115 - closed below
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(port),
-            *options,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(
-                    f"lpx serve exited {process.returncode}: {(tmp_path / log.name).read_text()}"
-                )
-            try:
-                call(url, "GET", "/health")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail("lpx serve did not answer /health in time")
-                time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(30)
-        log.close()
+        with serving(model_dir, *options, log_path=tmp_path / f"serve-{time.time_ns()}.log") as url:
+            yield url
+    except ServerFailed as failed:
+        pytest.fail(str(failed))
 
 
 def call(url, method, path, body=None, timeout=60):

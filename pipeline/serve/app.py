@@ -10,8 +10,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.errors import BadInput
@@ -129,11 +130,17 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
             {"id": s.id if s.id is not None else str(i), **answer[0]}
             for i, (s, answer) in enumerate(zip(body.sequences, answers, strict=True))
         ]
-        return {
-            "weight_version": version.weight_version,
-            "weights_fingerprint": version.weights_fingerprint,
-            "results": results,
-        }
+        # orjson straight to bytes: FastAPI's default encoder walks every float in Python
+        return Response(
+            orjson.dumps(
+                {
+                    "weight_version": version.weight_version,
+                    "weights_fingerprint": version.weights_fingerprint,
+                    "results": results,
+                }
+            ),
+            media_type="application/json",
+        )
 
     @app.post("/pause")
     async def pause():
@@ -224,12 +231,13 @@ def _check(body: ScoreRequest, vocab_size: int, settings: ServeSettings):
                 f"is {settings.max_sequence_tokens}",
             )
         for field, ids in (("prompt_ids", s.prompt_ids), ("completion_ids", s.completion_ids)):
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
+            values = np.asarray(ids, dtype=np.int64)
+            outside = (values < 0) | (values >= vocab_size)
+            if outside.any():
                 return (
                     400,
-                    f"sequence {name}: {field} holds {bad[0]}, outside the model's vocabulary "
-                    f"[0, {vocab_size}); send token ids of this model's tokenizer",
+                    f"sequence {name}: {field} holds {int(values[outside][0])}, outside the "
+                    f"model's vocabulary [0, {vocab_size}); send token ids of this model's tokenizer",
                 )
     return None
 

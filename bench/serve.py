@@ -1,0 +1,195 @@
+"""lpx serve benchmark (issue 11): throughput at saturation against direct in-process
+scoring on the same engine, p50/p99 latency at 1, 8 and 64 concurrent clients, and the
+batching gain over a server that scores one sequence at a time.
+
+Each server is a real `lpx serve` process on the tiny model; clients are threads sending
+JSON over HTTP from this process (on a 2-core machine they share the CPU with the server).
+
+    .venv/bin/python bench/serve.py                     # ~2 minutes
+    .venv/bin/python bench/serve.py --hidden 512 --layers 6   # a model big enough to batch
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.serve.model_slot import ModelSlot  # noqa: E402
+from pipeline.serve.process import serving  # noqa: E402
+from pipeline.smoke import default_model_dir, ensure_tiny_model  # noqa: E402
+
+TARGET_SATURATION_RATIO = 0.9
+SEQUENCES_PER_REQUEST = 4
+
+
+def workload(sequences: int, prompt: int, completion: int, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            rng.integers(3, vocab, int(rng.integers(prompt // 2, prompt * 3 // 2))).tolist(),
+            rng.integers(
+                3, vocab, int(rng.integers(completion // 2, completion * 3 // 2))
+            ).tolist(),
+        )
+        for _ in range(sequences)
+    ]
+
+
+def scaled_model(out: Path, hidden: int, layers: int) -> Path:
+    """A random-weight llama of the given size (throughput needs no trained weights), built
+    offline and deterministically: the tiny model hides batching gains behind HTTP costs."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 64),
+        max_position_embeddings=4096,
+    )
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def in_process(model_dir: Path, pairs, max_batch: int, repeats: int = 3) -> float:
+    """Completion tokens/s of ModelSlot.score over the pairs in batches of max_batch,
+    sorted by length (what the server's scheduler does at saturation)."""
+    slot = ModelSlot(model_dir, {"micro_batch_size": str(max_batch)})
+    arrays = sorted(
+        ((np.array(p), np.array(c)) for p, c in pairs), key=lambda x: len(x[0]) + len(x[1])
+    )
+    tokens = sum(len(c) for _, c in arrays)
+    slot.score(arrays[:max_batch], False)  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(0, len(arrays), max_batch):
+            slot.score(arrays[i : i + max_batch], False)
+        best = min(best, time.perf_counter() - start)
+    return tokens / best
+
+
+@contextlib.contextmanager
+def server(model_dir: Path, *options: str):
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        serving(model_dir, *options, log_path=Path(tmp) / "log") as url,
+    ):
+        yield url
+
+
+def drive(url: str, pairs, clients: int, per_request: int) -> dict:
+    """Every pair scored once by `clients` threads taking requests of `per_request` pairs
+    from a shared queue; returns completion tokens/s and request latencies."""
+    requests = [pairs[i : i + per_request] for i in range(0, len(pairs), per_request)]
+    bodies = [
+        json.dumps({"sequences": [{"prompt_ids": p, "completion_ids": c} for p, c in r]}).encode()
+        for r in requests
+    ]
+    latencies: list[float] = []
+    lock = threading.Lock()
+    next_index = iter(range(len(bodies)))
+
+    def client():
+        while True:
+            with lock:
+                i = next(next_index, None)
+            if i is None:
+                return
+            request = urllib.request.Request(
+                url + "/score", data=bodies[i], headers={"Content-Type": "application/json"}
+            )
+            start = time.perf_counter()
+            with urllib.request.urlopen(request, timeout=600) as response:
+                response.read()
+            with lock:
+                latencies.append(time.perf_counter() - start)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(c) for _, c in pairs)
+    return {
+        "tokens_per_s": tokens / elapsed,
+        "p50_ms": 1000 * statistics.median(latencies),
+        "p99_ms": 1000 * float(np.quantile(latencies, 0.99)),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sequences", type=int, default=512)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--completion", type=int, default=128)
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=0,
+        help="a random llama of this width instead of the tiny model",
+    )
+    parser.add_argument("--layers", type=int, default=6)
+    args = parser.parse_args()
+    if args.hidden:
+        tmp = tempfile.TemporaryDirectory()
+        model_dir = scaled_model(Path(tmp.name) / "model", args.hidden, args.layers)
+    else:
+        model_dir = ensure_tiny_model(default_model_dir())
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    pairs = workload(args.sequences, args.prompt, args.completion, vocab)
+    tokens = sum(len(c) for _, c in pairs)
+    size = f"random llama {args.hidden}x{args.layers}" if args.hidden else "tiny model"
+    print(f"workload: {len(pairs)} sequences, {tokens:,} completion tokens, {size}, fp32, CPU")
+
+    direct = in_process(model_dir, pairs, args.max_batch)
+    print(f"in-process ModelSlot.score, batches of {args.max_batch}: {direct:,.0f} tokens/s")
+    with server(model_dir, "--max-batch", str(args.max_batch)) as url:
+        drive(url, pairs[:64], 8, SEQUENCES_PER_REQUEST)  # warm up
+        saturated = drive(url, pairs, 64, SEQUENCES_PER_REQUEST)
+        ratio = saturated["tokens_per_s"] / direct
+        print(
+            f"server at saturation (64 clients x {SEQUENCES_PER_REQUEST} sequences/request): "
+            f"{saturated['tokens_per_s']:,.0f} tokens/s = {ratio:.2f}x in-process "
+            f"(target >= {TARGET_SATURATION_RATIO}x: ratio {ratio / TARGET_SATURATION_RATIO:.2f})"
+        )
+        for clients in (1, 8, 64):
+            sample = pairs[: max(64, clients * 4)]
+            run = drive(url, sample, clients, 1)
+            print(
+                f"latency, {clients:2d} concurrent clients, 1 sequence/request: p50 {run['p50_ms']:.1f} ms, "
+                f"p99 {run['p99_ms']:.1f} ms, {run['tokens_per_s']:,.0f} tokens/s"
+            )
+        batched = drive(url, pairs[:256], 64, 1)
+    with server(model_dir, "--max-batch", "1") as url:
+        drive(url, pairs[:16], 8, 1)
+        single = drive(url, pairs[:256], 64, 1)
+    print(
+        f"batching gain, 64 clients x 1 sequence/request: {batched['tokens_per_s']:,.0f} tokens/s "
+        f"batched vs {single['tokens_per_s']:,.0f} at batch size 1 = "
+        f"{batched['tokens_per_s'] / single['tokens_per_s']:.2f}x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
