@@ -6,7 +6,7 @@ import click
 
 from pipeline.commands.options import knob_options, parse_knobs
 
-ENGINES = ("hf",)
+ENGINES = ("hf", "fsdp", "megatron")
 
 
 @click.command("serve")
@@ -18,6 +18,8 @@ ENGINES = ("hf",)
     required=True,
     help="Model directory, or a publish directory holding `latest`.",
 )
+@click.option("--nproc", type=click.IntRange(1), default=1, show_default=True,
+              help="Ranks of a distributed engine (fsdp, megatron), behind one endpoint.")  # fmt: skip
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8400, show_default=True)
 @click.option("--weight-version", help="Name of the weights loaded first [default: the "
@@ -33,19 +35,20 @@ ENGINES = ("hf",)
 @click.option("--reject-when-paused", is_flag=True,
               help="Answer 503 + Retry-After while paused or updating, instead of holding requests.")  # fmt: skip
 @knob_options
-def serve(engine, model_dir, host, port, weight_version, token_budget, max_batch, max_wait_ms,
+def serve(engine, model_dir, nproc, host, port, weight_version, token_budget, max_batch, max_wait_ms,
           max_queue, reject_when_paused, knob_pairs):  # fmt: skip
     """Serve selected-token logprobs over HTTP: teacher-forced scoring of (prompt ids,
     completion ids) beside a rollout (the old_log_prob server of an async RL pipeline).
 
     Endpoints: POST /score, /pause, /resume, /update_weights; GET /health, /metrics. Every
     response carries the weight version and the held weights' fingerprint. Knobs (--set) are
-    the HF replay's (dtype, micro_batch_size, attn_implementation, ...). Schema and examples:
+    the engine's (dtype, attn_implementation, reduce_dtype for fsdp, ...). Schema and examples:
     docs/logprob-server.md.
 
     \b
     Example:
       lpx serve --model models/tiny --port 8400 --set dtype=float32
+      lpx serve --engine fsdp --nproc 2 --model models/tiny --port 8401
       curl -s localhost:8400/score -d '{"sequences": [{"prompt_ids": [1, 5], "completion_ids": [7, 9]}]}'
     """
     import uvicorn
@@ -56,7 +59,6 @@ def serve(engine, model_dir, host, port, weight_version, token_budget, max_batch
     resolved = resolve_model_dir(model_dir)
     knobs = parse_knobs(knob_pairs)
     knobs.setdefault("micro_batch_size", str(max_batch))
-    slot = ModelSlot(resolved, knobs, weight_version)
     settings = ServeSettings(
         token_budget=token_budget,
         max_batch=max_batch,
@@ -64,6 +66,15 @@ def serve(engine, model_dir, host, port, weight_version, token_budget, max_batch
         max_queue=max_queue,
         reject_when_paused=reject_when_paused,
     )
+    if engine != "hf":
+        from dataclasses import asdict
+
+        from pipeline.serve.distributed import launch
+
+        options = {"model": str(resolved), "knobs": knobs, "version": weight_version,
+                   "host": host, "port": port, "settings": asdict(settings)}  # fmt: skip
+        raise SystemExit(launch(engine, nproc, options))
+    slot = ModelSlot(resolved, knobs, weight_version)
     click.echo(
         f"lpx serve: {engine} {slot.settings.dtype} {resolved} (version {slot.version.weight_version}) "
         f"on http://{host}:{port}",
