@@ -247,18 +247,25 @@ def _scored_tokens(url) -> float:
     return float(line.split()[-1])
 
 
-def test_a_two_rank_fsdp_server_equals_hf_and_updates_on_every_rank(tiny_model, run_dir, tmp_path):
+@pytest.mark.parametrize(
+    "engine",
+    [["--engine", "fsdp"], ["--engine", "megatron", "--set", "tensor_parallel_size=2"]],
+    ids=["fsdp", "megatron-tp2"],
+)
+def test_a_two_rank_server_equals_hf_and_updates_on_every_rank(
+    engine, tiny_model, run_dir, tmp_path
+):
     fixture = read_table(run_dir / "fixture.parquet")
     replay = read_table(run_dir / "replay-float32.parquet")
     other = build_tiny_model(tmp_path / "seed1", "llama", 1)
-    with served(tiny_model, "--engine", "fsdp", "--nproc", "2", tmp_path=tmp_path) as url:
+    with served(tiny_model, *engine, "--nproc", "2", tmp_path=tmp_path) as url:
         health = call(url, "GET", "/health")[1]
-        assert health["engine"] == "fsdp" and health["status"] == "ok"
+        assert health["engine"] == engine[1] and health["status"] == "ok"
         served_replay = LogprobServerEngine().score(
             fixture, tiny_model, {"url": url, "batch_size": "5"}
         )
         d = np.abs(served_replay.channels["replay"] - replay.channels["replay"])
-        assert float(d.max()) <= 1e-5  # FSDP2 on 2 gloo ranks vs HF, fp32: measured ~1e-6
+        assert float(d.max()) <= 1e-5  # 2 gloo ranks vs HF, fp32: measured ~1e-6
         # the gathered full weights are the checkpoint's: the fingerprint HF computes too
         hf_fingerprint = tensor_fingerprint(load_model(tiny_model).state_dict().items())
         assert served_replay.metadata["weights"]["held_tensor_fingerprint"] == hf_fingerprint

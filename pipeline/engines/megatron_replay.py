@@ -52,6 +52,10 @@ class MegatronSession:
             )
         if not torch.cuda.is_available():
             _cpu_shims()
+        if parallel_state.model_parallel_is_initialized():
+            # a second session in this process (lpx serve loading a new weight version):
+            # megatron keeps its groups in globals, so they are rebuilt for it
+            parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
         from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
