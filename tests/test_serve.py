@@ -285,3 +285,19 @@ def test_a_two_rank_server_equals_hf_and_updates_on_every_rank(
             answer["results"], _local_scores(load_model(other), pairs), strict=True
         ):
             np.testing.assert_allclose(result["logprobs"], want, atol=1e-5)
+
+
+def test_serve_refuses_a_directory_that_is_no_model(tmp_path):
+    from tests.helpers import run_lpx
+
+    (tmp_path / "empty").mkdir()
+    result = run_lpx("serve", "--model", tmp_path / "empty", "--port", _unused_port())
+    assert result.exit_code == 2 and "no config.json" in result.output
+    result = run_lpx("serve", "--model", tmp_path / "missing")
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def _unused_port() -> int:
+    from pipeline.serve.process import free_port
+
+    return free_port()
