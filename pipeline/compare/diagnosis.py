@@ -506,8 +506,7 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
         # Weights, precision and prompts of the whole batch would reach the clean ones too.
         yield (_unexplained(batch, open_), open_.copy())
         return
-    weights, why_weights = _weight_like(sig, open_)
-    bias = _bias_score(sig, open_)
+    weights, why_weights, bias = _weight_like(sig, open_)
     if not weights and mean_abs <= ceiling:
         yield (
             _finding(
@@ -727,7 +726,7 @@ def _rms(batch: Batch, which: np.ndarray) -> float:
     )
 
 
-def _weight_like(sig: Signatures, which: np.ndarray) -> tuple[bool, str]:
+def _weight_like(sig: Signatures, which: np.ndarray) -> tuple[bool, str, float]:
     """Moved per sequence as one weight update moves them: most of each sequence's drifting
     tokens go one way (up for the sequences the step favoured, down for the others). A
     prompt change moves each token its own way; precision noise averages out.
@@ -739,7 +738,7 @@ def _weight_like(sig: Signatures, which: np.ndarray) -> tuple[bool, str]:
     score = _bias_score(sig, which)
     needed = 1.0 + WEIGHT_SIGN_Z * math.sqrt(2.0 / max(n, 1))
     why = f"sign test: mean z^2 {score:.2f} over {n} sequences, weights need > {needed:.2f}"
-    return score > needed, why
+    return score > needed, why, score
 
 
 def _bias_score(sig: Signatures, which: np.ndarray) -> float:

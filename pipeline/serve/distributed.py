@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.serve.model_slot import Version, _as_result, _version_of
+from pipeline.serve.model_slot import Version, as_result, version_name
 
 
 def launch(engine: str, nproc: int, serve_args: dict) -> int:
@@ -53,7 +53,7 @@ class RankZeroSlot:
     def score(self, pairs, want_prompt: bool):
         _broadcast(("score", pairs))
         scored = _score_share(self.session, pairs)
-        return [_as_result(s) for s in scored], self.version
+        return [as_result(s) for s in scored], self.version
 
     def load(self, model_dir: Path, version: str | None = None) -> Version:
         _broadcast(("load", str(model_dir), version))
@@ -99,8 +99,7 @@ def _open(engine: str, model_dir: Path, knobs: dict, version: str | None):
     held = session.metadata()["weights"]["held_tensor_fingerprint"]  # gathers: every rank
     if dist.get_rank() != 0:
         return session, None  # the full weights are gathered to rank 0 only
-    name = version or _version_of(model_dir) or held[:19]
-    return session, Version(name, held, str(model_dir))
+    return session, Version(version_name(model_dir, version, held), held, str(model_dir))
 
 
 def _score_share(session, pairs):

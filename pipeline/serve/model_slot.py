@@ -4,6 +4,7 @@ so no request ever meets a half-loaded model."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,9 @@ class ModelSlot:
     def _load(self, model_dir: Path, version: str | None):
         model = load_model(model_dir, self.settings.dtype, self.settings.attn_implementation)
         fingerprint = tensor_fingerprint(model.state_dict().items())
-        name = version or _version_of(model_dir) or fingerprint[:19]
-        return model, Version(name, fingerprint, str(model_dir))
+        return model, Version(
+            version_name(model_dir, version, fingerprint), fingerprint, str(model_dir)
+        )
 
     def load(self, model_dir: Path, version: str | None = None) -> Version:
         """Load ``model_dir`` fully, then swap it in (call while no batch is scoring)."""
@@ -59,16 +61,17 @@ class ModelSlot:
             model, version = self.model, self.version
         settings = self.settings
         if want_prompt != settings.prompt_logprobs:
-            settings = ReplayKnobs(**{**settings.__dict__, "prompt_logprobs": want_prompt})
+            settings = dataclasses.replace(settings, prompt_logprobs=want_prompt)
         scored = []
         for start in range(0, len(pairs), settings.micro_batch_size):
             scored.extend(
                 score_batch(model, pairs[start : start + settings.micro_batch_size], settings)
             )
-        return [_as_result(s) for s in scored], version
+        return [as_result(s) for s in scored], version
 
 
-def _as_result(scored) -> dict:
+def as_result(scored) -> dict:
+    """One sequence's part of a /score answer."""
     result = {"logprobs": scored.completion.astype(float).tolist()}
     if scored.prompt is not None:
         prompt = scored.prompt.astype(float)
@@ -91,8 +94,13 @@ def resolve_model_dir(path: Path) -> Path:
     return path
 
 
-def _version_of(model_dir: Path) -> str | None:
-    """A publish directory's version file, when the weights came from one."""
+def version_name(model_dir: Path, given: str | None, fingerprint: str) -> str:
+    """The name a version goes by: the one given, else the directory's WEIGHT_VERSION file
+    (a publish directory writes one), else the start of the weights' fingerprint."""
+    return given or _version_file(model_dir) or fingerprint[:19]
+
+
+def _version_file(model_dir: Path) -> str | None:
     marker = model_dir / "WEIGHT_VERSION"
     if marker.is_file():
         text = marker.read_text().strip()
