@@ -67,15 +67,21 @@ def test_every_gpu_base_is_pinned_by_tag_and_digest():
     assert unpinned == []
 
 
-def test_compose_smoke_runs_every_engine_container(docker_host, tmp_path):
-    """`docker compose run smoke`: vLLM-CPU rollout container, HF/FSDP/DeepSpeed/Megatron
-    replay containers, compare, record, report; the report and history in the bind mount."""
+@pytest.fixture(scope="module")
+def cpu_images(docker_host):
+    """lpx-base:bookworm, the wheelhouses, lpx-train:cpu and lpx-vllm:cpu, built for real
+    once per session whatever order the tests run in (Docker's cache makes reruns cheap)."""
     _run("scripts/docker-base")
     for family in ("train", "vllm"):
         if not any((ROOT / "wheelhouse" / family).glob("torch-*.whl")):
             _run("scripts/wheelhouse", family, timeout=1800)
+    _run("docker", "compose", "build", "train-image", "vllm-image", timeout=1800)
+
+
+def test_compose_smoke_runs_every_engine_container(cpu_images, tmp_path):
+    """`docker compose run smoke`: vLLM-CPU rollout container, HF/FSDP/DeepSpeed/Megatron
+    replay containers, compare, record, report; the report and history in the bind mount."""
     env = {**os.environ, "LPX_COMPOSE_OUT": str(tmp_path)}
-    _run("docker", "compose", "build", "train-image", "vllm-image", env=env, timeout=1800)
     result = _run("docker", "compose", "run", "--rm", "smoke", env=env, timeout=1200)
     assert "run: PASS" in result.stdout, result.stdout
     assert (tmp_path / "site" / "index.html").is_file()
@@ -115,13 +121,11 @@ def test_a_missing_image_names_the_stage(docker_host, tmp_path):
     assert "image 'lpx-no-such-image:0' is not on this Docker host" in result.output
 
 
-def test_a_served_rollout_runs_with_its_server_in_a_container(docker_host, tmp_path):
+def test_a_served_rollout_runs_with_its_server_in_a_container(cpu_images, tmp_path):
     """examples/smoke-http.yaml with the docker runner: `vllm serve` in its own container on
     a network of its own, the http rollout container reaching it by name."""
     from tests.helpers import run_lpx
 
-    if _run("docker", "image", "ls", "-q", "lpx-vllm:cpu").stdout.strip() == "":
-        pytest.skip("lpx-vllm:cpu is built by the compose smoke test")
     plan = ROOT / "examples" / "smoke-http.yaml"
     run_dir = tmp_path / "run"
     result = run_lpx(
@@ -142,3 +146,48 @@ def test_a_served_rollout_runs_with_its_server_in_a_container(docker_host, tmp_p
     assert stages["rollout"]["image"]["ref"] == "lpx-vllm:cpu"
     networks = _run("docker", "network", "ls", "--format", "{{.Name}}").stdout.split()
     assert not [n for n in networks if n.startswith("lpx-") and n != "lpx_default"]
+
+
+def test_compose_serve_profile_balances_replicas_with_nginx(cpu_images, run_dir, tiny_model):
+    """`docker compose --profile serve up`: two `lpx serve` containers behind the nginx
+    container, reached as one URL from the host. Both answer, with the same weights the host's
+    tiny model has, and the client's replay equals the in-process HF replay."""
+    import urllib.request
+
+    import numpy as np
+
+    from pipeline.engines.hf_common import load_model
+    from pipeline.engines.logprob_server import LogprobServerEngine
+    from pipeline.fingerprint import tensor_fingerprint
+    from pipeline.fixture.io import read_table
+    from pipeline.serve.process import free_port
+
+    port = free_port()
+    env = {**os.environ, "LPX_SERVE_PORT": str(port), "LPX_SERVE_REPLICAS": "2"}
+    compose = ("docker", "compose", "--profile", "serve")
+    try:
+        _run(*compose, "up", "-d", "--wait", "logprob-lb", env=env, timeout=600)
+        url = f"http://127.0.0.1:{port}"
+        fixture = read_table(run_dir / "fixture.parquet")
+        table = LogprobServerEngine().score(
+            fixture, tiny_model, {"url": url, "batch_size": "2", "concurrency": "4"}
+        )
+        want = read_table(run_dir / "replay-float32.parquet").channels["replay"]
+        # another torch build (the image's wheel) on the same CPU: equal to fp32 rounding
+        assert float(np.abs(table.channels["replay"] - want).max()) <= 1e-6
+        # `lpx make-model` in the container built the same bytes as the host's tiny model
+        held = tensor_fingerprint(load_model(tiny_model).state_dict().items())
+        assert table.metadata["weights"]["held_tensor_fingerprint"] == held
+        body = json.dumps({"sequences": [{"prompt_ids": [1, 5], "completion_ids": [7]}]})
+        upstreams = set()
+        for _ in range(8):
+            request = urllib.request.Request(
+                url + "/score", body.encode(), {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=60) as response:
+                upstreams.add(response.headers["X-Lpx-Upstream"])
+        assert len(upstreams) == 2, upstreams  # both replicas' container addresses
+    finally:
+        # not --volumes: that would also drop lpx-runs, the smoke's fixtures
+        _run(*compose, "down", "--remove-orphans", env=env, timeout=300)
+        _run("docker", "volume", "rm", "--force", "lpx-models")

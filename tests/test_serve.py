@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
+import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -239,6 +243,94 @@ def test_the_client_spreads_batches_over_replicas(server, tiny_model, run_dir, t
     gained = [a - b for a, b in zip(after, before, strict=True)]
     assert all(g > 0 for g in gained) and sum(gained) == len(fixture.completion_ids)
     assert table.metadata["layout"]["replicas"] == 2
+
+
+NGINX_EXAMPLE = Path(__file__).parents[1] / "examples" / "logprob-lb" / "nginx.conf"
+
+
+@pytest.fixture
+def nginx_binary() -> str:
+    binary = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
+    if binary is None:
+        message = "nginx is missing: scripts/setup installs Debian's nginx-light"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return binary
+
+
+@contextlib.contextmanager
+def behind_nginx(binary, replicas, tmp_path):
+    """examples/logprob-lb/nginx.conf with its upstream set to these replicas, in the
+    foreground on a free loopback port; yields its URL."""
+    conf = NGINX_EXAMPLE.read_text()
+    upstream = "".join(f"server {url.removeprefix('http://')};\n        " for url in replicas)
+    port = _unused_port()
+    conf = conf.replace("server logprob-server:8400;\n        ", upstream)
+    conf = conf.replace("listen 8400;", f"listen 127.0.0.1:{port};")
+    assert upstream in conf and str(port) in conf, "the example's upstream or listen line moved"
+    prefix = tmp_path / f"nginx-{port}"
+    prefix.mkdir()
+    (prefix / "nginx.conf").write_text(conf)
+    log = open(prefix / "log", "w")
+    process = subprocess.Popen(
+        [binary, "-p", str(prefix), "-e", "stderr", "-c", str(prefix / "nginx.conf")],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not _answers(url + "/health"):
+            assert process.poll() is None, (prefix / "log").read_text()
+            assert time.monotonic() < deadline, (prefix / "log").read_text()
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
+
+
+def _answers(url) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def test_replicas_behind_nginx_answer_as_one_server(
+    server, tiny_model, run_dir, tmp_path, nginx_binary
+):
+    """Scale-out with an existing load balancer: two replicas behind the example nginx
+    config equal the in-process replay bit for bit, both take work, and a replica that
+    rejects while paused (503) is skipped without the client seeing it."""
+    fixture = read_table(run_dir / "fixture.parquet")
+    replay = read_table(run_dir / "replay-float32.parquet")
+    with (
+        served(tiny_model, "--reject-when-paused", tmp_path=tmp_path) as second,
+        behind_nginx(nginx_binary, [server, second], tmp_path) as lb,
+    ):
+        before = [_scored_tokens(u) for u in (server, second)]
+        table = LogprobServerEngine().score(
+            fixture, tiny_model, {"url": lb, "batch_size": "2", "concurrency": "4"}
+        )
+        after = [_scored_tokens(u) for u in (server, second)]
+        gained = [a - b for a, b in zip(after, before, strict=True)]
+        assert all(g > 0 for g in gained), gained  # least_conn under 4 requests in flight
+        assert sum(gained) == len(fixture.completion_ids)
+        assert float(np.abs(table.channels["replay"] - replay.channels["replay"]).max()) == 0.0
+
+        body = {"sequences": [{"prompt_ids": [1, 5, 9], "completion_ids": [7, 8]}]}
+        answered_by = {call(lb, "POST", "/score", body)[2]["X-Lpx-Upstream"] for _ in range(8)}
+        assert answered_by == {server.removeprefix("http://"), second.removeprefix("http://")}
+        assert call(second, "POST", "/pause")[0] == 200
+        answers = [call(lb, "POST", "/score", body) for _ in range(8)]
+        assert [status for status, _, _ in answers] == [200] * 8
+        # the paused replica answered 503 and nginx went on to the other one
+        assert any("," in headers["X-Lpx-Upstream"] for _, _, headers in answers)
+        call(second, "POST", "/resume")
 
 
 def _scored_tokens(url) -> float:
