@@ -9,6 +9,7 @@ GPU runners.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -41,6 +42,9 @@ class SGLangGenerateStub:
         self.requests = 0
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        # server_close() then waits for handlers still running (a delayed answer): a handler
+        # thread still inside torch when the interpreter exits aborts the whole process.
+        self.server.daemon_threads = False
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def __enter__(self):
@@ -121,6 +125,7 @@ class SGLangGenerateStub:
                     self._send(503, {"error": "stub: warming up"})
                     return
                 time.sleep(stub.delay_s)
-                self._send(200, stub.generate(body))
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self._send(200, stub.generate(body))  # the client may have given up
 
         return Handler
