@@ -26,6 +26,7 @@ from pipeline.commands.run import run
 from pipeline.commands.serve import serve
 from pipeline.commands.smoke import smoke
 from pipeline.commands.sweep import sweep
+from pipeline.commands.weights import weights
 from pipeline.errors import EXIT_BAD_INPUT, BadInput, Interrupted
 from pipeline.paths import is_disk_full
 
@@ -93,6 +94,7 @@ COMMANDS = (
     ack,
     annotate,
     serve,
+    weights,
 )
 for command in COMMANDS:
     cli.add_command(command)

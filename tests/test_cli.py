@@ -27,6 +27,11 @@ COMMANDS = [
     ["gate"],
     ["ack"],
     ["annotate"],
+    ["weights"],
+    ["weights", "publish"],
+    ["weights", "pull"],
+    ["weights", "ls"],
+    ["weights", "hot-load"],
 ]
 
 

@@ -1,0 +1,1 @@
+"""The weight-version store: publish, pull and list policy weight versions."""
