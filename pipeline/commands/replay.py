@@ -23,6 +23,20 @@ from pipeline.commands.options import (
     type=click.Path(file_okay=False, path_type=Path),
     help="Model directory [default: the one recorded in the fixture].",
 )
+@click.option(
+    "--weights-store",
+    "weights_store",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Score each completion token under the weight version the fixture records for it, "
+    "loading every needed version from this store (lpx weights publish) once.",
+)
+@click.option(
+    "--check-claims/--no-check-claims",
+    default=True,
+    show_default=True,
+    help="With --weights-store: also score each sequence under the versions next to the ones "
+    "it claims, so compare can name a fleet that served another version than it claims.",
+)
 @click.option("--out", "out_path", required=True, type=OUTPUT_FILE)
 @click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16.")
 @click.option("--micro-batch-size", type=COUNT, default=8, show_default=True)
@@ -46,6 +60,8 @@ def replay(
     fixture_path,
     engine,
     model_dir,
+    weights_store,
+    check_claims,
     out_path,
     dtype,
     micro_batch_size,
@@ -68,6 +84,8 @@ def replay(
           --set padding_side=left --out run/replay-bf16.parquet
       lpx replay run/fixture.parquet --engine megatron --nproc 2 \\
           --set tensor_parallel_size=2 --out run/replay-megatron-tp2.parquet
+      lpx replay run/fixture.parquet --weights-store /shared/weights \\
+          --out run/replay-by-version.parquet
     """
     from pipeline.paths import check_output
 
@@ -79,10 +97,18 @@ def replay(
     from pipeline.fixture.io import read_table, validate_table, write_table
 
     fixture = read_table(fixture_path, expect_kind="fixture")
+    if weights_store is not None:
+        if model_dir is not None:
+            raise BadInput(
+                "--model and --weights-store both name the weights; pass one: the store "
+                "gives each token its own version."
+            )
+        model_dir = weights_store
     model_dir = model_dir or (fixture.metadata.get("model") or {}).get("path")
     if not model_dir:
         raise BadInput(f"{fixture_path}: records no model path; pass --model DIR.")
-    check_model_dir(model_dir)
+    if weights_store is None:
+        check_model_dir(model_dir)
     validate_table(fixture, fixture_path, (fixture.metadata.get("model") or {}).get("vocab_size"))
     knobs = {
         "dtype": dtype,
@@ -94,6 +120,11 @@ def replay(
     scorer = scoring_engine(engine)
     if isinstance(scorer, DistributedScoringEngine):
         if under_launcher():  # started by the user's torchrun/deepspeed: this is one rank
+            if weights_store is not None:
+                raise BadInput(
+                    "--weights-store starts one launch per version itself; run it without "
+                    "torchrun, with --nproc."
+                )
             run_worker(engine, fixture_path, Path(model_dir), out_path, knobs)
             if os.environ.get("RANK") == "0":
                 click.echo(f"{engine} replay -> {out_path}")
@@ -103,7 +134,21 @@ def replay(
         raise BadInput(
             f"engine {engine!r} is not distributed; --nproc applies to fsdp, deepspeed, megatron."
         )
-    table = scorer.score(fixture, Path(model_dir), knobs)
+    if weights_store is not None:
+        from pipeline.weights.multi_version import missing_summary, replay_by_version
+
+        table = replay_by_version(
+            fixture,
+            weights_store,
+            lambda sub, version_dir: scorer.score(sub, version_dir, knobs),
+            check_claims=check_claims,
+            say=lambda line: click.echo(f"{engine} replay, {line}", err=True),
+        )
+        warning = missing_summary(table)
+        if warning:
+            click.echo(f"warning: {warning}", err=True)
+    else:
+        table = scorer.score(fixture, Path(model_dir), knobs)
     write_table(table, out_path)
     click.echo(
         f"{engine} replay ({table.metadata.get('dtype')}): {table.num_sequences} sequences, "

@@ -10,6 +10,7 @@ import numpy as np
 from pipeline.errors import BadInput
 from pipeline.fixture.table import (
     REPLAY_CHANNEL,
+    VERSION_CHANNEL_PREFIX,
     TokenTable,
     offsets_from_lengths,
     positions_within,
@@ -39,6 +40,10 @@ class Aligned:
     # Most likely token per compared completion position on each side, when both recorded it.
     top1_rollout: np.ndarray | None = None
     top1_train: np.ndarray | None = None
+    # A multi-version replay: the train side under each store version it scored (NaN where
+    # it did not score that token), and how many tokens it left unscored (version missing).
+    version_channels: dict[str, np.ndarray] | None = None
+    unscored_tokens: int = 0
 
 
 def align(
@@ -67,6 +72,12 @@ def align(
     _same_tokens(fixture, "prompt", replay.prompt_ids[prompt_index], replay_path)
     _same_tokens(fixture, "completion", replay.completion_ids[completion_index], replay_path)
     active = fixture.completion_mask
+    unscored = 0
+    if (replay.metadata.get("weights_store") or {}).get("unscored_tokens"):
+        # their recorded version is not in the store: the replay masked them and says so
+        scored = replay.completion_mask[completion_index]
+        unscored = int((active & ~scored).sum())
+        active = active & scored
     active_offsets = offsets_from_lengths(_segment_count(active, fixture.completion_offsets))
     completion = Region(
         offsets=active_offsets,
@@ -97,6 +108,13 @@ def align(
         else fixture.weight_versions[active],
         top1_rollout=fixture.top_ids[active, 0] if both_top else None,
         top1_train=replay.top_ids[completion_index][active, 0] if both_top else None,
+        version_channels={
+            name[len(VERSION_CHANNEL_PREFIX) :]: values[completion_index][active]
+            for name, values in replay.channels.items()
+            if name.startswith(VERSION_CHANNEL_PREFIX)
+        }
+        or None,
+        unscored_tokens=unscored,
     )
 
 

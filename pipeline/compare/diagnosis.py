@@ -26,6 +26,7 @@ from functools import cached_property
 
 import numpy as np
 
+from pipeline.compare.claims import misclaimed_versions
 from pipeline.compare.signatures import Signatures, segment_sum, signatures
 
 FAULT_CAUSES = (
@@ -38,6 +39,8 @@ FAULT_CAUSES = (
     "top_p",
     "stale_weights",
     "version_change",
+    "claimed_version",
+    "missing_version",
 )
 KNOWN_CAUSES = (*FAULT_CAUSES, "dtype", "unexplained")  # what a policy's fail_on_findings may name
 EXPLAINS = 0.75  # fraction of a sequence's drifting tokens a signature must explain
@@ -270,6 +273,42 @@ def precision_rounding_rule(batch: Batch, open_: np.ndarray):
                     rounded,
                 )
                 open_ = open_ & ~rounded
+
+
+def claimed_version_rule(batch: Batch, open_: np.ndarray):
+    """A multi-version replay scored sequences under the store's versions next to the ones
+    they claim: tokens far closer to another version than to their own were served by it."""
+    channels = batch.context.get("version_channels")
+    if not channels or batch.versions is None:
+        return
+    misclaims = misclaimed_versions(
+        batch.versions, batch.train, batch.rollout, batch.offsets, channels
+    )
+    for misclaim in misclaims:
+        claimed = np.zeros(len(batch.ids), dtype=bool)
+        claimed[misclaim.sequences] = True
+        if not (claimed & open_).any():
+            continue  # within tolerance: the claim is wrong, yet nothing drifts to explain
+        yield (
+            _finding(
+                batch,
+                "claimed_version",
+                claimed,
+                f"{misclaim.tokens} tokens in {int(claimed.sum())} sequences claim weight "
+                f"version {misclaim.claimed} but match version {misclaim.served}: mean |d| "
+                f"{misclaim.mean_abs_claimed:.3g} under the claimed version vs "
+                f"{misclaim.mean_abs_served:.3g} under {misclaim.served}; the fleet served "
+                f"{misclaim.served} while tagging {misclaim.claimed} (check its weight sync)",
+                details={
+                    "claimed": misclaim.claimed,
+                    "served": misclaim.served,
+                    "tokens": misclaim.tokens,
+                    "mean_abs_diff_claimed": misclaim.mean_abs_claimed,
+                    "mean_abs_diff_served": misclaim.mean_abs_served,
+                },
+            ),
+            claimed,
+        )
 
 
 def weight_version_rule(batch: Batch, open_: np.ndarray):
@@ -630,6 +669,7 @@ RULES = (
     constant_fill_rule,
     label_shift_rule,
     precision_rounding_rule,
+    claimed_version_rule,
     weight_version_rule,
     sampling_rule,
     onset_rule,

@@ -75,6 +75,21 @@ def render_summary(report: dict) -> str:
             lines.append(
                 f"| {name} | {_fmt(metrics[name])} | {'' if limit is None else _fmt(limit)} |"
             )
+    by_version = metrics.get("by_weight_version") or {}
+    if len(by_version) > 1 or (report["metadata"]["replay"].get("weights_store") and by_version):
+        lines += [
+            "",
+            "## Drift per weight version",
+            "",
+            "| version | sequences | tokens | max abs diff | mean abs diff | k3 |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {_md(name)} | {row['sequences']} | {row['tokens']} | "
+            f"{_fmt(row.get('max_abs_diff'))} | {_fmt(row.get('mean_abs_diff'))} | "
+            f"{_fmt(row.get('k3'))} |"
+            for name, row in by_version.items()
+        ]
     if policy.get("not_measured"):
         lines += [
             "",

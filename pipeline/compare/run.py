@@ -116,6 +116,7 @@ def compare_tables(
         held_tensors=held.get("held_tensor_fingerprint"),
     )
     context["weights_differ"] = weights_evidence(context) is not None
+    context["version_channels"] = aligned.version_channels
     context.update(_lengths(fixture, aligned))
     region = aligned.completion
     findings = diagnose_region(
@@ -128,7 +129,7 @@ def compare_tables(
         tau,
         context,
     )
-    findings = [f.as_dict() for f in findings]
+    findings = [f.as_dict() for f in findings] + _missing_versions(replay, aligned)
     judgement = judge(policy, profile, metrics, findings)
     report = {
         "verdict": judgement["verdict"],
@@ -136,6 +137,7 @@ def compare_tables(
         "metrics": {
             **metrics,
             "by_region": by_region,
+            **_by_weight_version(aligned, tau),
             "kl_input_drift": kl_input_drift(
                 completion.train, completion.rollout, aligned.kl_channels
             ),
@@ -158,6 +160,55 @@ def compare_tables(
         },
     }
     return Comparison(report, aligned, tau)
+
+
+PER_VERSION_METRICS = ("tokens", "max_abs_diff", "mean_abs_diff", "p99_abs_diff", "k3")
+
+
+def _by_weight_version(aligned: Aligned, tau: float) -> dict:
+    """Drift per recorded weight version: a replay that scored each token under its own
+    version is clean per version; a stale or misclaimed one shows which version drifts."""
+    versions = aligned.weight_versions
+    if versions is None or len(versions) == 0:
+        return {}
+    region = aligned.completion
+    names = np.asarray([str(v) for v in versions], dtype=object)
+    seq = np.repeat(np.arange(len(region.offsets) - 1), np.diff(region.offsets))
+    rows = {}
+    for name in sorted(set(names.tolist())):
+        mine = names == name
+        metrics = batch_metrics(region.train[mine], region.rollout[mine], tau)
+        rows[name] = {
+            **{key: metrics[key] for key in PER_VERSION_METRICS if key in metrics},
+            "sequences": int(len(np.unique(seq[mine]))),
+        }
+    return {"by_weight_version": rows}
+
+
+def _missing_versions(replay: TokenTable, aligned: Aligned) -> list[dict]:
+    """A finding for tokens a multi-version replay could not score: their version is not in
+    the store, so nothing vouches for them (never scored with another version)."""
+    store = replay.metadata.get("weights_store") or {}
+    if not aligned.unscored_tokens:
+        return []
+    missing = store.get("missing") or {}
+    named = ", ".join(f"{v} ({n} tokens)" for v, n in missing.items())
+    return [
+        {
+            "cause": "missing_version",
+            "sequences": [],
+            "first_position": {},
+            "evidence": (
+                f"{aligned.unscored_tokens} completion tokens were not compared: their weight "
+                f"versions are not in the store {store.get('path')} ({named}); publish them or "
+                "retain more versions (lpx weights publish --keep)"
+            ),
+            "severity": "fault",
+            "details": {"missing": missing, "unscored_tokens": aligned.unscored_tokens},
+            "confidence": 1.0,
+            "runner_up": None,
+        }
+    ]
 
 
 def prompt_set_fingerprint(table: TokenTable) -> str:
@@ -220,7 +271,13 @@ def _lengths(fixture: TokenTable, aligned: Aligned) -> dict:
 def _diagnosis_context(fixture_meta: dict, replay_meta: dict, aligned: Aligned, dtypes) -> dict:
     context = {"low_precision_dtype": profile_for(dtypes), "sampling": fixture_meta.get("sampling")}
     reference = replay_meta.get("weight_version")
-    if reference is None and aligned.weight_versions is not None and len(aligned.weight_versions):
+    multi_version = replay_meta.get("weights_store") is not None  # each token its own version
+    if (
+        reference is None
+        and not multi_version
+        and aligned.weight_versions is not None
+        and len(aligned.weight_versions)
+    ):
         reference = Counter(aligned.weight_versions.tolist()).most_common(1)[0][0]
     context["reference_weight_version"] = reference
     sampling = fixture_meta.get("sampling") or {}
