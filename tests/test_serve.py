@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from pipeline.engines.hf_common import load_model
-from pipeline.engines.hf_replay import ReplayKnobs, score_batch
+from pipeline.engines.hf_replay import HFScoringEngine, ReplayKnobs, score_batch
 from pipeline.engines.logprob_server import LogprobServerEngine
 from pipeline.fingerprint import tensor_fingerprint
 from pipeline.fixture.io import read_table
@@ -377,6 +377,42 @@ def test_a_two_rank_server_equals_hf_and_updates_on_every_rank(
             answer["results"], _local_scores(load_model(other), pairs), strict=True
         ):
             np.testing.assert_allclose(result["logprobs"], want, atol=1e-5)
+
+
+def test_serve_from_a_weight_store_scores_each_version_it_loads(run_dir, tiny_model, tmp_path):
+    """`lpx serve --model STORE` serves the store's latest; /update_weights {"path": STORE,
+    "version": V} pulls, verifies and loads V. Each version's answers equal the in-process
+    HF replay of that version's weights bit for bit, and carry its name."""
+    from pipeline.weights.store import publish
+
+    other = build_tiny_model(tmp_path / "seed1", "llama", 1)
+    store = tmp_path / "store"
+    publish(tiny_model, store)  # version 1
+    publish(other, store, delta=True)  # version 2: every tensor differs, so stored full
+    fixture = read_table(run_dir / "fixture.parquet")
+    in_process = {
+        "1": read_table(run_dir / "replay-float32.parquet").channels["replay"],
+        "2": HFScoringEngine().score(fixture, other, {}).channels["replay"],
+    }
+    engine = LogprobServerEngine()
+    with served(store, tmp_path=tmp_path) as url:
+        assert call(url, "GET", "/health")[1]["weight_version"] == "2"
+        for version in ("2", "1", "2"):
+            if version != call(url, "GET", "/health")[1]["weight_version"]:
+                status, update, _ = call(
+                    url, "POST", "/update_weights", {"path": str(store), "version": version}
+                )
+                assert status == 200 and update["weight_version"] == version, update
+            scored = engine.score(fixture, tiny_model, {"url": url})
+            assert scored.metadata["weight_version"] == version
+            d = np.abs(scored.channels["replay"] - in_process[version])
+            assert float(d.max()) == 0.0, version
+        assert float(np.abs(in_process["1"] - in_process["2"]).max()) > 0.1  # they differ
+        status, answer, _ = call(
+            url, "POST", "/update_weights", {"path": str(store), "version": "7"}
+        )
+        assert status == 400 and "7" in answer["error"]
+        assert call(url, "GET", "/health")[1]["weight_version"] == "2"
 
 
 def test_serve_refuses_a_directory_that_is_no_model(tmp_path):

@@ -2,7 +2,8 @@
 
 Nothing is known of the fleet but its URL, so everything it reports is recorded per
 trajectory: token ids, the sampled token's logprob, finish reason, and the weight version
-(SGLang), per token where a trajectory straddles a weight update. A trajectory that was
+(SGLang per token, where a trajectory straddles a weight update; vLLM per request, read from
+its RL endpoint GET /weight_info before and after, "unknown" when an update fell between). A trajectory that was
 aborted or failed is kept and marked (finish_reason ``abort`` / ``error``), never dropped.
 """
 
@@ -71,6 +72,7 @@ class HTTPRolloutEngine:
         settings = HTTPKnobs.from_dict(knobs)
         client = _Client(settings)
         server = client.server_info()
+        client.track_versions = settings.api == "openai" and client.reads_weight_versions()
         model_name = settings.model or (client.first_model() if settings.api == "openai" else "")
         work = trajectories(prompts, sampling)
         generate = (
@@ -135,6 +137,21 @@ class _Client:
     def __init__(self, settings: HTTPKnobs):
         self.settings = settings
         self.base = settings.url.rstrip("/")
+        self.track_versions = False
+
+    def reads_weight_versions(self) -> bool:
+        """Whether GET /weight_info answers (vLLM's RL endpoints, VLLM_SERVER_DEV_MODE=1)."""
+        try:
+            return isinstance(self._request("GET", "/weight_info", retries=0), dict)
+        except BadInput:
+            return False
+
+    def weight_version(self) -> str:
+        try:
+            version = self._request("GET", "/weight_info").get("weight_version")
+        except (BadInput, AttributeError):
+            return "unknown"
+        return "unknown" if version is None else str(version)
 
     def server_info(self) -> dict:
         """What the server says about itself (version), best effort."""
@@ -171,7 +188,9 @@ class _Client:
             body["top_k"] = sampling.top_k
         trajectory = Trajectory()
         try:
+            before = self.weight_version() if self.track_versions else None
             choice = self._request("POST", "/v1/completions", body)["choices"][0]
+            after = self.weight_version() if self.track_versions else None
             logprobs = choice.get("logprobs") or {}
             trajectory.tokens = [_token_id(t) for t in logprobs.get("tokens", [])]
             trajectory.logprobs = [float(v) for v in logprobs.get("token_logprobs", [])]
@@ -182,6 +201,10 @@ class _Client:
             ]
             trajectory.finish_reason = str(choice.get("finish_reason") or "unknown")
             trajectory.requests = 1
+            if self.track_versions:
+                # an update between the two reads: which version sampled is not known
+                version = before if before == after else "unknown"
+                trajectory.weight_versions = [version] * len(trajectory.tokens)
         except (KeyError, IndexError, TypeError, ValueError) as error:
             trajectory.error, trajectory.finish_reason = (
                 f"unexpected response shape: {error}",

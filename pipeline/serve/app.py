@@ -155,7 +155,8 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
     @app.post("/update_weights")
     async def update_weights(body: UpdateRequest):
         try:
-            path = resolve_model_dir(Path(body.path))
+            # a store's version is pulled and verified before pausing: scoring goes on meanwhile
+            path = await asyncio.to_thread(resolve_model_dir, Path(body.path), body.version)
         except BadInput as bad:
             return error(400, str(bad))
         scheduler: BatchScheduler = state["scheduler"]

@@ -79,8 +79,14 @@ def as_result(scored) -> dict:
     return result
 
 
-def resolve_model_dir(path: Path) -> Path:
-    """A model directory, or the one a publish directory's ``latest`` names."""
+def resolve_model_dir(path: Path, store_version: str | None = None) -> Path:
+    """A model directory; a weight store's version (``store_version``, else `latest`), pulled
+    and verified into the local cache; or the directory a publish directory's ``latest``
+    names."""
+    from pipeline.weights.store import is_store, latest_name, materialize
+
+    if is_store(path):
+        return materialize(path, store_version or latest_name(path))
     latest = path / "latest"
     if latest.is_symlink() or latest.is_dir():
         path = latest.resolve()
@@ -88,8 +94,8 @@ def resolve_model_dir(path: Path) -> Path:
         path = path / latest.read_text().strip()
     if not (path / "config.json").is_file():
         raise BadInput(
-            f"{path}: not a model directory (no config.json), nor a publish directory whose "
-            "`latest` names one"
+            f"{path}: not a model directory (no config.json), nor a weight store or publish "
+            "directory whose `latest` names one"
         )
     return path
 
