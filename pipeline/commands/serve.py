@@ -16,7 +16,8 @@ ENGINES = ("hf", "fsdp", "megatron")
     "model_dir",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     required=True,
-    help="Model directory, or a publish directory holding `latest`.",
+    help="Model directory; a weight store (lpx weights publish): its latest, pulled and "
+    "verified; or a publish directory holding `latest`.",
 )
 @click.option("--nproc", type=click.IntRange(1), default=1, show_default=True,
               help="Ranks of a distributed engine (fsdp, megatron), behind one endpoint.")  # fmt: skip
