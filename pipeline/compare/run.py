@@ -188,11 +188,12 @@ def _by_weight_version(aligned: Aligned, tau: float) -> dict:
 def _missing_versions(replay: TokenTable, aligned: Aligned) -> list[dict]:
     """A finding for tokens a multi-version replay could not score: their version is not in
     the store, so nothing vouches for them (never scored with another version)."""
-    store = replay.metadata.get("weights_store") or {}
+    from pipeline.weights.multi_version import named_counts
+
     if not aligned.unscored_tokens:
         return []
+    store = replay.metadata.get("weights_store") or {}
     missing = store.get("missing") or {}
-    named = ", ".join(f"{v} ({n} tokens)" for v, n in missing.items())
     return [
         {
             "cause": "missing_version",
@@ -200,7 +201,7 @@ def _missing_versions(replay: TokenTable, aligned: Aligned) -> list[dict]:
             "first_position": {},
             "evidence": (
                 f"{aligned.unscored_tokens} completion tokens were not compared: their weight "
-                f"versions are not in the store {store.get('path')} ({named}); publish them or "
+                f"versions are not in the store {store.get('path')} ({named_counts(missing)}); publish them or "
                 "retain more versions (lpx weights publish --keep)"
             ),
             "severity": "fault",

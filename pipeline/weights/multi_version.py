@@ -109,7 +109,7 @@ def replay_by_version(
     if not plan.sequences_by_version:
         raise BadInput(
             f"{store}: holds none of the weight versions the fixture records "
-            f"({_named(plan.missing)}); the store has {', '.join(store_versions) or 'nothing'}."
+            f"({named_counts(plan.missing)}); the store has {', '.join(store_versions) or 'nothing'}."
         )
     index = fixture.index_of()
     total = fixture.num_completion_tokens
@@ -212,7 +212,8 @@ def _prompts_of_first_version(fixture, claimed, prompt_by_version) -> np.ndarray
     return out
 
 
-def _named(missing: dict[str, int]) -> str:
+def named_counts(missing: dict[str, int]) -> str:
+    """Missing versions and their token counts, as in `4 (12 tokens), 7 (3 tokens)`."""
     return ", ".join(f"{name} ({tokens} tokens)" for name, tokens in missing.items())
 
 
@@ -223,7 +224,7 @@ def missing_summary(table: TokenTable) -> str | None:
         return None
     return (
         f"{store['unscored_tokens']} completion tokens were left unscored: their weight "
-        f"versions are not in {store['path']} ({_named(store['missing'])}). Publish those "
+        f"versions are not in {store['path']} ({named_counts(store['missing'])}). Publish those "
         "versions or retain more (lpx weights publish --keep); compare masks these tokens "
         "and reports them."
     )
