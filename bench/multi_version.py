@@ -111,8 +111,10 @@ def main() -> int:
             return engine.score(sub, model_dir, knobs)
 
         start = time.perf_counter()
-        replay_by_version(fixture, store, score, check_claims=False)
+        by_version = replay_by_version(fixture, store, score, check_claims=False)
         cold = time.perf_counter() - start
+        # a rollout that really came from the two versions: the clean input for compare
+        fixture.channels = {"rollout": by_version.channels["replay"]}
         single = best_of(args.repeats, lambda: engine.score(fixture, v1, knobs))
         print(f"single-version replay: {single:.2f} s ({tokens / single:,.0f} tokens/s)")
         for check_claims in (False, True):
@@ -127,7 +129,50 @@ def main() -> int:
                 f"{'met' if ratio <= TARGET_RATIO else 'NOT met'})"
             )
         print(f"first multi-version replay, pulling both versions into the cache: {cold:.2f} s")
+        commands(root, fixture, v1, store, args.repeats)
     return 0
+
+
+def commands(root: Path, fixture, v1: Path, store: Path, repeats: int) -> None:
+    """The whole user-facing commands (Python start, Parquet in and out, model loads):
+    `lpx replay` with one --model vs with --weights-store, then `lpx compare` of each (the
+    single-version one drifts on every version-1 token: the failing input; the
+    multi-version one is clean)."""
+    import subprocess
+
+    from pipeline.fixture.io import write_table
+
+    lpx = [sys.executable, "-m", "pipeline"]
+    path = write_table(fixture, root / "fixture.parquet")
+    common = ["--micro-batch-size", "16"]
+
+    def run(*args):
+        subprocess.run([*lpx, *map(str, args)], check=True, capture_output=True)
+
+    single = best_of(
+        repeats, lambda: run("replay", path, "--model", v1, *common, "--out", root / "one.parquet")
+    )
+    multi = best_of(
+        repeats,
+        lambda: run(
+            "replay", path, "--weights-store", store, *common, "--out", root / "multi.parquet"
+        ),
+    )
+    ratio = multi / single
+    print(
+        f"lpx replay command: --model {single:.2f} s, --weights-store {multi:.2f} s = "
+        f"{ratio:.2f}x (target <= {TARGET_RATIO}x: {'met' if ratio <= TARGET_RATIO else 'NOT met'})"
+    )
+    for name in ("one", "multi"):
+        out = root / f"cmp-{name}"
+        compare = [*lpx, "compare", str(path), str(root / f"{name}.parquet"), "--out", str(out)]
+        start = time.perf_counter()
+        done = subprocess.run([*compare, "--allow-weight-mismatch"], capture_output=True)
+        verdict = done.stdout.decode().strip().splitlines()[-1] if done.stdout else ""
+        print(
+            f"lpx compare of the {'single' if name == 'one' else 'multi'}-version replay: "
+            f"{time.perf_counter() - start:.2f} s, exit {done.returncode} ({verdict})"
+        )
 
 
 if __name__ == "__main__":
