@@ -142,7 +142,40 @@ def main() -> int:
             + ("yes" if all(scaling) else "NO")
             + f" (within {SCALING_TOLERANCE:.0%} of the changed tensors' bytes at 1 % and 10 %)"
         )
+        print()
+        commands(root, models[:2])
     return 0
+
+
+def commands(root: Path, models: list[Path]) -> None:
+    """The whole user-facing commands (Python start included): lpx weights publish (full,
+    then a 1 % delta), pull, ls, and a pull of a tampered version, which must exit 2."""
+    import subprocess
+
+    store, lpx = root / "store-cli", [sys.executable, "-m", "pipeline", "weights"]
+
+    def timed(*args) -> tuple[float, int]:
+        started = time.perf_counter()
+        done = subprocess.run([*lpx, *map(str, args)], capture_output=True)
+        return time.perf_counter() - started, done.returncode
+
+    steps = [
+        ("publish (full)", ("publish", models[0], "--to", store)),
+        ("publish --delta (1 % step)", ("publish", models[1], "--to", store, "--delta")),
+        ("pull latest (through the chain)", ("pull", store, "--into", root / "cli-pull")),
+        ("ls", ("ls", store)),
+    ]
+    for label, args in steps:
+        seconds, code = timed(*args)
+        print(f"lpx weights {label}: {seconds:.2f} s, exit {code}")
+    tensors = store / "versions" / "1" / "tensors.safetensors"
+    with open(tensors, "r+b") as damaged:  # one byte of a tensor flipped, past the header
+        damaged.seek(tensors.stat().st_size // 2)
+        byte = damaged.read(1)
+        damaged.seek(-1, 1)
+        damaged.write(bytes([byte[0] ^ 0xFF]))
+    seconds, code = timed("pull", store, "--version", "2", "--into", root / "cli-bad")
+    print(f"lpx weights pull of a tampered version: {seconds:.2f} s, exit {code} (want 2)")
 
 
 def _tensor_names(model_dir: Path) -> list[str]:
