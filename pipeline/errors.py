@@ -22,6 +22,10 @@ class EngineNotInstalled(BadInput):
     """An engine adapter whose Python packages are missing."""
 
 
+class DeviceOutOfMemory(BadInput):
+    """The GPU ran out of memory; the message names where and what to lower."""
+
+
 class Interrupted(BaseException):
     """SIGINT/SIGTERM: not an Exception, so no handler mistakes it for a failure to record,
     and click does not turn it into "Aborted!" with exit 1 (1 means "regression")."""

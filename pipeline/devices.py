@@ -1,0 +1,234 @@
+"""Where a model runs: ``--device auto|cpu|cuda|cuda:N`` resolved against what this process
+sees, and the hardware a result was computed on.
+
+The one module that names CUDA. Engines ask it for their torch device, the collective
+backend of their ranks, the TF32 setting and a hardware report for their metadata (GPU,
+compute capability, CUDA, cuDNN, NCCL, driver), so the history sees a GPU or driver change.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from pipeline.errors import BadInput, DeviceOutOfMemory
+
+CHOICES = "auto, cpu, cuda or cuda:N"
+_SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
+
+
+def parse_device(spec: str, option: str = "--device") -> str:
+    """The spec, checked for syntax only (no torch import): auto, cpu, cuda or cuda:N."""
+    text = str(spec).strip().lower()
+    match = _SPEC.match(text)
+    if not match or (match.group(2) is not None and match.group(1) != "cuda"):
+        raise BadInput(f"{option} {spec!r}: expected {CHOICES}.")
+    return text
+
+
+def resolve_device(spec: str = "auto", option: str = "--device") -> str:
+    """``cpu`` or ``cuda:N`` for a spec: auto is CUDA when a CUDA device is visible.
+
+    Under torchrun a bare ``cuda`` is this rank's GPU (LOCAL_RANK); CUDA_VISIBLE_DEVICES
+    is respected because torch numbers only the devices it leaves visible.
+    """
+    text = parse_device(spec, option)
+    if text == "cpu":
+        return "cpu"
+    visible = visible_gpus()
+    if text == "auto":
+        return f"cuda:{_local_rank()}" if visible else "cpu"
+    if not visible:
+        raise BadInput(
+            f"{option} {spec}: no CUDA device is visible here ({_why_no_cuda()}); "
+            "use --device cpu, or run on a GPU host."
+        )
+    index = int(text.split(":")[1]) if ":" in text else _local_rank()
+    if index >= visible:
+        raise BadInput(
+            f"{option} {spec}: only {visible} CUDA device(s) are visible"
+            f"{_visible_note()}; use cuda:0 to cuda:{visible - 1}."
+        )
+    return f"cuda:{index}"
+
+
+def device_kind(device: str) -> str:
+    """cpu or cuda: what a layout records (which GPU index is not part of a case)."""
+    return "cuda" if str(device).startswith("cuda") else "cpu"
+
+
+def is_cuda(device) -> bool:
+    return device_kind(str(device)) == "cuda"
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_ranks(nproc: int, device: str, option: str = "--nproc") -> None:
+    """One rank per GPU: NCCL refuses two ranks on one device, so say so before launching."""
+    if not is_cuda(device):
+        return
+    visible = visible_gpus()
+    if nproc > visible:
+        raise BadInput(
+            f"{option} {nproc}: only {visible} CUDA device(s) are visible{_visible_note()}, "
+            f"and each rank needs its own; lower {option} to {visible}, or score on the CPU "
+            "with --device cpu."
+        )
+
+
+def physical_gpu(index: int) -> str:
+    """The CUDA_VISIBLE_DEVICES entry for torch's device ``index`` (pins one GPU for a child)."""
+    listed = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return listed[index] if index < len(listed) else str(index)
+
+
+def rank_device(kind: str) -> str:
+    """This torchrun rank's device: its own GPU (LOCAL_RANK, made current) or the CPU."""
+    if device_kind(kind) != "cuda":
+        return "cpu"
+    import torch
+
+    index = _local_rank()
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+def cpu_stands_in_for_cuda() -> None:
+    """megatron-core hard-wires CUDA in a few places that scoring on a CPU reaches (RoPE
+    moves its frequencies to `torch.cuda.current_device()`): point those at the CPU. For a
+    process that scores on the CPU only."""
+    import torch
+
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def collective_backend(device: str) -> str:
+    return "nccl" if is_cuda(device) else "gloo"
+
+
+def set_tf32(device: str, allowed: bool) -> dict:
+    """TF32 matmuls and convolutions on (``allowed``) or off, read back for the metadata.
+
+    Off by default: an fp32 replay must be IEEE fp32, and a library imported earlier may
+    have turned TF32 on. On the CPU there is nothing to set.
+    """
+    if not is_cuda(device):
+        return {"allow_tf32": False, "matmul_precision": "highest"}
+    import torch
+
+    torch.set_float32_matmul_precision("high" if allowed else "highest")
+    torch.backends.cudnn.allow_tf32 = allowed
+    return {
+        "allow_tf32": torch.get_float32_matmul_precision() != "highest",
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+    }
+
+
+def hardware(device: str) -> dict:
+    """What scored: the device, and for a GPU its name, compute capability, memory, the CUDA,
+    cuDNN and NCCL versions torch runs with, and the driver."""
+    if not is_cuda(device):
+        from pipeline.testbed import cpu_model
+
+        return {"device": "cpu", "name": cpu_model(), "cpu_count": os.cpu_count()}
+    import torch
+
+    index = torch.device(device).index or 0
+    properties = torch.cuda.get_device_properties(index)
+    return {
+        "device": f"cuda:{index}",
+        "name": properties.name,
+        "compute_capability": f"{properties.major}.{properties.minor}",
+        "memory_gib": round(properties.total_memory / 2**30, 1),
+        "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        **cuda_stack(),
+    }
+
+
+def cuda_stack() -> dict:
+    """CUDA, cuDNN and NCCL as torch runs them, and the driver: the versions the history's
+    attribution lists when they change between nights."""
+    import torch
+
+    from pipeline.testbed import nvidia_gpus
+
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    try:
+        nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):
+        nccl = None
+    gpus = nvidia_gpus()
+    return {
+        "cuda": torch.version.cuda,
+        "cudnn": str(cudnn) if cudnn else None,
+        "nccl": nccl,
+        "driver": gpus[0]["driver"] if gpus else None,
+    }
+
+
+def stack_versions(device: str) -> dict:
+    """The CUDA stack for an engine's ``versions`` (empty on the CPU)."""
+    return cuda_stack() if is_cuda(device) else {}
+
+
+def to_host_later(tensor):
+    """(a host copy of ``tensor``, a function to call before reading it). On a GPU the copy
+    is queued behind the work that makes the tensor, so the host can go on launching."""
+    if not is_cuda(tensor.device):
+        return tensor.cpu(), lambda: None
+    import torch
+
+    host = tensor.to("cpu", non_blocking=True)  # into pinned memory, in stream order
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied.synchronize
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or "CUDA out of memory" in str(error)
+
+
+def release_memory(device: str) -> None:
+    """Hand cached blocks back after an out-of-memory error, so the process can go on."""
+    if is_cuda(device):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def out_of_memory(device: str, where: str, lower: str) -> DeviceOutOfMemory:
+    """The exit-2 error for a CUDA out-of-memory: where it happened and what to lower."""
+    free = ""
+    if is_cuda(device):
+        import torch
+
+        total = torch.cuda.get_device_properties(torch.device(device).index or 0).total_memory
+        free = f" ({total / 2**30:.0f} GiB device)"
+    return DeviceOutOfMemory(f"CUDA out of memory on {device}{free} at {where}; lower {lower}.")
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+def _visible_note() -> str:
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f" (CUDA_VISIBLE_DEVICES={listed})" if listed is not None else ""
+
+
+def _why_no_cuda() -> str:
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None and not listed.strip():
+        return "CUDA_VISIBLE_DEVICES is empty"
+    return "no GPU or driver found"
