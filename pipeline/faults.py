@@ -141,7 +141,8 @@ def _single(
         inputs["position_ids"] = torch.as_tensor(positions, dtype=torch.long)[None]
     # The hidden state at t predicts token t + 1; label_shift reads the one at t instead.
     columns = np.arange(len(prompt) - 1, len(ids) - 1) + (1 if label_shift else 0)
-    hidden = model.base_model(**inputs).last_hidden_state[0, torch.from_numpy(columns)]
+    hidden = model.base_model(**_on_device(model, inputs)).last_hidden_state[0]
+    hidden = hidden[torch.from_numpy(columns).to(hidden.device)]
     return _selected(model, hidden, completion, head_dtype, processing)
 
 
@@ -154,7 +155,7 @@ def _batched(model, batch, kind: str):
         # One row, positions running on across segments: with no reset, a varlen kernel
         # sees one long sequence, so every segment attends to the ones before it.
         row = torch.from_numpy(np.concatenate(sequences))[None]
-        hidden = model.base_model(input_ids=row).last_hidden_state[0]
+        hidden = model.base_model(**_on_device(model, {"input_ids": row})).last_hidden_state[0]
         starts = np.cumsum([0] + [len(s) for s in sequences[:-1]])
         return [
             _selected(model, hidden[start + len(p) - 1 : start + len(p) + len(c) - 1], c)
@@ -176,7 +177,7 @@ def _batched(model, batch, kind: str):
         inputs = {"input_ids": ids, "position_ids": counted_positions}
     else:  # pad_positions
         inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": counted_positions}
-    hidden = model.base_model(**inputs).last_hidden_state
+    hidden = model.base_model(**_on_device(model, inputs)).last_hidden_state
     results = []
     for i, ((p, c), sequence) in enumerate(zip(batch, sequences, strict=True)):
         first = width - len(sequence) + len(p) - 1
@@ -208,10 +209,10 @@ def optimiser_step(model, pairs, lr: float):
         loss = 0.0
         for prompt, completion in pairs:
             ids = torch.from_numpy(np.concatenate([prompt, completion]).astype(np.int64))[None]
-            logits = stepped(input_ids=ids).logits[0, len(prompt) - 1 : -1]
-            loss = loss + torch.nn.functional.cross_entropy(
-                logits.float(), torch.as_tensor(np.asarray(completion, dtype=np.int64))
-            )
+            logits = stepped(**_on_device(stepped, {"input_ids": ids})).logits
+            logits = logits[0, len(prompt) - 1 : -1]
+            target = torch.as_tensor(np.asarray(completion, dtype=np.int64), device=logits.device)
+            loss = loss + torch.nn.functional.cross_entropy(logits.float(), target)
         (loss / len(pairs)).backward()
     optimiser.step()
     return stepped.requires_grad_(False).eval()
@@ -231,5 +232,14 @@ def _selected(model, hidden_rows, completion, head_dtype=None, processing=None):
         logits = head(hidden_rows).float()
     if processing:
         logits = process_logits(logits, **processing)
-    targets = torch.as_tensor(np.asarray(completion, dtype=np.int64))[:, None]
-    return logits.log_softmax(-1).gather(-1, targets)[:, 0].numpy().astype(np.float32)
+    targets = torch.as_tensor(np.asarray(completion, dtype=np.int64), device=logits.device)
+    selected = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    return selected.cpu().numpy().astype(np.float32)
+
+
+def _on_device(model, inputs: dict) -> dict:
+    """The inputs on the device the model computes on (a GPU when inject runs there)."""
+    from pipeline.engines.hf_common import model_device
+
+    device = model_device(model)
+    return {name: tensor.to(device) for name, tensor in inputs.items()}

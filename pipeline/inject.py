@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.devices import resolve_device, set_tf32
 from pipeline.errors import BadInput
 from pipeline.faults import FAULTS, FaultSettings, rescore
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
@@ -52,9 +53,11 @@ def inject_fault(
     from_position: int = 0,
     model_dir: Path | None = None,
     settings: FaultSettings | None = None,
+    device: str = "cpu",
 ) -> TokenTable:
     """A copy of ``table`` whose logprobs carry fault ``kind`` in the chosen sequences
-    (``"all"`` for every one), from ``from_position`` where the kind has an onset."""
+    (``"all"`` for every one), from ``from_position`` where the kind has an onset. The model
+    kinds re-score on ``device`` (auto, cpu, cuda, cuda:N)."""
     if kind not in FAULT_KINDS:
         raise BadInput(f"unknown fault kind {kind!r}; choose one of {', '.join(FAULT_KINDS)}.")
     rows = _rows(table, sequence_ids)
@@ -74,7 +77,8 @@ def inject_fault(
             _data_fault(values, kind, from_position, row)
     else:
         settings = _settings_for(table, kind, from_position, settings or FaultSettings())
-        model = _load(_model_dir(table, model_dir))
+        device = resolve_device(device)
+        model = _load(_model_dir(table, model_dir), device)
         if model.config.bos_token_id is not None:
             settings = replace(settings, bos_id=int(model.config.bos_token_id))
         # Padding, packing, truncation and the optimiser step depend on the whole batch:
@@ -92,6 +96,7 @@ def inject_fault(
         "kind": kind,
         "sequence_ids": [table.sequence_ids[r] for r in rows],
         "from_position": from_position,
+        **({} if kind in DATA_KINDS else {"device": device}),
         "expected_cause": FAULTS[kind][0] if kind in FAULTS else _DATA_CAUSES.get(kind),
     }
     faulted.metadata = {
@@ -175,10 +180,12 @@ def _mark_new_version(table: TokenTable, span: slice, at: int) -> None:
     versions[at:] = str(int(current) + 1) if current.isdigit() else f"{current}-next"
 
 
-def _load(model_dir: Path):
+def _load(model_dir: Path, device: str):
     from pipeline.engines.hf_common import load_model
 
-    return load_model(model_dir, "float32")
+    model = load_model(model_dir, "float32", device=device)
+    set_tf32(device, False)  # the faults are fp32 re-scores: IEEE fp32 on a GPU too
+    return model
 
 
 def _model_dir(table: TokenTable, model_dir: Path | None) -> Path:

@@ -57,10 +57,10 @@ def ingest(
 
     check_output(out_path, [jsonl_path])
     from pipeline.commands.options import parse_knobs
-    from pipeline.engines.base import canonical_dtype
     from pipeline.errors import BadInput
     from pipeline.fixture.ingest import ingest_jsonl
     from pipeline.fixture.io import validate_table, write_table
+    from pipeline.names import canonical_dtype
 
     field_map = PRESETS[preset].with_overrides(parse_knobs(fields))
     try:

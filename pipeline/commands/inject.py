@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import NON_NEGATIVE, OUTPUT_FILE
+from pipeline.commands.options import NON_NEGATIVE, OUTPUT_FILE, device_option
 from pipeline.inject import FAULT_KINDS
 
 
@@ -32,7 +32,8 @@ from pipeline.inject import FAULT_KINDS
     type=click.Path(file_okay=False, path_type=Path),
     help="For the kinds that re-score with the model [default: the recorded model].",
 )
-def inject(path, kind, sequence_ids, from_position, out_path, model_dir) -> None:
+@device_option
+def inject(path, kind, sequence_ids, from_position, out_path, model_dir, device) -> None:
     """Write a copy of a fixture (or replay) with a planted fault, to prove compare catches it.
 
     \b
@@ -62,7 +63,7 @@ def inject(path, kind, sequence_ids, from_position, out_path, model_dir) -> None
 
     table = read_table(path)
     chosen = "all" if "all" in sequence_ids else list(sequence_ids)
-    faulted = inject_fault(table, kind, chosen, from_position, model_dir)
+    faulted = inject_fault(table, kind, chosen, from_position, model_dir, device=device)
     write_table(faulted, out_path)
     where = "every sequence" if chosen == "all" else f"sequence {', '.join(chosen)}"
     click.echo(f"injected {kind} into {where} from position {from_position} -> {out_path}")

@@ -22,6 +22,39 @@ def knob_options(function):
     )(function)
 
 
+def device_option(function):
+    """`--device auto|cpu|cuda|cuda:N` (env LPX_<COMMAND>_DEVICE): where the model runs."""
+
+    def check(_ctx, _param, value):
+        from pipeline.devices import parse_device
+
+        return parse_device(value)
+
+    return click.option(
+        "--device",
+        default="auto",
+        show_default=True,
+        metavar="auto|cpu|cuda|cuda:N",
+        callback=check,
+        help="Where the model runs: auto = CUDA when a GPU is visible, else the CPU. "
+        "Distributed engines run one rank per GPU (CUDA_VISIBLE_DEVICES picks which).",
+    )(function)
+
+
+def device_knobs(engine, name: str, device: str) -> dict:
+    """{"device": ...} for an engine that lpx places (hf and the distributed engines); an
+    engine that picks its own device (vLLM by its build, a server by where it runs) takes
+    only auto."""
+    if getattr(engine, "takes_device", False):
+        return {"device": device}
+    if device != "auto":
+        raise BadInput(
+            f"--device {device}: engine {name!r} runs where its own build or server runs; "
+            "--device places hf, fsdp, deepspeed and megatron. Leave it at auto."
+        )
+    return {}
+
+
 def parse_knobs(pairs: tuple[str, ...]) -> dict[str, str]:
     knobs = {}
     for pair in pairs:
@@ -57,7 +90,19 @@ class FiniteFloat(click.FloatRange):
         return number
 
 
+class RankCount(click.ParamType):
+    """--nproc: a count of ranks, or `auto` (one per visible GPU, else 1)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        return click.IntRange(min=1).convert(value, param, ctx)
+
+
 COUNT = click.IntRange(min=1)  # tokens, samples, ranks, batch sizes: at least one
+RANKS = RankCount()
 NON_NEGATIVE = click.IntRange(min=0)
 TEMPERATURE = FiniteFloat(min=0.0)  # 0 = greedy
 TOP_P = FiniteFloat(min=0.0, max=1.0, min_open=True)

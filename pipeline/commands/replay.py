@@ -8,7 +8,10 @@ import click
 from pipeline.commands.options import (
     COUNT,
     OUTPUT_FILE,
+    RANKS,
     REPLAY_TEMPERATURE,
+    device_knobs,
+    device_option,
     knob_options,
     parse_knobs,
 )
@@ -50,10 +53,18 @@ from pipeline.commands.options import (
 @click.option("--prompt-logprobs", is_flag=True, help="Also score prompt tokens.")
 @click.option(
     "--nproc",
-    type=COUNT,
+    type=RANKS,
     default=1,
     show_default=True,
-    help="Ranks for distributed engines (fsdp, deepspeed, megatron); lpx starts torchrun.",
+    help="Ranks for distributed engines (fsdp, deepspeed, megatron); lpx starts torchrun. "
+    "On CUDA one rank per GPU; auto = every visible GPU (1 on the CPU).",
+)
+@device_option
+@click.option(
+    "--rank-logs",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where each rank of a distributed engine writes its log [default: OUT's name with "
+    "`.logs` beside it].",
 )
 @knob_options
 def replay(
@@ -68,15 +79,19 @@ def replay(
     temperature,
     prompt_logprobs,
     nproc,
+    device,
+    rank_logs,
     knob_pairs,
 ) -> None:
     """Teacher-force the fixture's exact tokens through a scoring engine; write a replay.
 
     Engines: hf, vllm, fsdp, deepspeed, megatron (docs/engines.md). hf/fsdp/deepspeed
     knobs (--set): padding_side=right|left, packing=true|false, attn_implementation=sdpa|eager,
-    lm_head_fp32=true|false (hf), top_k=N, top_p=P; fsdp: reduce_dtype; deepspeed:
-    zero_stage=0..3; megatron: tensor_parallel_size=N. Distributed engines run on --nproc
-    ranks (lpx starts torchrun; under an existing torchrun launch it uses that one).
+    lm_head_fp32=true|false (hf), top_k=N, top_p=P, allow_tf32=true|false (TF32 matmuls in
+    fp32 on CUDA; off unless asked); fsdp: reduce_dtype; deepspeed: zero_stage=0..3;
+    megatron: tensor_parallel_size=N. Distributed engines run on --nproc ranks, one per GPU
+    on CUDA (lpx starts torchrun; under an existing torchrun launch it uses that one); each
+    rank's log is kept under --rank-logs.
 
     \b
     Example:
@@ -84,6 +99,8 @@ def replay(
           --set padding_side=left --out run/replay-bf16.parquet
       lpx replay run/fixture.parquet --engine megatron --nproc 2 \\
           --set tensor_parallel_size=2 --out run/replay-megatron-tp2.parquet
+      lpx replay run/fixture.parquet --engine fsdp --nproc auto --device cuda \\
+          --dtype bf16 --out run/replay-fsdp-bf16.parquet
       lpx replay run/fixture.parquet --weights-store /shared/weights \\
           --out run/replay-by-version.parquet
     """
@@ -110,14 +127,15 @@ def replay(
     if weights_store is None:
         check_model_dir(model_dir)
     validate_table(fixture, fixture_path, (fixture.metadata.get("model") or {}).get("vocab_size"))
+    scorer = scoring_engine(engine)
     knobs = {
         "dtype": dtype,
         "micro_batch_size": micro_batch_size,
         "temperature": temperature,
         "prompt_logprobs": prompt_logprobs,
+        **device_knobs(scorer, engine, device),
         **parse_knobs(knob_pairs),
     }
-    scorer = scoring_engine(engine)
     if isinstance(scorer, DistributedScoringEngine):
         if under_launcher():  # started by the user's torchrun/deepspeed: this is one rank
             if weights_store is not None:
@@ -130,7 +148,8 @@ def replay(
                 click.echo(f"{engine} replay -> {out_path}")
             return
         knobs["nproc"] = nproc
-    elif nproc != 1:
+        scorer.log_dir = rank_logs or out_path.with_name(out_path.stem + ".logs")
+    elif nproc not in (1, "auto"):
         raise BadInput(
             f"engine {engine!r} is not distributed; --nproc applies to fsdp, deepspeed, megatron."
         )

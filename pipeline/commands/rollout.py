@@ -10,6 +10,8 @@ from pipeline.commands.options import (
     OUTPUT_FILE,
     TEMPERATURE,
     TOP_P,
+    device_knobs,
+    device_option,
     knob_options,
     parse_knobs,
 )
@@ -46,6 +48,7 @@ from pipeline.commands.options import (
     "one sampled from (after temperature/top-k/top-p). The other is kept too.",
 )
 @click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16.")
+@device_option
 @knob_options
 def rollout(
     engine,
@@ -61,6 +64,7 @@ def rollout(
     ignore_eos,
     logprobs_mode,
     dtype,
+    device,
     knob_pairs,
 ) -> None:
     """Sample completions for token-id prompts and write a fixture.
@@ -72,6 +76,8 @@ def rollout(
     Example:
       lpx rollout --model models/tiny --prompts prompts.txt --temperature 0.7 \\
           --logprobs-mode processed -n 4 --out run/fixture.parquet
+      lpx rollout --model models/tiny --prompts prompts.txt --device cuda:1 \\
+          --set batch_size=64 --out run/fixture.parquet
     """
     from pipeline.paths import check_output
 
@@ -82,8 +88,13 @@ def rollout(
     from pipeline.fixture.io import write_table
     from pipeline.prompts import load_prompts
 
-    knobs = {"dtype": dtype, **parse_knobs(knob_pairs)}
     check_model_dir(model_dir)
+    rollout_with = rollout_engine(engine)
+    knobs = {
+        "dtype": dtype,
+        **device_knobs(rollout_with, engine, device),
+        **parse_knobs(knob_pairs),
+    }
     prompts = load_prompts(prompts_path, model_dir)
     sampling = SamplingParams(
         max_tokens=max_tokens,
@@ -95,7 +106,7 @@ def rollout(
         ignore_eos=ignore_eos,
         logprobs_mode=logprobs_mode,
     )
-    table = rollout_engine(engine).rollout(model_dir, prompts, sampling, knobs)
+    table = rollout_with.rollout(model_dir, prompts, sampling, knobs)
     write_table(table, out_path)
     click.echo(
         f"{engine} rollout: {table.num_sequences} sequences, {table.num_completion_tokens} "

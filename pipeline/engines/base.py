@@ -8,17 +8,9 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.fixture.table import TokenTable
+from pipeline.names import canonical_dtype
 
-DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 LOGPROBS_MODES = ("raw", "processed")
-
-
-def canonical_dtype(name: str) -> str:
-    dtype = DTYPE_ALIASES.get(name, name)
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16")
-    return dtype
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
+from pipeline.devices import device_kind
 from pipeline.engines.distributed import DistributedScoringEngine
 from pipeline.engines.hf_common import load_model, model_metadata, software_versions, torch_dtype
 from pipeline.engines.hf_replay import ReplayKnobs, score_batch
@@ -21,6 +23,8 @@ class DeepSpeedScoringEngine(DistributedScoringEngine):
 
 class DeepSpeedSession:
     def __init__(self, model_dir: Path, knobs: dict, world_size: int):
+        # DeepSpeed picks its accelerator when imported: the one this rank was given.
+        os.environ["DS_ACCELERATOR"] = device_kind(str(knobs.get("device", "cpu")))
         try:
             import deepspeed
         except ImportError as error:

@@ -5,6 +5,11 @@ write a torchrun line; under an existing torchrun/deepspeed launch (RANK and WOR
 the same code runs in the current process instead. Micro-batches are dealt round-robin over
 the data-parallel ranks; every rank takes the same number of steps (a one-token dummy batch
 where it has run out) because sharded engines all-gather weights collectively per forward.
+
+On CUDA each rank owns one GPU (LOCAL_RANK) and the ranks talk over NCCL; on the CPU over
+gloo. Every rank writes its own log (``rank<R>.log``) and, when it fails, a one-line error
+file (``rank<R>.error.json``), so the launcher can quote the failing rank's own exception
+instead of torchrun's ChildFailedError.
 """
 
 from __future__ import annotations
@@ -12,12 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
+from pipeline import devices
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table, write_table
 from pipeline.fixture.table import TokenTable
@@ -27,6 +36,8 @@ class DistributedScoringEngine:
     """Base for engines that score under torch.distributed; subclasses implement `open`."""
 
     name = "distributed"
+    takes_device = True  # --device: one rank per GPU on CUDA, gloo ranks on the CPU
+    log_dir: Path | None = None  # where each rank's log goes (None: a temporary directory)
 
     def open(self, model_dir: Path, knobs: dict, rank: int, world_size: int):
         """Build the sharded model; return a session with dp_rank, dp_size, score(pairs),
@@ -35,11 +46,11 @@ class DistributedScoringEngine:
 
     def score(self, fixture: TokenTable, model_dir: Path, knobs: dict) -> TokenTable:
         knobs = dict(knobs)
-        nproc = int(knobs.pop("nproc", 1))
+        nproc = knobs.pop("nproc", 1)
         with tempfile.TemporaryDirectory(prefix="lpx-replay-") as tmp:
             fixture_path = write_table(fixture, Path(tmp) / "fixture.parquet")
             out_path = Path(tmp) / "replay.parquet"
-            launch(self.name, fixture_path, Path(model_dir), out_path, knobs, nproc)
+            launch(self.name, fixture_path, Path(model_dir), out_path, knobs, nproc, self.log_dir)
             return read_table(out_path, expect_kind="replay")
 
 
@@ -47,15 +58,45 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def plan_ranks(knobs: dict, nproc) -> tuple[int, str, dict]:
+    """(ranks, device kind, extra environment) for a launch, checked before any rank starts:
+    ``auto`` ranks = every visible GPU (1 on the CPU), at most one rank per GPU, and
+    ``cuda:N`` pins that GPU through CUDA_VISIBLE_DEVICES."""
+    spec = devices.parse_device(str(knobs.get("device", "auto")), "--device")
+    device = devices.resolve_device(spec)
+    if nproc == "auto":
+        nproc = devices.visible_gpus() if devices.is_cuda(device) else 1
+    nproc = int(nproc)
+    if nproc < 1:
+        raise BadInput("--nproc must be at least 1.")
+    env = {}
+    if ":" in spec:  # one named GPU: that GPU alone is visible to the ranks
+        if nproc > 1:
+            raise BadInput(
+                f"--device {spec} names one GPU, and --nproc {nproc} needs one per rank; pass "
+                "--device cuda and choose the GPUs with CUDA_VISIBLE_DEVICES."
+            )
+        env["CUDA_VISIBLE_DEVICES"] = devices.physical_gpu(int(spec.split(":")[1]))
+    devices.check_ranks(nproc, device)
+    return nproc, devices.device_kind(device), env
+
+
 def launch(
-    engine: str, fixture_path: Path, model_dir: Path, out_path: Path, knobs: dict, nproc: int
+    engine: str,
+    fixture_path: Path,
+    model_dir: Path,
+    out_path: Path,
+    knobs: dict,
+    nproc=1,
+    log_dir: Path | None = None,
 ) -> None:
     """Run the engine on `nproc` ranks and write the replay to `out_path`."""
     if under_launcher():
         run_worker(engine, fixture_path, model_dir, out_path, knobs)
         return
-    if nproc < 1:
-        raise BadInput("--nproc must be at least 1.")
+    nproc, kind, env = plan_ranks(knobs, nproc)
+    knobs = {**knobs, "device": kind}
+    logs = prepare_log_dir(log_dir, engine)
     command = [
         sys.executable,
         "-m",
@@ -74,31 +115,111 @@ def launch(
         str(out_path),
         "--knobs",
         json.dumps(knobs),
+        "--log-dir",
+        str(logs),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, env=rank_environment(env))
+    (logs / "torchrun.log").write_text(result.stdout + result.stderr, errors="replace")
     if result.returncode != 0 or not Path(out_path).is_file():
-        message = _worker_error(result.stderr + result.stdout)
-        raise BadInput(f"{engine} replay on {nproc} rank(s) failed: {message}")
+        raise BadInput(f"{engine} replay on {nproc} rank(s) failed: {failure(logs, result)}")
+
+
+def rank_environment(extra: dict | None = None) -> dict:
+    """The ranks' environment: one thread per CPU rank unless set, and lpx's own NCCL
+    settings on top of the user's."""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        **(extra or {}),
+    }
+
+
+def prepare_log_dir(log_dir: Path | None, engine: str) -> Path:
+    """The directory the ranks log into, emptied of an earlier launch's rank files."""
+    if log_dir is None:
+        return Path(tempfile.mkdtemp(prefix=f"lpx-{engine}-ranks-"))
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for old in log_dir.glob("rank*"):
+        old.unlink()
+    return log_dir
+
+
+def failure(logs: Path, result: subprocess.CompletedProcess) -> str:
+    """The failing rank's own error and where its log is.
+
+    A rank killed by a signal it did not get from torchrun (SIGKILL from the kernel's OOM
+    killer, SIGSEGV) is the cause: the others only fail after it. Otherwise the rank whose
+    error came first is: the others fail after it, in a collective that lost its peer, or
+    are stopped by torchrun.
+    """
+    errors = {}
+    for path in logs.glob("rank*.error.json"):
+        try:
+            record = json.loads(path.read_text())
+            errors[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    output = result.stderr + result.stdout
+    reported = [
+        (int(rank), int(code))
+        for rank, code in re.findall(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", output)
+    ]
+    stopped_by_torchrun = (signal.SIGTERM, signal.SIGINT)
+    crashed = [
+        (rank, code)
+        for rank, code in reported
+        if code < 0 and -code not in stopped_by_torchrun and rank not in errors
+    ]
+    if crashed or (reported and not errors):
+        rank, code = (crashed or reported)[0]
+        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited {code}"
+        tail = _last_line(logs / f"rank{rank}.log")
+        said = f"; its last line: {tail}" if tail else ""
+        return f"rank {rank} {how}{said} (log: {logs / f'rank{rank}.log'})"
+    if errors:
+        first = min(errors.values(), key=lambda e: e.get("time", 0))
+        rank = first["rank"]
+        return f"rank {rank}: {first.get('message')} (log: {logs / f'rank{rank}.log'})"
+    return f"{_worker_error(output)} (logs: {logs})"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [line for line in lines if line]
+    return lines[-1][-300:] if lines else ""
 
 
 def run_worker(
     engine_name: str, fixture_path: Path, model_dir: Path, out_path: Path, knobs: dict
 ) -> None:
-    import torch
     import torch.distributed as dist
 
     from pipeline.engines import scoring_engine
-    from pipeline.engines.hf_replay import replay_table
+    from pipeline.engines.hf_replay import micro_batch_where, replay_table
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # The launcher passes the device kind; under the user's own torchrun it may be any spec.
+    spec = devices.resolve_device(str(knobs.get("device", "auto")), "--device")
+    device = devices.rank_device(devices.device_kind(spec))
+    knobs = {**knobs, "device": device}
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(devices.collective_backend(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
         fixture = read_table(fixture_path, expect_kind="fixture")
         started = time.perf_counter()
         session = scoring_engine(engine_name).open(Path(model_dir), knobs, rank, world_size)
+        tf32 = devices.set_tf32(device, session.settings.allow_tf32)
         loaded = time.perf_counter()
         indices = list(range(fixture.num_sequences))
         size = session.micro_batch_size
@@ -110,12 +231,31 @@ def run_worker(
             batch = mine[step] if step < len(mine) else []
             pairs = [(fixture.prompt_of(i), fixture.completion_of(i)) for i in batch]
             # Ranks out of work still join the collectives of this step.
-            scored = session.score(
-                pairs or [(fixture.prompt_of(0)[:1], fixture.completion_of(0)[:1])]
-            )
+            try:
+                scored = session.score(
+                    pairs or [(fixture.prompt_of(0)[:1], fixture.completion_of(0)[:1])]
+                )
+            except Exception as error:
+                if not devices.is_out_of_memory(error):
+                    raise
+                where = micro_batch_where(fixture, batch or [0], size)
+                raise devices.out_of_memory(
+                    device,
+                    f"{where} on rank {rank}",
+                    f"--micro-batch-size (now {size}), or add ranks (--nproc)",
+                ) from None
             results.update(zip(batch, scored, strict=False) if batch else ())
         timing = {"load_s": loaded - started, "score_s": time.perf_counter() - loaded}
-        metadata = {**session.metadata(), "timing": timing}
+        metadata = session.metadata()
+        metadata = {
+            **metadata,
+            "hardware": {**devices.hardware(device), **tf32},
+            "layout": {**metadata.get("layout", {}), "device": devices.device_kind(device)},
+            "timing": timing,
+        }
+        metadata["engine"]["versions"].update(
+            {k: v for k, v in devices.stack_versions(device).items() if v}
+        )
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(results, gathered, dst=0)
         if rank == 0:
@@ -137,6 +277,38 @@ def _worker_error(output: str) -> str:
     return (lines[-1] if lines else "no output")[-500:]
 
 
+def log_rank_output(log_dir: Path | None) -> None:
+    """Send this rank's stdout and stderr (C++ and NCCL included) to its own log file."""
+    if log_dir is None:
+        return
+    rank = os.environ.get("RANK", "0")
+    log = os.open(Path(log_dir) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+
+
+def report_rank_error(log_dir: Path | None, error: BaseException) -> None:
+    """Write this rank's failure where the launcher looks: one line, and its traceback in
+    the rank's log."""
+    from pipeline.errors import BadInput
+
+    if isinstance(error, BadInput):
+        message = error.message
+    else:
+        first = (str(error).strip().splitlines() or [""])[0][:500]
+        message = f"{type(error).__name__}: {first}"
+        traceback.print_exception(error, file=sys.stderr)
+    print(f"Error: rank {os.environ.get('RANK', '0')}: {message}", file=sys.stderr, flush=True)
+    if log_dir is None:
+        return
+    record = {"rank": int(os.environ.get("RANK", "0")), "time": time.time(), "message": message}
+    path = Path(log_dir) / f"rank{record['rank']}.error.json"
+    path.write_text(json.dumps(record))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="lpx distributed replay worker (started by torchrun)"
@@ -146,12 +318,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--knobs", default="{}")
+    parser.add_argument("--log-dir", type=Path)
     args = parser.parse_args(argv)
+    log_rank_output(args.log_dir)
     try:
         run_worker(args.engine, args.fixture, args.model, args.out, json.loads(args.knobs))
-    except BadInput as error:
-        print(f"BadInput: {error.message}", file=sys.stderr)
-        sys.exit(2)
+    except BaseException as error:  # noqa: BLE001 - every failure is reported, then exits
+        report_rank_error(args.log_dir, error)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2 if isinstance(error, BadInput) else 1)
     # The replay is written (temp + rename) and the process group destroyed. Skip the
     # interpreter's teardown: now and then a C++ destructor of torch's CPU collectives
     # aborts there ("terminate called without an active exception", SIGABRT), which failed

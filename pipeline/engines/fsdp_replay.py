@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from pipeline.engines.base import canonical_dtype
+from pipeline.devices import device_kind
 from pipeline.engines.distributed import DistributedScoringEngine
 from pipeline.engines.hf_common import load_model, model_metadata, torch_dtype
 from pipeline.engines.hf_replay import ReplayKnobs, score_batch
 from pipeline.errors import BadInput
 from pipeline.fingerprint import tensor_fingerprint
+from pipeline.names import canonical_dtype
 
 
 class FSDPScoringEngine(DistributedScoringEngine):
@@ -26,7 +27,6 @@ class FSDPScoringEngine(DistributedScoringEngine):
 
 class FSDPSession:
     def __init__(self, model_dir: Path, knobs: dict, world_size: int):
-        import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -38,13 +38,12 @@ class FSDPSession:
                 "fsdp replay: lm_head_fp32 is not supported (lm_head is sharded with the root)."
             )
         self.model_dir = Path(model_dir)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = self.settings.device  # this rank's: cpu or cuda:LOCAL_RANK
         # fp32 master weights; the mixed-precision policy casts them for compute.
         model = load_model(model_dir, "float32", self.settings.attn_implementation)
         self.checkpoint_fingerprint = tensor_fingerprint(model.state_dict().items())
-        if device == "cuda":
-            model.to(torch.device("cuda", torch.cuda.current_device()))
-        mesh = init_device_mesh(device, (world_size,))
+        model.to(device)
+        mesh = init_device_mesh(device_kind(device), (world_size,))
         policy = MixedPrecisionPolicy(
             param_dtype=torch_dtype(self.settings.dtype), reduce_dtype=torch_dtype(reduce_dtype)
         )

@@ -19,8 +19,14 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_model(model_dir: Path, dtype: str = "float32", attn_implementation: str = "sdpa"):
-    """Load a causal LM for inference from a local directory (never from a hub)."""
+def load_model(
+    model_dir: Path,
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
+    device: str = "cpu",
+):
+    """Load a causal LM for inference from a local directory (never from a hub), on
+    ``device`` (a resolved device: cpu or cuda:N)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -49,7 +55,16 @@ def load_model(model_dir: Path, dtype: str = "float32", attn_implementation: str
         ) from None
     model.eval()
     model.requires_grad_(False)  # scoring never needs gradients
-    return model
+    return model.to(device) if device != "cpu" else model
+
+
+def model_device(model):
+    """The device a (possibly sharded) model computes on: where its inputs must be made."""
+    for parameter in model.parameters():
+        return parameter.device
+    import torch
+
+    return torch.device("cpu")
 
 
 def model_metadata(model_dir: Path) -> dict:
@@ -75,12 +90,14 @@ def _built_by_lpx(path: Path) -> dict | None:
     return revision if isinstance(revision, dict) else None
 
 
-def software_versions() -> dict:
+def software_versions(device: str = "cpu") -> dict:
+    """lpx and the stack it scored with; on a GPU also CUDA, cuDNN, NCCL and the driver."""
     import numpy
     import torch
     import transformers
 
     from pipeline import __version__
+    from pipeline.devices import stack_versions
 
     return {
         "lpx": __version__,
@@ -88,6 +105,7 @@ def software_versions() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "numpy": numpy.__version__,
+        **{name: value for name, value in stack_versions(device).items() if value},
     }
 
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from pipeline import devices
 from pipeline.engines.base import knobs_from_dict
 from pipeline.engines.hf_common import (
     load_model,
+    model_device,
     model_metadata,
     process_logits,
     software_versions,
@@ -44,10 +46,13 @@ class ReplayKnobs:
     top_k: int = 0
     top_p: float = field(default=1.0, metadata={"min": 1e-6, "max": 1.0})
     prompt_logprobs: bool = False
+    device: str = "auto"  # auto, cpu, cuda, cuda:N (pipeline.devices)
+    allow_tf32: bool = False  # TF32 matmuls in fp32 on CUDA: off unless asked
 
     @classmethod
     def from_dict(cls, knobs: dict) -> ReplayKnobs:
         knobs_obj = knobs_from_dict(cls, knobs, "hf replay")
+        devices.parse_device(knobs_obj.device, "--device")
         if knobs_obj.padding_side not in PADDING_SIDES:
             raise BadInput(f"padding_side must be one of {', '.join(PADDING_SIDES)}.")
         if knobs_obj.micro_batch_size < 1:
@@ -59,23 +64,75 @@ class ReplayKnobs:
 
 class HFScoringEngine:
     name = "hf"
+    takes_device = True  # --device places it (pipeline.devices)
 
     def score(self, fixture: TokenTable, model_dir: Path, knobs: dict) -> TokenTable:
         settings = ReplayKnobs.from_dict(knobs)
+        device = devices.resolve_device(settings.device, "--device")
+        settings = replace(settings, device=device)
         started = time.perf_counter()
-        model = load_model(model_dir, settings.dtype, settings.attn_implementation)
+        model = load_model(model_dir, settings.dtype, settings.attn_implementation, device)
+        tf32 = devices.set_tf32(device, settings.allow_tf32)
         loaded = time.perf_counter()
-        scored: list[ScoredSequence] = []
-        batches = range(0, fixture.num_sequences, settings.micro_batch_size)
-        for start in progress_bar(batches, desc="hf replay", unit="batch"):
-            indices = range(start, min(start + settings.micro_batch_size, fixture.num_sequences))
-            pairs = [(fixture.prompt_of(i), fixture.completion_of(i)) for i in indices]
-            scored.extend(score_batch(model, pairs, settings))
+        size = settings.micro_batch_size
+        batches = [
+            range(start, min(start + size, fixture.num_sequences))
+            for start in range(0, fixture.num_sequences, size)
+        ]
+        scored = score_batches(
+            model,
+            [[(fixture.prompt_of(i), fixture.completion_of(i)) for i in b] for b in batches],
+            settings,
+            where=lambda k: micro_batch_where(fixture, batches[k], size),
+            lower=f"--micro-batch-size (now {size}), or score in bf16 or on more ranks "
+            "(--engine fsdp --nproc N)",
+        )
         metadata = {
-            **replay_metadata(model, model_dir, settings),
+            **replay_metadata(model, model_dir, settings, tf32),
             "timing": {"load_s": loaded - started, "score_s": time.perf_counter() - loaded},
         }
         return replay_table(fixture, scored, metadata, settings.prompt_logprobs)
+
+
+def score_batches(
+    model, batches: list, settings: ReplayKnobs, where=None, lower: str = "", progress=True
+):
+    """ScoredSequences of micro-batches of (prompt ids, completion ids) pairs, in order.
+
+    On a GPU, micro-batch k + 1 is launched before k's results are read back, so the GPU
+    never idles while the host pads the next batch and splits the last one's results. A CUDA
+    out-of-memory becomes an exit-2 error naming the micro-batch (``where(k)``) and what to
+    ``lower``.
+    """
+    scored: list[ScoredSequence] = []
+    waiting = None
+    shown = progress_bar(batches, desc="hf replay", unit="batch") if progress else batches
+    for k, pairs in enumerate(shown):
+        try:
+            launched = launch_batch(model, pairs, settings)
+        except Exception as error:
+            if not devices.is_out_of_memory(error):
+                raise
+            devices.release_memory(settings.device)
+            place = where(k) if where else f"micro-batch {k + 1} of {len(batches)}"
+            raise devices.out_of_memory(settings.device, place, lower or "the batch size") from None
+        if waiting is not None:
+            scored.extend(finish_batch(waiting))
+        waiting = launched
+    if waiting is not None:
+        scored.extend(finish_batch(waiting))
+    return scored
+
+
+def micro_batch_where(fixture: TokenTable, indices, size: int) -> str:
+    indices = list(indices)
+    lengths = [len(fixture.prompt_of(i)) + len(fixture.completion_of(i)) for i in indices]
+    ids = fixture.sequence_ids
+    return (
+        f"micro-batch {indices[0] // size + 1} of {-(-fixture.num_sequences // size)} "
+        f"(sequences {ids[indices[0]]!r} to {ids[indices[-1]]!r}, {len(indices)} x "
+        f"{max(lengths)} tokens padded)"
+    )
 
 
 def replay_table(
@@ -109,13 +166,52 @@ def score_batch(model, pairs, settings: ReplayKnobs, position_ids=None, full_for
     runs the model's own forward (all-position logits) instead: sharded wrappers (FSDP,
     DeepSpeed) gather their parameters in hooks on the root module, so they need it.
     """
+    return finish_batch(launch_batch(model, pairs, settings, position_ids, full_forward))
+
+
+@dataclass
+class LaunchedBatch:
+    """A micro-batch whose scoring is queued on the device; its results copy back."""
+
+    pairs: list
+    firsts: list[int]
+    with_prompt: bool
+    values: object  # host tensor [tokens, 3]: selected logprob, top logprob, top id
+    ready: object  # waits for the copy to land
+
+
+def launch_batch(
+    model, pairs, settings: ReplayKnobs, position_ids=None, full_forward: bool = False
+) -> LaunchedBatch:
+    """Queue a micro-batch's scoring on the model's device (score_batch without the wait)."""
     import torch
 
     with torch.no_grad():
-        return _score_batch(model, pairs, settings, position_ids, full_forward)
+        return _launch_batch(model, pairs, settings, position_ids, full_forward)
 
 
-def _score_batch(model, pairs, settings: ReplayKnobs, position_ids, full_forward: bool):
+def finish_batch(launched: LaunchedBatch) -> list[ScoredSequence]:
+    """Wait for a launched micro-batch and split its results per sequence."""
+    launched.ready()
+    values = launched.values.numpy()
+    logprobs = values[:, 0].astype(np.float32)
+    top_logprobs = values[:, 1].astype(np.float32)
+    top_ids = values[:, 2].astype(np.int64)
+    results, cursor = [], 0
+    for (prompt, completion), first in zip(launched.pairs, launched.firsts, strict=True):
+        count = len(prompt) + len(completion) - first
+        chunk = logprobs[cursor : cursor + count]
+        split = len(prompt) - first
+        prompt_lp = None
+        if launched.with_prompt:  # the first prompt token has no context, so no logprob
+            prompt_lp = np.concatenate([[np.nan], chunk[:split]]).astype(np.float32)
+        span = slice(cursor + split, cursor + count)
+        cursor += count
+        results.append(ScoredSequence(chunk[split:], prompt_lp, top_ids[span], top_logprobs[span]))
+    return results
+
+
+def _launch_batch(model, pairs, settings: ReplayKnobs, position_ids, full_forward: bool):
     import torch
 
     sequences = [np.concatenate([p, c]).astype(np.int64) for p, c in pairs]
@@ -136,34 +232,17 @@ def _score_batch(model, pairs, settings: ReplayKnobs, position_ids, full_forward
         ]
     )
     targets = np.concatenate([s[f:] for s, f in zip(sequences, firsts, strict=True)])
-    rows, columns = torch.from_numpy(row_index), torch.from_numpy(column_index)
+    device = model_device(model)
+    inputs = _to_device(inputs, device)
+    index = torch.from_numpy(np.stack([row_index, column_index, targets]))
+    rows, columns, targets = index.to(device).unbind(0)  # one copy for the three
     if full_forward:
-        logits = model(**inputs, use_cache=False).logits[rows, columns].float()
+        logits = model(**inputs, use_cache=False).logits[rows, columns]
     else:
         hidden = model.base_model(**inputs).last_hidden_state
         logits = _head_logits(model, hidden[rows, columns], settings)
-    logprobs, top_ids, top_logprobs = _selected_logprobs(
-        logits, torch.from_numpy(targets), settings
-    )
-    results, cursor = [], 0
-    for (prompt, _), first, count in zip(pairs, firsts, counts, strict=True):
-        values = logprobs[cursor : cursor + count]
-        cursor += count
-        split = len(prompt) - first
-        prompt_lp = None
-        if settings.prompt_logprobs:
-            # The first prompt token has no context, hence no logprob.
-            prompt_lp = np.concatenate([[np.nan], values[:split]]).astype(np.float32)
-        span = slice(cursor - count + split, cursor)
-        results.append(
-            ScoredSequence(
-                values[split:].astype(np.float32),
-                prompt_lp,
-                top_ids[span],
-                top_logprobs[span].astype(np.float32),
-            )
-        )
-    return results
+    values, ready = devices.to_host_later(_selected_logprobs(logits, targets, settings))
+    return LaunchedBatch(pairs, firsts, settings.prompt_logprobs, values, ready)
 
 
 def _head_logits(model, hidden_rows, settings: ReplayKnobs):
@@ -173,16 +252,47 @@ def _head_logits(model, hidden_rows, settings: ReplayKnobs):
     if settings.lm_head_fp32:
         bias = None if head.bias is None else head.bias.float()
         return torch.nn.functional.linear(hidden_rows.float(), head.weight.float(), bias)
-    return head(hidden_rows).float()
+    return head(hidden_rows)
 
 
 def _selected_logprobs(logits, targets, settings: ReplayKnobs):
-    """Selected-token logprobs, plus the top-1 token and its logprob at each row."""
-    logits = process_logits(logits, settings.temperature, settings.top_k, settings.top_p)
-    all_logprobs = logits.log_softmax(-1)
-    selected = all_logprobs.gather(-1, targets[:, None]).squeeze(-1)
-    top_logprob, top_id = all_logprobs.max(-1)
-    return selected.numpy(), top_id.numpy(), top_logprob.numpy()
+    """[rows, 3]: the selected-token logprob, the top-1 token's logprob and its id.
+
+    ``logits`` come in the model's dtype; the log-softmax is always fp32. Without
+    temperature or truncation it reads bf16 logits and writes fp32 in one kernel, and the
+    top token comes from the logits (a log-softmax keeps each row's order), so no fp32 copy
+    of the logits is made: on a GPU these passes over rows x vocabulary are most of what
+    the harness adds to the forward.
+    """
+    import torch
+
+    processed = settings.temperature != 1.0 or settings.top_k or settings.top_p < 1.0
+    if processed:
+        logits = process_logits(
+            logits.float(), settings.temperature, settings.top_k, settings.top_p
+        )
+    all_logprobs = logits.log_softmax(-1, dtype=torch.float32)
+    top_id = logits.argmax(-1)
+    picked = all_logprobs.gather(-1, torch.stack([targets, top_id], dim=1))
+    # float64 holds every fp32 logprob and token id exactly: one copy off the device
+    return torch.cat([picked.double(), top_id.double()[:, None]], dim=1)
+
+
+def _to_device(inputs: dict, device) -> dict:
+    """The batch's tensors on ``device``, the same-shaped integer ones in one copy."""
+    import torch
+
+    if device.type == "cpu":
+        return inputs
+    same = [name for name, t in inputs.items() if t.dtype == torch.long]
+    shapes = {inputs[name].shape for name in same}
+    moved = {name: t.to(device) for name, t in inputs.items() if name not in same}
+    if len(shapes) == 1:
+        stacked = torch.stack([inputs[n] for n in same]).to(device).unbind(0)
+        moved.update(zip(same, stacked, strict=True))
+    else:
+        moved.update({name: inputs[name].to(device) for name in same})
+    return moved
 
 
 def _padded_inputs(model, sequences, positions, padding_side: str):
@@ -235,18 +345,26 @@ def _packed_inputs(model, sequences, positions):
     return inputs, starts
 
 
-def replay_metadata(model, model_dir: Path, settings: ReplayKnobs) -> dict:
+def replay_metadata(model, model_dir: Path, settings: ReplayKnobs, tf32: dict) -> dict:
     import dataclasses
 
     applied = dataclasses.asdict(settings)
     # Read back what the engine actually runs with, not only what was asked.
     applied["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     applied["attn_implementation"] = model.config._attn_implementation
+    applied["device"] = str(model_device(model))
+    applied["allow_tf32"] = tf32["allow_tf32"]
     return {
-        "engine": {"name": "hf", "role": "replay", "versions": software_versions()},
+        "engine": {
+            "name": "hf",
+            "role": "replay",
+            "versions": software_versions(applied["device"]),
+        },
         "dtype": applied["dtype"],
         "knobs": applied,
+        "hardware": {**devices.hardware(applied["device"]), **tf32},
         "layout": {
+            "device": devices.device_kind(applied["device"]),
             "world_size": 1,
             "tensor_parallel_size": 1,
             "pipeline_parallel_size": 1,

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.engines.base import SamplingParams, canonical_dtype, trajectories
+from pipeline import devices
+from pipeline.engines.base import SamplingParams, trajectories
 from pipeline.engines.hf_common import (
     load_model,
     model_metadata,
@@ -15,13 +16,21 @@ from pipeline.engines.hf_common import (
 )
 from pipeline.errors import BadInput
 from pipeline.fixture.table import table_from_sequences
+from pipeline.names import canonical_dtype
 from pipeline.progress import progress_bar
 
-DEFAULT_KNOBS = {"dtype": "float32", "batch_size": 8, "attn_implementation": "sdpa"}
+DEFAULT_KNOBS = {
+    "dtype": "float32",
+    "batch_size": 8,
+    "attn_implementation": "sdpa",
+    "device": "auto",
+    "allow_tf32": False,
+}
 
 
 class HFRolloutEngine:
     name = "hf"
+    takes_device = True  # --device places it (pipeline.devices)
 
     def rollout(
         self, model_dir: Path, prompts: list[list[int]], sampling: SamplingParams, knobs: dict
@@ -39,19 +48,37 @@ class HFRolloutEngine:
             settings["batch_size"] = int(settings["batch_size"])
             if settings["batch_size"] < 1:
                 raise BadInput(f"hf knob batch_size={settings['batch_size']}: must be >= 1.")
+            settings["allow_tf32"] = _flag(settings["allow_tf32"])
         except ValueError as error:
             raise BadInput(f"hf rollout knobs: {error}") from None
         if sampling.logprobs_mode not in ("raw", "processed"):
             raise BadInput("logprobs_mode must be 'raw' or 'processed'.")
-        model = load_model(model_dir, settings["dtype"], settings["attn_implementation"])
-        generator = torch.Generator().manual_seed(sampling.seed)
+        device = devices.resolve_device(str(settings["device"]), "--device")
+        model = load_model(model_dir, settings["dtype"], settings["attn_implementation"], device)
+        tf32 = devices.set_tf32(device, settings["allow_tf32"])
+        # Sampling draws on the model's device: a GPU rollout samples on the GPU.
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)
         work = [(sequence_id, prompt) for sequence_id, prompt, _ in trajectories(prompts, sampling)]
         results = []
-        batches = range(0, len(work), settings["batch_size"])
-        for start in progress_bar(batches, desc="hf rollout", unit="batch"):
-            batch = work[start : start + settings["batch_size"]]
-            with torch.no_grad():
-                results.extend(_generate_batch(model, [p for _, p in batch], sampling, generator))
+        size = settings["batch_size"]
+        for start in progress_bar(range(0, len(work), size), desc="hf rollout", unit="batch"):
+            batch = work[start : start + size]
+            try:
+                with torch.no_grad():
+                    results.extend(
+                        _generate_batch(model, [p for _, p in batch], sampling, generator)
+                    )
+            except Exception as error:
+                if not devices.is_out_of_memory(error):
+                    raise
+                devices.release_memory(device)
+                where = (
+                    f"rollout batch {start // size + 1} of {-(-len(work) // size)} "
+                    f"({len(batch)} prompts, up to {sampling.max_tokens} new tokens)"
+                )
+                raise devices.out_of_memory(
+                    device, where, f"--set batch_size (now {size}) or --max-tokens"
+                ) from None
         main, other = (
             ("raw", "processed") if sampling.logprobs_mode == "raw" else ("processed", "raw")
         )
@@ -60,6 +87,8 @@ class HFRolloutEngine:
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "attn_implementation": model.config._attn_implementation,
             "kv_cache": True,
+            "device": device,
+            "allow_tf32": tf32["allow_tf32"],
         }
         table = table_from_sequences(
             "fixture",
@@ -72,9 +101,14 @@ class HFRolloutEngine:
             },
             finish_reasons=[r["finish_reason"] for r in results],
             metadata={
-                "engine": {"name": "hf", "role": "rollout", "versions": software_versions()},
+                "engine": {
+                    "name": "hf",
+                    "role": "rollout",
+                    "versions": software_versions(device),
+                },
                 "dtype": applied["dtype"],
                 "knobs": applied,
+                "hardware": {**devices.hardware(device), **tf32},
                 "sampling": sampling.as_dict(),
                 "logprob_channels": {
                     "rollout": f"{main} logprob of the sampled token",
@@ -96,6 +130,7 @@ def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, g
     """Decode one left-padded batch with a KV cache; per row: tokens, raw and processed logprobs."""
     import torch
 
+    device = generator.device
     width = max(len(p) for p in prompts)
     pad_id = model.config.pad_token_id or 0
     eos_id = None if sampling.ignore_eos else model.config.eos_token_id
@@ -104,6 +139,7 @@ def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, g
     for i, prompt in enumerate(prompts):
         input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
         attention_mask[i, width - len(prompt) :] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(
         input_ids=input_ids,
@@ -122,7 +158,7 @@ def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, g
         }
         for _ in prompts
     ]
-    done = torch.zeros(len(prompts), dtype=torch.bool)
+    done = np.zeros(len(prompts), dtype=bool)
     next_position = position_ids[:, -1] + 1
     for _ in range(sampling.max_tokens):
         logits = out.logits[:, -1, :].float()
@@ -135,21 +171,37 @@ def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, g
             ).log_softmax(-1)
             token = torch.multinomial(processed.exp(), 1, generator=generator).squeeze(-1)
         top_id = raw.argmax(-1)
-        for i in np.flatnonzero(~done.numpy()):
-            t = int(token[i])
-            rows[i]["top_id"].append(int(top_id[i]))
-            rows[i]["top_logprob"].append(float(raw[i, top_id[i]]))
+        # Everything a row records this step, copied off the device once.
+        step = (
+            torch.stack(
+                [
+                    token.double(),
+                    top_id.double(),
+                    raw.gather(-1, token[:, None])[:, 0].double(),
+                    processed.gather(-1, token[:, None])[:, 0].double(),
+                    raw.gather(-1, top_id[:, None])[:, 0].double(),
+                ],
+                dim=1,
+            )
+            .cpu()
+            .numpy()
+        )
+        for i in np.flatnonzero(~done):
+            t = int(step[i, 0])
+            rows[i]["top_id"].append(int(step[i, 1]))
+            rows[i]["top_logprob"].append(float(np.float32(step[i, 4])))
             rows[i]["tokens"].append(t)
-            rows[i]["raw"].append(float(raw[i, t]))
-            rows[i]["processed"].append(float(processed[i, t]))
+            rows[i]["raw"].append(float(np.float32(step[i, 2])))
+            rows[i]["processed"].append(float(np.float32(step[i, 3])))
             if eos_id is not None and t == eos_id:
                 rows[i]["finish_reason"] = "stop"
                 done[i] = True
         if bool(done.all()):
             break
-        attention_mask = torch.cat([attention_mask, (~done).long()[:, None]], dim=1)
+        still = torch.from_numpy(~done).to(device)
+        attention_mask = torch.cat([attention_mask, still.long()[:, None]], dim=1)
         out = model(
-            input_ids=token.masked_fill(done, pad_id)[:, None],
+            input_ids=token.masked_fill(~still, pad_id)[:, None],
             attention_mask=attention_mask,
             position_ids=next_position[:, None],
             past_key_values=out.past_key_values,
@@ -157,3 +209,10 @@ def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, g
         )
         next_position = next_position + 1
     return rows
+
+
+def _flag(value) -> bool:
+    text = str(value).strip().lower()
+    if isinstance(value, bool) or text in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value if isinstance(value, bool) else text in ("1", "true", "yes", "on")
+    raise ValueError(f"allow_tf32={value!r}: expected true or false")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.devices import cpu_stands_in_for_cuda, is_cuda
 from pipeline.engines.distributed import DistributedScoringEngine
 from pipeline.engines.hf_common import model_metadata, software_versions, torch_dtype
 from pipeline.engines.hf_replay import ReplayKnobs, ScoredSequence
@@ -33,7 +34,6 @@ class MegatronSession:
             raise EngineNotInstalled(
                 f"engine 'megatron' is not installed ({error}); install it with `pip install -e '.[megatron]'`."
             ) from None
-        import torch
 
         self.tp = int(knobs.pop("tensor_parallel_size", world_size))
         self.interleave_qkv = str(knobs.pop("conversion", "correct")) != "no_qkv_interleave"
@@ -50,8 +50,9 @@ class MegatronSession:
             raise BadInput(
                 f"--nproc {world_size} is not a multiple of tensor_parallel_size {self.tp}."
             )
-        if not torch.cuda.is_available():
-            _cpu_shims()
+        self.device = self.settings.device  # this rank's: cpu or cuda:LOCAL_RANK
+        if not is_cuda(self.device):
+            cpu_stands_in_for_cuda()
         if parallel_state.model_parallel_is_initialized():
             # a second session in this process (lpx serve loading a new weight version):
             # megatron keeps its groups in globals, so they are rebuilt for it
@@ -152,7 +153,7 @@ class MegatronSession:
             raise BadInput(
                 f"megatron conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}."
             )
-        return model.to(dtype).eval()
+        return model.to(device=self.device, dtype=dtype).eval()
 
     def score(self, pairs):
         import torch
@@ -170,8 +171,9 @@ class MegatronSession:
         for i, sequence in enumerate(sequences):
             input_ids[i, : len(sequence)] = torch.from_numpy(sequence)
             valid[i, : len(sequence)] = True
-        position_ids = torch.arange(width)[None].expand(len(sequences), -1)
-        causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
+        input_ids, valid = input_ids.to(self.device), valid.to(self.device)
+        position_ids = torch.arange(width, device=self.device)[None].expand(len(sequences), -1)
+        causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=self.device))
         # Megatron's mask: True = masked. Causal, and pad keys never attended to.
         mask = ~(causal[None, None] & valid[:, None, None, :])
         logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
@@ -184,11 +186,13 @@ class MegatronSession:
         )
         targets = np.concatenate([s[f:] for s, f in zip(sequences, firsts, strict=True)])
         local = (
-            logits[torch.from_numpy(rows), torch.from_numpy(columns)].float()
+            logits[
+                torch.from_numpy(rows).to(self.device), torch.from_numpy(columns).to(self.device)
+            ].float()
             / self.settings.temperature
         )
         logprobs, top_ids, top_logprobs = self._vocab_parallel_logprobs(
-            local, torch.from_numpy(targets)
+            local, torch.from_numpy(targets).to(self.device)
         )
         results, cursor = [], 0
         for (prompt, _), sequence, first in zip(pairs, sequences, firsts, strict=True):
@@ -238,9 +242,9 @@ class MegatronSession:
         top_ids = torch.stack(indices).gather(0, winner[None])[0]
         top_logprobs = stacked.max(0).values - log_normalizer
         return (
-            (target_logit - log_normalizer).numpy(),
-            top_ids.numpy().astype(np.int32),
-            top_logprobs.numpy().astype(np.float32),
+            (target_logit - log_normalizer).cpu().numpy(),
+            top_ids.cpu().numpy().astype(np.int32),
+            top_logprobs.cpu().numpy().astype(np.float32),
         )
 
     def metadata(self) -> dict:
@@ -273,6 +277,8 @@ class MegatronSession:
                 "micro_batch_size": self.settings.micro_batch_size,
                 "temperature": self.settings.temperature,
                 "prompt_logprobs": self.settings.prompt_logprobs,
+                "device": self.device,
+                "allow_tf32": self.settings.allow_tf32,
                 "tensor_parallel_size": self.tp,
                 "conversion": "correct" if self.interleave_qkv else "no_qkv_interleave",
                 "layer_spec": "local (no Transformer Engine), RMSNorm, unfused",
@@ -296,11 +302,3 @@ class MegatronSession:
             },
             "position_id_rule": "arange",
         }
-
-
-def _cpu_shims() -> None:
-    """megatron-core hard-wires CUDA in a few places that scoring on a CPU reaches (RoPE
-    moves its frequencies to `torch.cuda.current_device()`): point those at the CPU."""
-    import torch
-
-    torch.cuda.current_device = lambda: "cpu"

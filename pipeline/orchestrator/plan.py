@@ -12,12 +12,12 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pipeline.engines import engine_names
-from pipeline.engines.base import DTYPE_ALIASES, DTYPES
 from pipeline.errors import BadInput
+from pipeline.names import DTYPE_ALIASES, DTYPES, engine_names
 from pipeline.paths import safe_name
 
 Dtype = Literal[DTYPES + tuple(DTYPE_ALIASES)]
+Device = Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")]  # pipeline.devices
 Knobs = dict[str, str | int | float | bool]
 Count = Annotated[int, Field(ge=1, strict=True)]
 
@@ -53,6 +53,7 @@ class Rollout(_Strict):
     engine: str
     image: str | None = None
     dtype: Dtype = "float32"
+    device: Device = "auto"
     knobs: Knobs = {}
     server: Server | None = None
 
@@ -67,7 +68,9 @@ class Replay(_Strict):
     engine: str
     image: str | None = None
     dtype: Dtype = "float32"
-    nproc: Count = 1
+    device: Device = "auto"
+    # ranks of a distributed engine: one per GPU on CUDA; auto = every GPU the stage sees
+    nproc: Count | Literal["auto"] = 1
     knobs: Knobs = {}
 
     @field_validator("engine")

@@ -22,7 +22,7 @@ import click
 from pipeline.errors import EXIT_BAD_INPUT, EXIT_PASS, EXIT_REGRESSION, BadInput, Interrupted
 from pipeline.orchestrator.plan import Plan
 from pipeline.orchestrator.runners import ServerFailed, make_runner
-from pipeline.orchestrator.stages import PROMPTS, URL, Stage, compare_stage, expand
+from pipeline.orchestrator.stages import LOGS, PROMPTS, URL, Stage, compare_stage, expand
 from pipeline.paths import SpaceReserve, is_disk_full, output_lock, write_text_atomic
 from pipeline.run_manifest import (
     add_stage,
@@ -32,7 +32,6 @@ from pipeline.run_manifest import (
     write_manifest,
 )
 
-LOGS = "logs"
 DISK_FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
 NEARLY_FULL_BYTES = 64 << 10
 

@@ -171,8 +171,6 @@ class DockerRunner:
         network.remove()
 
     def _common(self, run_dir: Path) -> dict:
-        from docker.types import DeviceRequest
-
         return dict(
             detach=True,
             working_dir=str(run_dir),
@@ -181,9 +179,7 @@ class DockerRunner:
             user=os.environ.get("LPX_DOCKER_USER") or f"{os.getuid()}:{os.getgid()}",
             environment={"CI": "true", "LPX_CACHE": f"{run_dir}/.cache", "HOME": str(run_dir)},
             shm_size="2g",  # torch.distributed's gloo/NCCL use /dev/shm
-            device_requests=[DeviceRequest(count=-1, capabilities=[["gpu"]])]
-            if self.gpus
-            else None,
+            device_requests=gpu_requests() if self.gpus else None,
         )
 
     def image(self, stage: Stage) -> dict | None:
@@ -256,6 +252,17 @@ def _volumes(run_dir: Path) -> dict:
             )
         return {volume: {"bind": mount, "mode": "rw"}}
     return {str(run_dir): {"bind": str(run_dir), "mode": "rw"}}
+
+
+def gpu_requests() -> list:
+    """Docker device requests for a GPU stage: the GPUs CUDA_VISIBLE_DEVICES names on the
+    host (so a runner shared by several jobs keeps each to its own), else every GPU."""
+    from docker.types import DeviceRequest
+
+    listed = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if listed:
+        return [DeviceRequest(device_ids=listed, capabilities=[["gpu"]])]
+    return [DeviceRequest(count=-1, capabilities=[["gpu"]])]
 
 
 def make_runner(name: str, gpus: bool = False):

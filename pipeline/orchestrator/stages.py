@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pipeline.orchestrator.plan import Plan, Server
 
 FIXTURE = "fixture.parquet"
+LOGS = "logs"
 PROMPTS = "prompts.txt"
 MODEL = "model"
 COMPARE = "compare"
@@ -24,7 +25,7 @@ class Stage:
     outputs: list[str]  # relative to the run directory; all present = the stage is done
     needs: list[str] = field(default_factory=list)  # stages whose outputs it reads
     image: str | None = None
-    nproc: int = 1
+    nproc: int | str = 1  # or "auto": one rank per GPU the stage sees
     # What an exit code 1 means: "fail" (a comparison found drift) or "error".
     exit_1: str = "error"
     # A server the stage talks to; URL in argv is replaced by its address once it is up.
@@ -71,6 +72,7 @@ def expand(plan: Plan) -> list[Stage]:
         str(sampling.samples_per_prompt),
         "--logprobs-mode",
         sampling.logprobs_mode,
+        *(["--device", plan.rollout.device] if plan.rollout.device != "auto" else []),
         *_knobs(plan.rollout.knobs),
         *(["--set", f"url={URL}"] if plan.rollout.server else []),
     ]
@@ -97,7 +99,11 @@ def expand(plan: Plan) -> list[Stage]:
             replay_file(replay.name),
             "--model",
             model,
-            *(["--nproc", str(replay.nproc)] if replay.nproc > 1 else []),
+            *(["--nproc", str(replay.nproc)] if replay.nproc != 1 else []),
+            *(["--device", replay.device] if replay.device != "auto" else []),
+            # each rank of a distributed engine logs beside the stage's own log
+            "--rank-logs",
+            f"{LOGS}/replay-{replay.name}",
             *_knobs(replay.knobs),
         ]
         stages.append(

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.errors import BadInput
+from pipeline.errors import BadInput, DeviceOutOfMemory
 from pipeline.serve.metrics import ServerMetrics
 from pipeline.serve.model_slot import resolve_model_dir
 from pipeline.serve.scheduler import BatchScheduler, Paused, QueueFull
@@ -118,6 +118,8 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
             return JSONResponse({"error": "client went away"}, status_code=499)
         try:
             answers = [item.future.result() for item in items]
+        except DeviceOutOfMemory as full:  # this batch did not fit: another replica may
+            return error(503, str(full), **{"Retry-After": str(settings.retry_after_s)})
         except Exception as failure:  # the engine failed on this batch
             return error(500, f"scoring failed: {failure}")
         versions = {answer[1] for answer in answers}
@@ -185,6 +187,7 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
             "status": "updating" if state["updating"] else "paused" if scheduler.paused else "ok",
             "engine": slot.engine,
             "dtype": slot.settings.dtype,
+            "device": slot.settings.device,
             "queue_depth": scheduler.queue_depth,
             **_version(slot),
         }

@@ -18,17 +18,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipeline import devices
 from pipeline.serve.model_slot import Version, as_result, version_name
 
 
-def launch(engine: str, nproc: int, serve_args: dict) -> int:
-    """Run the ranks under torchrun in the foreground; SIGTERM/SIGINT stop them."""
+def launch(engine: str, nproc, serve_args: dict) -> int:
+    """Run the ranks under torchrun in the foreground (one per GPU on CUDA, checked before
+    any starts); SIGTERM/SIGINT stop them."""
+    from pipeline.engines.distributed import plan_ranks, rank_environment
+
+    nproc, kind, env = plan_ranks(serve_args["knobs"], nproc)
+    serve_args = {**serve_args, "knobs": {**serve_args["knobs"], "device": kind}}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "pipeline.serve.distributed", "--engine", engine, "--args", json.dumps(serve_args),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    process = subprocess.Popen(command, env=env)
+    process = subprocess.Popen(command, env=rank_environment(env))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: process.terminate())
     return process.wait()
@@ -123,7 +128,6 @@ def _score_share(session, pairs):
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch
     import torch.distributed as dist
 
     parser = argparse.ArgumentParser(description="lpx serve rank (started by torchrun)")
@@ -131,8 +135,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--args", required=True)
     args = parser.parse_args(argv)
     options = json.loads(args.args)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    model_dir, knobs, version = Path(options["model"]), options["knobs"], options["version"]
+    knobs = options["knobs"]
+    device = devices.rank_device(knobs.get("device", "cpu"))
+    dist.init_process_group(devices.collective_backend(device))
+    model_dir, knobs, version = (
+        Path(options["model"]),
+        {**knobs, "device": device},
+        options["version"],
+    )
     if dist.get_rank() != 0:
         follow(args.engine, model_dir, knobs, version)
         os._exit(0)  # see pipeline/engines/distributed.py: torch's CPU collectives' teardown

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline import devices
 from pipeline.engines.hf_common import load_model
-from pipeline.engines.hf_replay import ReplayKnobs, score_batch
+from pipeline.engines.hf_replay import ReplayKnobs, score_batches
 from pipeline.errors import BadInput
 from pipeline.fingerprint import tensor_fingerprint
 
@@ -33,12 +34,16 @@ class ModelSlot:
     engine = "hf"
 
     def __init__(self, model_dir: Path, knobs: dict, version: str | None = None):
-        self.settings = ReplayKnobs.from_dict(knobs)
+        settings = ReplayKnobs.from_dict(knobs)
+        device = devices.resolve_device(settings.device, "--device")
+        self.settings = dataclasses.replace(settings, device=device)
         self._lock = threading.Lock()
         self.model, self.version = self._load(Path(model_dir), version)
+        self.tf32 = devices.set_tf32(device, self.settings.allow_tf32)
 
     def _load(self, model_dir: Path, version: str | None):
-        model = load_model(model_dir, self.settings.dtype, self.settings.attn_implementation)
+        settings = self.settings
+        model = load_model(model_dir, settings.dtype, settings.attn_implementation, settings.device)
         fingerprint = tensor_fingerprint(model.state_dict().items())
         return model, Version(
             version_name(model_dir, version, fingerprint), fingerprint, str(model_dir)
@@ -62,11 +67,19 @@ class ModelSlot:
         settings = self.settings
         if want_prompt != settings.prompt_logprobs:
             settings = dataclasses.replace(settings, prompt_logprobs=want_prompt)
-        scored = []
-        for start in range(0, len(pairs), settings.micro_batch_size):
-            scored.extend(
-                score_batch(model, pairs[start : start + settings.micro_batch_size], settings)
-            )
+        size = settings.micro_batch_size
+        batches = [pairs[start : start + size] for start in range(0, len(pairs), size)]
+        scored = score_batches(
+            model,
+            batches,
+            settings,
+            where=lambda k: (
+                f"a batch of {len(batches[k])} sequences x "
+                f"{max(len(p) + len(c) for p, c in batches[k])} tokens"
+            ),
+            lower="--token-budget or --max-batch (or send shorter requests)",
+            progress=False,
+        )
         return [as_result(s) for s in scored], version
 
 
