@@ -69,7 +69,10 @@ def test_replay_records_layout_and_applied_knobs(run_dir):
     meta = replay.metadata
     assert meta["dtype"] == "bfloat16"
     assert meta["knobs"]["dtype"] == "bfloat16" and meta["knobs"]["attn_implementation"] == "sdpa"
+    assert meta["knobs"]["device"] == "cpu" and meta["knobs"]["allow_tf32"] is False
+    assert meta["hardware"]["device"] == "cpu" and meta["hardware"]["name"]
     assert meta["layout"] == {
+        "device": "cpu",
         "world_size": 1,
         "tensor_parallel_size": 1,
         "pipeline_parallel_size": 1,
