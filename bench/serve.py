@@ -67,10 +67,12 @@ def scaled_model(out: Path, hidden: int, layers: int) -> Path:
     return out
 
 
-def in_process(model_dir: Path, pairs, max_batch: int, repeats: int = 3) -> float:
+def in_process(
+    model_dir: Path, pairs, max_batch: int, device: str = "cpu", repeats: int = 3
+) -> float:
     """Completion tokens/s of ModelSlot.score over the pairs in batches of max_batch,
     sorted by length (what the server's scheduler does at saturation)."""
-    slot = ModelSlot(model_dir, {"micro_batch_size": str(max_batch)})
+    slot = ModelSlot(model_dir, {"micro_batch_size": str(max_batch), "device": device})
     arrays = sorted(
         ((np.array(p), np.array(c)) for p, c in pairs), key=lambda x: len(x[0]) + len(x[1])
     )
@@ -85,15 +87,17 @@ def in_process(model_dir: Path, pairs, max_batch: int, repeats: int = 3) -> floa
     return tokens / best
 
 
-def lpx_replay_rate(model_dir: Path, pairs, micro_batch: int, repeats: int = 3) -> float:
+def lpx_replay_rate(
+    model_dir: Path, pairs, micro_batch: int, device: str = "cpu", repeats: int = 3
+) -> float:
     """Completion tokens/s of the HF engine's replay loop as `lpx replay --engine hf` runs it:
     the pairs in fixture order, micro-batches of ``micro_batch``; model load and file I/O
     left out (the server has its model loaded too)."""
     from pipeline.engines.hf_common import load_model
     from pipeline.engines.hf_replay import ReplayKnobs, score_batch
 
-    model = load_model(model_dir)
-    knobs = ReplayKnobs(micro_batch_size=micro_batch)
+    model = load_model(model_dir, device="cuda:0" if device == "cuda" else device)
+    knobs = ReplayKnobs(micro_batch_size=micro_batch, device=str(model.device))
     arrays = [(np.array(p), np.array(c)) for p, c in pairs]
     tokens = sum(len(c) for _, c in arrays)
     score_batch(model, arrays[:micro_batch], knobs)  # warm up
@@ -170,6 +174,7 @@ def main() -> int:
         help="a random llama of this width instead of the tiny model",
     )
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: the server's and the loop's")
     args = parser.parse_args()
     if args.hidden:
         tmp = tempfile.TemporaryDirectory()
@@ -180,18 +185,24 @@ def main() -> int:
     pairs = workload(args.sequences, args.prompt, args.completion, vocab)
     tokens = sum(len(c) for _, c in pairs)
     size = f"random llama {args.hidden}x{args.layers}" if args.hidden else "tiny model"
-    print(f"workload: {len(pairs)} sequences, {tokens:,} completion tokens, {size}, fp32, CPU")
+    print(
+        f"workload: {len(pairs)} sequences, {tokens:,} completion tokens, {size}, fp32, "
+        f"{args.device}"
+    )
 
-    direct = in_process(model_dir, pairs, args.max_batch)
+    direct = in_process(model_dir, pairs, args.max_batch, args.device)
     print(
         f"in-process ModelSlot.score, length-sorted batches of {args.max_batch}: "
         f"{direct:,.0f} tokens/s (the best case: the whole workload sorted up front)"
     )
-    replay = {mb: lpx_replay_rate(model_dir, pairs, mb) for mb in sorted({8, args.max_batch})}
+    replay = {
+        mb: lpx_replay_rate(model_dir, pairs, mb, args.device) for mb in sorted({8, args.max_batch})
+    }
     for mb, rate in replay.items():
         print(f"in-process lpx replay loop, fixture order, micro-batch {mb}: {rate:,.0f} tokens/s")
     replay_best = max(replay.values())
-    with server(model_dir, "--max-batch", str(args.max_batch)) as url:
+    device = ("--device", args.device)
+    with server(model_dir, *device, "--max-batch", str(args.max_batch)) as url:
         drive(url, pairs[:64], 8, SEQUENCES_PER_REQUEST)  # warm up
         saturated = drive(url, pairs, 64, SEQUENCES_PER_REQUEST)
         ratio = saturated["tokens_per_s"] / replay_best
@@ -210,7 +221,7 @@ def main() -> int:
                 f"p99 {run['p99_ms']:.1f} ms, {run['tokens_per_s']:,.0f} tokens/s"
             )
         batched = drive(url, pairs[:256], 64, 1)
-    with server(model_dir, "--max-batch", "1") as url:
+    with server(model_dir, *device, "--max-batch", "1") as url:
         drive(url, pairs[:16], 8, 1)
         single = drive(url, pairs[:256], 64, 1)
     print(
