@@ -1,0 +1,233 @@
+"""What the hypothesis rules read: the batch (signatures per sequence and its records), the
+constants they share, and the helpers that turn claimed sequences into a finding."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from pipeline.compare.findings import FAULT_CAUSES, Finding
+from pipeline.compare.signatures import Signatures, segment_sum
+
+EXPLAINS = 0.75  # fraction of a sequence's drifting tokens a signature must explain
+MIN_TOKENS = 2
+ONE_SIGNED = 0.95  # fraction of drifting tokens on which the same side is higher
+LABEL_SHIFT_GAP = 2.0  # nats: a factor e^2 at the typical token, beyond any processing
+# Mean |d| that precision alone gives, by the lowest precision declared by either side. fp32
+# runs still meet TF32 matmuls, another reduction order or a head left in bf16 (~1e-3);
+# bf16 engines of the same weights differ by a mean |d| of ~0.011-0.013 in public reports.
+NUMERIC_CEILING = {"float32": 0.01, "float16": 0.01, "bfloat16": 0.03}
+WEIGHT_SIGN_Z = 8.0  # a weight change: per-sequence direction this many s.e. above chance
+ONSET_WINDOW = 3  # tokens: a shared onset may show up to this late (drift under tau at first)
+PREFIX_FLOOR = 0.1  # before an onset, |d| stays under this fraction of tau
+# A weight update moves logprobs by a small fraction of their size (one RL step: KL ~1e-3,
+# mean |d| a few % of mean |logprob|); a position bug scrambles attention, tens of %.
+WEIGHT_STEP_RELATIVE = 0.3
+LIKELY_LOGPROB = float(np.log(0.3))
+
+
+@dataclass
+class Batch:
+    """What the rules see: signatures per sequence plus the batch's own records."""
+
+    sig: Signatures
+    ids: list[str]
+    positions: np.ndarray  # each token's position in its completion (masked tokens skipped)
+    offsets: np.ndarray
+    train: np.ndarray
+    rollout: np.ndarray
+    tau: float
+    versions: np.ndarray | None
+    context: dict
+
+    @property
+    def drifting(self) -> np.ndarray:
+        return self.sig.bad > 0
+
+    # Per-token arrays several rules read; computed once.
+    @cached_property
+    def seq(self) -> np.ndarray:
+        """Each token's sequence index."""
+        return np.repeat(np.arange(len(self.ids)), np.diff(self.offsets))
+
+    @cached_property
+    def diff(self) -> np.ndarray:
+        """d = train - rollout per token, float64."""
+        return self.train.astype(np.float64) - self.rollout.astype(np.float64)
+
+    @cached_property
+    def bad_tokens(self) -> np.ndarray:
+        return np.abs(self.diff) > self.tau
+
+
+def weights_evidence(context: dict) -> str | None:
+    """Why the two sides' weights differ, from fingerprints, or None when nothing says so."""
+    fixture_fp, replay_fp = context.get("fixture_weights"), context.get("replay_weights")
+    if fixture_fp and replay_fp and fixture_fp != replay_fp:
+        return (
+            f"weights fingerprint differs: fixture {fixture_fp[:19]}... vs replay {replay_fp[:19]}...; "
+            "the two sides hold different weights"
+        )
+    checkpoint, held = context.get("checkpoint_tensors"), context.get("held_tensors")
+    if checkpoint and held and checkpoint != held:
+        return (
+            f"the replay engine holds weights ({held[:19]}...) that differ from the checkpoint it "
+            f"loaded ({checkpoint[:19]}...), gathered from all its shards: the weight conversion, "
+            "sharding or loading changed them"
+        )
+    return None
+
+
+def clean_at_floor(batch: Batch) -> np.ndarray:
+    """Sequences that agree at the noise floor, not merely under tau: what a batch-wide
+    cause (weights, precision, sampling, a shared template) cannot leave untouched."""
+    sig = batch.sig
+    return ~batch.drifting & (sig.tokens >= MIN_TOKENS) & (sig.mean_abs <= batch.tau * PREFIX_FLOOR)
+
+
+def unexplained(batch: Batch, open_: np.ndarray) -> Finding:
+    return finding(
+        batch,
+        "unexplained",
+        open_,
+        f"drift above tau in {int(open_.sum())} sequences (RMS {rms(batch, open_):.3g}) that no "
+        "known cause explains; ruled out: a token shift, a constant fill, labels off by one, "
+        "rounding, recorded weight versions, sampling processing, a position or version onset, "
+        "precision noise, weights and per-sequence context; inspect the worst tokens",
+        confidence=0.0,
+    )
+
+
+def finding(
+    batch,
+    cause,
+    claimed,
+    evidence,
+    severity=None,
+    details=None,
+    confidence=1.0,
+    runner_up=None,
+    first=None,
+):
+    """``first``: the sequence whose first bad token the finding points at (default: the
+    first claimed one)."""
+    index = np.flatnonzero(claimed)
+    ids = [batch.ids[i] for i in index]
+    where = {}
+    if first is None and len(index):
+        first = int(index[0])
+    if first is not None:
+        where = {"sequence_id": batch.ids[first], "position": position_of(batch, first)}
+    return Finding(
+        cause,
+        ids,
+        where,
+        evidence,
+        severity or ("fault" if cause in FAULT_CAUSES else "info"),
+        details or {},
+        round(float(confidence), 3),
+        None if runner_up is None else {"cause": runner_up[0], "why_not": runner_up[1]},
+    )
+
+
+def position_of(batch: Batch, i: int) -> int:
+    """Completion position of sequence i's first bad token (its first token when none)."""
+    start, end = int(batch.offsets[i]), int(batch.offsets[i + 1])
+    if start == end:
+        return 0
+    return int(batch.positions[start + max(int(batch.sig.first_bad[i]), 0)])
+
+
+def rms(batch: Batch, which: np.ndarray) -> float:
+    sig = batch.sig
+    weights = sig.tokens[which]
+    return (
+        float(np.sqrt(np.average(sig.rms[which] ** 2, weights=weights))) if weights.sum() else 0.0
+    )
+
+
+def weight_like(sig: Signatures, which: np.ndarray) -> tuple[bool, str, float]:
+    """Moved per sequence as one weight update moves them: most of each sequence's drifting
+    tokens go one way (up for the sequences the step favoured, down for the others). A
+    prompt change moves each token its own way; precision noise averages out.
+
+    The statistic is a per-sequence sign test, mean z^2 over the sequences (1 by chance).
+    Tokens of one sequence share their context, so their signs are not independent: the
+    evidence must stand WEIGHT_SIGN_Z standard errors (of independent signs) above chance."""
+    n = int(which.sum())
+    score = bias_score(sig, which)
+    needed = 1.0 + WEIGHT_SIGN_Z * math.sqrt(2.0 / max(n, 1))
+    why = f"sign test: mean z^2 {score:.2f} over {n} sequences, weights need > {needed:.2f}"
+    return score > needed, why, score
+
+
+def bias_score(sig: Signatures, which: np.ndarray) -> float:
+    """Mean squared per-sequence sign-test z of d: ~1 for drift that goes both ways."""
+    t = np.minimum(sig.sign_z[which] ** 2, 100.0)
+    return float(t.mean()) if len(t) else 0.0
+
+
+def low_dtype(batch: Batch) -> str:
+    return batch.context.get("low_precision_dtype", "float32")
+
+
+def numeric_ceiling(batch: Batch) -> float:
+    return NUMERIC_CEILING.get(low_dtype(batch), NUMERIC_CEILING["float32"])
+
+
+def flat_bad_diff(batch: Batch, which: np.ndarray) -> np.ndarray:
+    return batch.diff[which[batch.seq] & batch.bad_tokens]
+
+
+def truncated_sampling(batch: Batch) -> bool:
+    sampling = batch.context.get("sampling") or {}
+    return int(sampling.get("top_k") or 0) > 0 or float(sampling.get("top_p") or 1.0) < 1.0
+
+
+def fills_zero(batch: Batch, which: np.ndarray) -> np.ndarray:
+    """Sequences whose repeated rollout value is exactly 0.0."""
+    zeros = segment_sum(batch.bad_tokens & (batch.rollout == 0.0), batch.offsets)
+    return which & (zeros >= EXPLAINS * np.maximum(batch.sig.bad, 1))
+
+
+def sharpening(batch: Batch, which: np.ndarray):
+    """T < 1 raises the likely tokens and T > 1 lowers them, all the same way; weights and
+    noise move them both ways."""
+    rollout, train = batch.rollout.astype(np.float64), batch.train.astype(np.float64)
+    likely = which[batch.seq] & ((rollout + train) / 2 > LIKELY_LOGPROB) & batch.bad_tokens
+    if likely.sum() < 6:
+        return None
+    up = float(np.mean(rollout[likely] > train[likely]))
+    if max(up, 1 - up) < 0.9:
+        return None
+    side = "rollout" if up >= 0.9 else "replay"
+    return (
+        f"on the {int(likely.sum())} likely tokens (p > 0.3) the {side} logprob is higher in "
+        f"{max(up, 1 - up):.0%}: the {side} distribution is sharpened",
+        {"sharpened_side": side, "agreement": max(up, 1 - up)},
+    )
+
+
+def temperature_fit(batch: Batch, which: np.ndarray):
+    """rollout - train linear in train over the drifting tokens, with a temperature's slope."""
+    d = batch.diff
+    keep = which[batch.seq] & batch.bad_tokens
+    if keep.sum() < 3:
+        return None
+    x, gap = batch.train[keep].astype(np.float64), -d[keep]
+    var_x = x.var()
+    if var_x <= 0 or gap.var() <= 0:
+        return None
+    cov = np.mean((x - x.mean()) * (gap - gap.mean()))
+    gap_slope = cov / var_x
+    r2 = cov * cov / (var_x * gap.var())
+    slope = 1.0 + gap_slope
+    if r2 < 0.8 or abs(gap_slope) < 0.05 or not 0.2 <= slope <= 5.0:
+        return None
+    return (
+        f"rollout = {slope:.3f} x replay + c (R^2 of the gap {r2:.3f}, temperature ~{1 / slope:.2f})",
+        {"slope": float(slope), "estimated_temperature": float(1 / slope), "r2": float(r2)},
+    )

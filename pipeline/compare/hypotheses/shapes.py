@@ -1,0 +1,323 @@
+"""Hypotheses read from the shape of the drift: batch-wide sampling processing (one-signed or
+linear gaps), onsets after clean tokens (positions, an in-flight weight update), and drift
+from the first token (precision, weights, each sequence's own context)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.compare.hypotheses.batch import (
+    EXPLAINS,
+    MIN_TOKENS,
+    ONE_SIGNED,
+    ONSET_WINDOW,
+    WEIGHT_STEP_RELATIVE,
+    Batch,
+    clean_at_floor,
+    finding,
+    flat_bad_diff,
+    low_dtype,
+    numeric_ceiling,
+    position_of,
+    sharpening,
+    temperature_fit,
+    unexplained,
+    weight_like,
+)
+
+
+def sampling_rule(batch: Batch, open_: np.ndarray):
+    """Processed vs raw logprobs. Truncation renormalises the kept tokens, so the processed
+    side is higher at every sampled token, by -log(kept mass): never more than -log(top_p)
+    under top-p. Temperature makes the gap linear in the logprob. The rollout's recorded
+    sampling names which processing was in use."""
+    candidates = open_ & (batch.sig.bad >= MIN_TOKENS)
+    if candidates.sum() == 0 or clean_at_floor(batch).any():
+        return  # processing touches every sequence; some at the floor rule it out
+    d = flat_bad_diff(batch, candidates)
+    if len(d) < 3:
+        return
+    processed_higher_rollout = float(np.mean(d < 0))
+    one_signed = max(processed_higher_rollout, 1 - processed_higher_rollout) >= ONE_SIGNED
+    sampling = batch.context.get("sampling") or {}
+    temperature = float(sampling.get("temperature", 1.0) or 1.0)
+    top_k = int(sampling.get("top_k", 0) or 0)
+    top_p = float(sampling.get("top_p", 1.0) or 1.0)
+    side = "rollout" if processed_higher_rollout >= 0.5 else "replay"
+    gap = np.abs(d)
+    max_gap = float(np.quantile(gap, 0.999))
+    fit = temperature_fit(batch, candidates) or (
+        sharpening(batch, candidates) if temperature != 1.0 else None
+    )
+    causes = []
+    if one_signed and (top_k > 0 or top_p < 1.0):
+        if top_k > 0:
+            causes.append(("top_k", f"top-k {top_k} in the rollout's sampling"))
+        if top_p < 1.0:
+            bound = -np.log(top_p)
+            causes.append(
+                ("top_p", f"top-p {top_p:g} in the rollout's sampling; gap <= {bound:.3g} nats")
+            )
+    elif fit and (temperature != 1.0 or batch.context.get("temperature_hint") or not sampling):
+        causes.append(("temperature", fit[0]))
+    elif one_signed and not sampling:
+        if max_gap <= -np.log(0.5):
+            causes.append(
+                ("top_p", f"every gap under {max_gap:.3g} nats: top-p ~{np.exp(-max_gap):.2f}")
+            )
+        else:
+            causes.append(("top_k", f"gaps up to {max_gap:.3g} nats, beyond a top-p bound"))
+    elif batch.context.get("temperature_hint") and one_signed:
+        causes.append(("temperature", batch.context["temperature_hint"]))
+    if not causes:
+        return
+    claimed = candidates.copy()
+    for cause, why in causes:
+        yield (
+            finding(
+                batch,
+                cause,
+                claimed,
+                f"the {side} side is higher on {max(processed_higher_rollout, 1 - processed_higher_rollout):.0%} "
+                f"of the drifting tokens (max gap {max_gap:.3g} nats); {why}: one side's logprobs "
+                "are processed (after temperature/truncation) and the other's are raw; return "
+                "raw logprobs from the rollout, or apply the same processing on both sides",
+                details={
+                    "processed_side": side,
+                    "max_gap": max_gap,
+                    **({"temperature_fit": fit[1]} if fit and cause == "temperature" else {}),
+                },
+                runner_up=(
+                    "stale_weights",
+                    "weights move sampled tokens both ways; here one side is higher throughout",
+                )
+                if one_signed
+                else (
+                    "stale_weights",
+                    "the gap is linear in the logprob, as a temperature makes it",
+                ),
+            ),
+            claimed,
+        )
+
+
+def onset_rule(batch: Batch, open_: np.ndarray):
+    """Drift that starts after clean tokens and stays: positions shifted from there, or a
+    weight update in flight when many sequences share the onset index."""
+    sig = batch.sig
+    # Before an onset the two sides computed the same thing: agreement at the floor, not
+    # merely under tau (context faults leave the first tokens a little off, under tau).
+    floor = sig.prefix_floor >= 0.5
+    after = (
+        open_
+        & (sig.first_bad >= 1)
+        & floor
+        & (sig.bad_after_onset >= 0.5)
+        & (sig.bad >= MIN_TOKENS)
+        & (sig.mean_abs > numeric_ceiling(batch))
+    )
+    if not after.any():
+        return
+    onsets = sig.first_bad[after]
+    k0 = int(onsets.min())
+    shared = after & (sig.first_bad <= k0 + ONSET_WINDOW)
+    relative = float(np.median(sig.relative[after]))
+    # An update reaches every sequence still generating at k0: one clean at the floor well
+    # past k0 rules it out (a request admitted after it would drift from its first token).
+    untouched = (clean_at_floor(batch) & (sig.tokens > k0 + ONSET_WINDOW)).any()
+    if k0 >= 2 and shared.sum() >= 2 and relative <= WEIGHT_STEP_RELATIVE and not untouched:
+        # Every sequence in flight switches weights at once: none drifts before k0, many
+        # from k0 on, and the later onsets are tokens whose drift stayed under tau at first.
+        late = open_ & floor & (sig.first_bad >= k0)
+        onset_seq = int(np.flatnonzero(after & (sig.first_bad == k0))[0])
+        yield (
+            finding(
+                batch,
+                "version_change",
+                late,
+                f"{int(late.sum())} sequences are clean up to completion index {k0} and drift "
+                f"from there on ({int(shared.sum())} of them within {ONSET_WINDOW} tokens of it), "
+                f"by a small fraction of the logprobs (median {relative:.1%}), as a weight update "
+                "does: the weights changed while they were being generated (an in-flight "
+                "update); record per-token weight versions and score each token with its own",
+                details={"at": position_of(batch, onset_seq), "relative_drift": relative},
+                confidence=float(shared.sum() / late.sum()),
+                first=onset_seq,
+                runner_up=(
+                    "position_ids",
+                    f"a position bug scrambles attention, moving logprobs by tens of % "
+                    f"(here {relative:.1%})",
+                ),
+            ),
+            late,
+        )
+        after = after & ~late
+    restart = after & (sig.first_bad == 1)
+    drifting = open_ & (sig.bad >= MIN_TOKENS)
+    if restart.sum() >= 2 and restart.sum() >= EXPLAINS * drifting.sum():
+        restart = open_ & floor & (sig.first_bad >= 1)  # every sequence restarts there
+    else:
+        restart[:] = False
+    positions = (after & (sig.first_bad >= MIN_TOKENS)) | restart
+    if positions.any():
+        first = int(np.argmax(positions))
+        yield (
+            finding(
+                batch,
+                "position_ids",
+                positions,
+                f"drift starts at position {position_of(batch, first)} of seq {batch.ids[first]} "
+                f"(clean before) and stays on ({float(np.mean(sig.bad_after_onset[positions])):.0%} "
+                "of the later tokens over tau) in "
+                f"{int(positions.sum())} sequences: position ids are offset from there "
+                "(restarted at the completion, KV-cache or packing position bug)",
+                details={"onset": position_of(batch, first)},
+                runner_up=(
+                    "version_change",
+                    "the onsets are not one shared index across the batch"
+                    if positions.sum() > 1
+                    else "only one sequence drifts; a weight update hits every sequence in flight",
+                ),
+            ),
+            positions,
+        )
+
+
+def from_start_rule(batch: Batch, open_: np.ndarray):
+    """Drift from the first tokens on: precision, the batch's weights, or one sequence's
+    context (padding, a different prompt)."""
+    sig = batch.sig
+    if not open_.any():
+        return
+    ceiling = numeric_ceiling(batch)
+    mean_abs = float(np.average(sig.mean_abs[open_], weights=sig.tokens[open_]))
+    # Clean at the floor, not merely under tau; substantial: most tokens from the onset on.
+    clean = clean_at_floor(batch)
+    substantial = open_ & (sig.bad >= MIN_TOKENS) & (sig.bad_after_onset >= 0.5)
+    if clean.any() and substantial.any():
+        # Precision and weights touch every sequence; some at the floor rule both out.
+        yield from _context_findings(batch, substantial, clean)
+        open_ = open_ & ~substantial
+        if not open_.any():
+            return
+        mean_abs = float(np.average(sig.mean_abs[open_], weights=sig.tokens[open_]))
+    if clean.any() and mean_abs > ceiling:
+        # Weights, precision and prompts of the whole batch would reach the clean ones too.
+        yield (unexplained(batch, open_), open_.copy())
+        return
+    weights, why_weights, bias = weight_like(sig, open_)
+    if not weights and mean_abs <= ceiling:
+        yield (
+            finding(
+                batch,
+                "dtype",
+                open_,
+                f"numeric drift in {int(open_.sum())} sequences: mean |d| {mean_abs:.3g} within "
+                f"what precision gives ({ceiling:g} for {low_dtype(batch)} sides: lower-precision "
+                f"kernels, TF32, another reduction order), not biased as a weight change biases "
+                f"sequences ({why_weights}); no semantic cause fits",
+                severity="info",
+                details={"dtype": low_dtype(batch), "mean_abs_diff": mean_abs, "bias": bias},
+                confidence=min(1.0, ceiling / max(mean_abs, 1e-12) / 2),
+                runner_up=(
+                    "stale_weights",
+                    f"weights bias whole sequences, the same way or strongly; {why_weights}",
+                ),
+            ),
+            open_.copy(),
+        )
+        return
+    if not weights:
+        # Drift in every sequence, beyond precision, yet not a weight change's bias: the
+        # whole batch saw other inputs (a BOS added or dropped, another chat template). One
+        # optimiser step instead moves whole sequences, most of them the same way (a
+        # likelihood step, an RL step with mostly positive advantages) or strongly.
+        yield (
+            finding(
+                batch,
+                "prompt_mismatch",
+                open_,
+                f"drift in every sequence ({int(open_.sum())}) from the first tokens on, mean "
+                f"|d| {mean_abs:.3g} (beyond the {ceiling:g} precision gives), not biased as a "
+                f"weight change biases sequences ({why_weights}): the two sides scored different "
+                "prompt tokens for the whole batch (a BOS added or dropped, another chat "
+                "template); compare the prompt ids each side used",
+                details={"mean_abs_diff": mean_abs, "bias": bias},
+                confidence=0.6,
+                runner_up=(
+                    "stale_weights",
+                    f"weights one step apart bias whole sequences, the same way or strongly; "
+                    f"{why_weights}",
+                ),
+            ),
+            open_.copy(),
+        )
+        return
+    yield (
+        finding(
+            batch,
+            "stale_weights",
+            open_,
+            f"drift in every sequence ({int(open_.sum())}) from the first tokens on, mean |d| "
+            f"{mean_abs:.3g} (beyond the {ceiling:g} precision gives), biased per sequence as "
+            f"a weight change biases them ({why_weights}), with equal weight fingerprints on "
+            "file: the engines likely hold different weights (stale policy version, wrong "
+            "weight conversion or sharding)",
+            details={"mean_abs_diff": mean_abs, "bias": bias},
+            confidence=0.9,
+            runner_up=(
+                "prompt_mismatch",
+                "a prompt mismatch moves each sequence its own way, and weakly on average",
+            ),
+        ),
+        open_.copy(),
+    )
+
+
+def _context_findings(batch: Batch, open_, clean):
+    """Some sequences drift from the start while others are clean at the noise floor:
+    weights are shared by the batch, so it is each sequence's own input."""
+    prompt_lengths = batch.context.get("prompt_lengths")
+    lengths = batch.context.get("sequence_lengths")
+    drift_ids = open_
+    cause, why = "mask_padding", ""
+    if prompt_lengths is not None and lengths is not None:
+        longest_prompts = prompt_lengths[drift_ids].min() > prompt_lengths[clean].max()
+        padded = lengths[drift_ids].max() < lengths[clean].max() or (
+            np.median(lengths[drift_ids]) < np.median(lengths[clean])
+        )
+        if longest_prompts:
+            cause = "prompt_mismatch"
+            why = (
+                f"every drifting sequence has a longer prompt ({int(prompt_lengths[drift_ids].min())}+ "
+                f"tokens) than every clean one (<= {int(prompt_lengths[clean].max())}): the long "
+                "prompts were cut (truncation to a max prompt length) on one side"
+            )
+        elif padded:
+            why = (
+                "the drifting sequences are shorter than the clean ones, as the sequences that "
+                "get padding in a batch are: padding was attended (attention mask lost or "
+                "dropped), or packed sequences attended across segments"
+            )
+        else:
+            why = (
+                "the drifting and clean sequences do not differ in length, as in packed "
+                "micro-batches whose segments attend to each other (position ids not reset)"
+            )
+    runner = "prompt_mismatch" if cause == "mask_padding" else "mask_padding"
+    yield (
+        finding(
+            batch,
+            cause,
+            open_,
+            f"{int(open_.sum())} sequences drift from their first tokens while "
+            f"{int(clean.sum())} are clean at the noise floor; {why}",
+            confidence=0.8 if why else 0.5,
+            runner_up=(
+                "stale_weights",
+                f"weights are shared by the whole batch, yet {int(clean.sum())} sequences are "
+                f"clean (second: {runner})",
+            ),
+        ),
+        open_.copy(),
+    )
