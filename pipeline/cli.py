@@ -11,7 +11,8 @@ import click
 from pipeline import __version__
 from pipeline.commands.ack import ack
 from pipeline.commands.annotate import annotate
-from pipeline.commands.compare import compare
+from pipeline.commands.calibrate import calibrate
+from pipeline.commands.compare import compare, diagnose
 from pipeline.commands.fixture import fixture
 from pipeline.commands.gate import gate
 from pipeline.commands.history import history
@@ -81,7 +82,9 @@ COMMANDS = (
     make_model,
     rollout,
     replay,
+    calibrate,
     compare,
+    diagnose,
     sweep,
     fixture,
     ingest,

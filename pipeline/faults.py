@@ -72,16 +72,20 @@ class FaultSettings:
     top_p: float = 0.8
     at: int = 8  # version_change, position_ids: the completion index where the fault starts
     keep_prompt: float = 0.75  # prompt_truncated: prompts cut to this fraction of the longest
+    max_prompt: int | None = None  # prompt_truncated: or to this many tokens, when given
     step_lr: float = 1e-4  # stale_weights / version_change: one AdamW step of this size
     position_offset: int = 16
     bos_id: int = 1
 
 
 def rescore(model, pairs: list, kind: str, settings: FaultSettings) -> list[np.ndarray]:
-    """Completion logprobs of every (prompt ids, completion ids) pair under fault ``kind``."""
+    """Completion logprobs of every (prompt ids, completion ids) pair under fault ``kind``
+    (``clean``: no fault, the reference layout)."""
     import torch
 
     with torch.no_grad():
+        if kind == "clean":  # the reference itself, each sequence in its own row
+            return [_single(model, p, c) for p, c in pairs]
         if kind in ("stale_weights", "version_change", "version_change_unrecorded"):
             return _other_weights(model, pairs, kind, settings)
         if kind in ("pad_attended", "mask_dropped", "pad_positions", "packed_no_reset"):
@@ -94,7 +98,9 @@ def rescore(model, pairs: list, kind: str, settings: FaultSettings) -> list[np.n
             low = copy.deepcopy(model).to(torch.bfloat16 if kind == "bf16" else torch.float16)
             return [_single(low, p, c) for p, c in pairs]
         if kind == "prompt_truncated":  # a max prompt length: only longer prompts are cut
-            limit = max(1, int(max(len(p) for p, _ in pairs) * settings.keep_prompt))
+            limit = settings.max_prompt or max(
+                1, int(max(len(p) for p, _ in pairs) * settings.keep_prompt)
+            )
             return [_single(model, np.asarray(p)[-limit:], c) for p, c in pairs]
         return [_single_faulted(model, p, c, kind, settings) for p, c in pairs]
 

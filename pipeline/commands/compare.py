@@ -6,61 +6,142 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import OUTPUT_DIR
+from pipeline.commands.options import OUTPUT_DIR, device_option
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
 
 
+def compare_options(function):
+    """The options `lpx compare` and `lpx diagnose` share."""
+    options = [
+        click.argument("fixture_path", type=click.Path(dir_okay=False, path_type=Path)),
+        click.argument(
+            "replay_paths", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path)
+        ),
+        click.option(
+            "--out",
+            "out_dir",
+            required=True,
+            type=OUTPUT_DIR,
+            help="Directory for report.json, tokens.parquet and summary.md.",
+        ),
+        click.option(
+            "--policy",
+            "policy_path",
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="Threshold policy YAML [default: the bundled one, docs/policy.md].",
+        ),
+        click.option(
+            "--profile", help="Policy profile [default: the least precise dtype of the two sides]."
+        ),
+        click.option(
+            "--channel",
+            default="rollout",
+            show_default=True,
+            help="Fixture channel to compare: rollout, old, ref, current, rollout_raw, "
+            "rollout_processed.",
+        ),
+        click.option(
+            "--allow-weight-mismatch",
+            is_flag=True,
+            help="Compare even when the weight fingerprints differ (diagnoses stale weights).",
+        ),
+        click.option(
+            "--calibration",
+            "calibration_path",
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="The model's noise floor (lpx calibrate) [default: calibration.json beside "
+            "the replay, else beside the fixture, when there is one].",
+        ),
+        click.option(
+            "--no-calibration", is_flag=True, help="Judge by the profile's constants even so."
+        ),
+        device_option,
+        click.option("--quiet", is_flag=True, help="Print only the verdict line."),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
 @click.command()
-@click.argument("fixture_path", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument(
-    "replay_paths", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path)
-)
+@compare_options
 @click.option(
-    "--out",
-    "out_dir",
-    required=True,
-    type=OUTPUT_DIR,
-    help="Directory for report.json, tokens.parquet and summary.md.",
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Verify the findings by re-scoring their sequences with each hypothesised bug "
+    "committed (see `lpx diagnose`).",
 )
-@click.option(
-    "--policy",
-    "policy_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Threshold policy YAML [default: the bundled one, docs/policy.md].",
-)
-@click.option(
-    "--profile", help="Policy profile [default: the least precise dtype of the two sides]."
-)
-@click.option(
-    "--channel",
-    default="rollout",
-    show_default=True,
-    help="Fixture channel to compare: rollout, old, ref, current, rollout_raw, rollout_processed.",
-)
-@click.option(
-    "--allow-weight-mismatch",
-    is_flag=True,
-    help="Compare even when the weight fingerprints differ (diagnoses stale weights).",
-)
-@click.option("--quiet", is_flag=True, help="Print only the verdict line.")
-def compare(
-    fixture_path, replay_paths, out_dir, policy_path, profile, channel, allow_weight_mismatch, quiet
-):
+def compare(model_dir, **options):
     """Compare replays with their fixture token by token; write the report; exit with the verdict.
 
     Computes drift metrics (|d| tails, k1/k2/k3, IS ratio, ESS, clip fraction, per-sequence
     max/mean/sum), finds the worst tokens, tests semantic causes (off-by-one, mask/padding,
-    position ids, temperature, dtype, stale weights) and applies the threshold policy.
-    Exit 0 pass, 1 regression, 2 bad input. With several replays, each pair gets its own
-    directory under --out and report.json/summary.md hold the matrix, a row per pair.
+    position ids, temperature, dtype, stale weights) and applies the threshold policy. With
+    a calibration (lpx calibrate) drift is judged against the model's measured noise floor;
+    with --model each finding is verified by reproducing it. Exit 0 pass, 1 regression,
+    2 bad input. With several replays, each pair gets its own directory under --out and
+    report.json/summary.md hold the matrix, a row per pair.
 
     \b
     Example:
       lpx compare run/fixture.parquet run/replay-bf16.parquet --out run/compare-bf16
       lpx compare run/fixture.parquet run/replay.parquet --profile float32 --out run/strict
+      lpx compare run/fixture.parquet run/replay.parquet --model models/tiny --out run/checked
       lpx compare run/fixture.parquet run/hf.parquet run/fsdp.parquet run/megatron-tp2.parquet \\
           --out run/matrix
     """
+    run_compare(model_dir=model_dir, **options)
+
+
+@click.command()
+@compare_options
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Model directory [default: the one recorded in the fixture].",
+)
+def diagnose(model_dir, **options):
+    """Compare, then verify every finding by reproducing it with the model.
+
+    Each hypothesis the signatures propose (a temperature, a truncation, an extra or missing
+    BOS, a position offset from an onset, padding attended, labels off by one) is committed
+    in the reference model and the affected sequences are re-scored: a finding is verified
+    when one side then matches down to the noise floor, ruled out when it does not (its
+    runner-up is tried next), and what nothing reproduces is unexplained, listing what was
+    ruled out. Give a calibration (lpx calibrate) for the model's own floor.
+
+    \b
+    Example:
+      lpx calibrate run/fixture.parquet --dtype bf16
+      lpx diagnose run/fixture.parquet run/replay-bf16.parquet --out run/diagnosis
+    """
+    from pipeline.errors import BadInput
+    from pipeline.fixture.io import read_table
+
+    if model_dir is None:
+        fixture = read_table(options["fixture_path"], expect_kind="fixture")
+        model_dir = (fixture.metadata.get("model") or {}).get("path")
+        if not model_dir:
+            raise BadInput(f"{options['fixture_path']}: records no model path; pass --model DIR.")
+    run_compare(model_dir=Path(model_dir), **options)
+
+
+def run_compare(
+    fixture_path,
+    replay_paths,
+    out_dir,
+    policy_path,
+    profile,
+    channel,
+    allow_weight_mismatch,
+    calibration_path,
+    no_calibration,
+    device,
+    quiet,
+    model_dir=None,
+):
     from pipeline.paths import check_output
 
     for name in ("report.json", "tokens.parquet", "summary.md"):
@@ -68,15 +149,25 @@ def compare(
     from pipeline.compare.matrix import render_matrix, write_matrix
     from pipeline.compare.outputs import render_summary, write_outputs
     from pipeline.compare.policy import load_policy
-    from pipeline.compare.run import compare_tables
+    from pipeline.compare.run import compare_tables, rejudge
     from pipeline.fixture.io import read_table
 
     fixture = read_table(fixture_path, expect_kind="fixture")  # once, however many replays
     policy = load_policy(policy_path)
-    comparisons = [
-        compare_tables(
+    if model_dir is not None:
+        from pipeline.engines.model_dir import check_model_dir
+
+        check_model_dir(model_dir)
+    comparisons = []
+    verifier = None
+    for replay_path in replay_paths:
+        replay = read_table(replay_path, expect_kind="replay")
+        calibration, source = find_calibration(
+            calibration_path, no_calibration, [Path(replay_path).parent, Path(fixture_path).parent]
+        )
+        comparison = compare_tables(
             fixture,
-            read_table(replay_path, expect_kind="replay"),
+            replay,
             fixture_path,
             replay_path,
             policy=policy,
@@ -84,9 +175,24 @@ def compare(
             channel=channel,
             allow_weight_mismatch=allow_weight_mismatch,
             command_line=shlex.join(["lpx", *sys.argv[1:]]),
+            calibration=calibration,
+            calibration_source=source,
         )
-        for replay_path in replay_paths
-    ]
+        if model_dir is not None and needs_verifying(comparison.report["diagnosis"]):
+            from pipeline.verification import Verifier
+
+            verifier = Verifier(
+                fixture,
+                replay,
+                model_dir,
+                channel,
+                calibration,
+                device,
+                say=lambda line: click.echo(line, err=True),
+            )
+            comparison.report["diagnosis"] = verifier.verify(comparison.report["diagnosis"])
+            rejudge(comparison.report, policy)
+        comparisons.append(comparison)
     if len(comparisons) == 1:
         report = comparisons[0].report
         written = write_outputs(comparisons[0], out_dir)["report"]
@@ -99,3 +205,25 @@ def compare(
         click.echo(summary)
     click.echo(f"verdict: {report['verdict'].upper()} -> {written}")
     click.get_current_context().exit(EXIT_PASS if report["verdict"] == "pass" else EXIT_REGRESSION)
+
+
+def needs_verifying(findings: list[dict]) -> bool:
+    """Whether any finding is a fault or unexplained drift a re-score could decide."""
+    return any(f.get("severity") == "fault" for f in findings)
+
+
+def find_calibration(given: Path | None, off: bool, beside: list[Path]) -> tuple[dict | None, str]:
+    """(the calibration, its path): the one given, else calibration.json in the first of
+    ``beside`` that holds one, else none."""
+    from pipeline.calibrate.run import CALIBRATION_FILE
+    from pipeline.compare.calibrated import read_calibration
+
+    if off:
+        return None, ""
+    if given is not None:
+        return read_calibration(given), str(given)
+    for folder in beside:
+        candidate = folder / CALIBRATION_FILE
+        if candidate.is_file():
+            return read_calibration(candidate), str(candidate)
+    return None, ""

@@ -18,6 +18,7 @@ FAULT_CAUSES = (
     "missing_version",
 )
 KNOWN_CAUSES = (*FAULT_CAUSES, "dtype", "unexplained")  # what a policy's fail_on_findings may name
+STATUSES = ("verified", "plausible", "ruled_out")
 
 
 @dataclass
@@ -30,6 +31,13 @@ class Finding:
     details: dict = field(default_factory=dict)
     confidence: float = 1.0
     runner_up: dict | None = None  # {"cause", "why_not"}
+    # verified: re-scoring with the bug committed reproduced the drift down to the noise
+    # floor (or, for precision, the drift is within the calibrated floor); plausible: the
+    # signatures fit, nothing re-scored; ruled_out is only ever on what a finding tested.
+    status: str = "plausible"
+    residual_before: float | None = None  # mean |d| on the finding's tokens
+    residual_after: float | None = None  # mean |d| left once the bug is reproduced
+    floor: float | None = None  # mean |d| precision alone gives those tokens
 
     def as_dict(self) -> dict:
         # shallow: dataclasses.asdict deep-copies every sequence id (80 ms on 30k sequences)

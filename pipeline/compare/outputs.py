@@ -65,6 +65,7 @@ def render_summary(report: dict) -> str:
         f"- replay: {_md(_engine(replay))} ({_md(replay['path'])})",
         f"- policy: {policy['source']}, profile `{policy['profile']}`, tau {policy['tau']:g}",
         f"- sign: {report['sign_convention']}",
+        f"- noise floor: {_calibration_line(report.get('calibration') or {})}",
         "",
         "| metric | value | limit |",
         "|---|---|---|",
@@ -107,7 +108,9 @@ def render_summary(report: dict) -> str:
         lines.append("- no drift above tau; nothing to explain")
     for finding in report["diagnosis"]:
         lines.append(
-            f"- **{_md(finding['cause'])}** ({_md(finding['severity'])}): {_md(finding['evidence'])}"
+            f"- **{_md(finding['cause'])}** ({_md(finding['severity'])}, "
+            f"{_md(finding.get('status', 'plausible'))}{_residuals(finding)}): "
+            f"{_md(finding['evidence'])}"
         )
     lines += [
         "",
@@ -182,3 +185,24 @@ def _json_safe(value):
     if isinstance(value, np.bool_):
         return bool(value)
     return value
+
+
+def _calibration_line(note: dict) -> str:
+    if note.get("used"):
+        return (
+            f"calibrated ({_md(note.get('pair'))} from {_md(note.get('source') or 'the history')}, "
+            f"made {_md(note.get('created_at'))}): limits and tau from this model's measured floor"
+        )
+    reason = note.get("reason") or "no calibration"
+    return f"not calibrated ({_md(reason)}); judged by the profile's constants"
+
+
+def _residuals(finding: dict) -> str:
+    """`, mean |d| 0.21 -> 0.004 (floor 0.003)` for a finding that re-scored."""
+    before, after, floor = (finding.get(k) for k in ("residual_before", "residual_after", "floor"))
+    if before is None:
+        return ""
+    text = f", mean |d| {before:.3g}"
+    if after is not None:
+        text += f" -> {after:.3g}"
+    return text + (f" (floor {floor:.3g})" if floor is not None else "")

@@ -141,15 +141,23 @@ def profile_for(dtypes: list[str]) -> str:
     return max(known, key=PRECISION_ORDER.index) if known else "float32"
 
 
-def judge(policy: Policy, profile_name: str, metrics: dict, findings: list[dict]) -> dict:
-    """Verdict plus every violated limit and failing finding.
+def judge(
+    policy: Policy,
+    profile_name: str,
+    metrics: dict,
+    findings: list[dict],
+    limits: dict | None = None,
+) -> dict:
+    """Verdict plus every violated limit and failing finding. ``limits`` replaces the
+    profile's (a calibrated comparison's, `calibrated.effective_limits`).
 
     A limited metric these inputs cannot give (top1_flip_rate without top-k alternatives on
     both sides) is listed as not measured, in the report and the summary, and judges nothing:
     one policy serves every pair, and the names in the policy were validated when it loaded."""
     profile = policy.profile(profile_name)
+    limits = profile.get("limits", {}) if limits is None else limits
     violations, not_measured = [], []
-    for metric, limit in profile.get("limits", {}).items():
+    for metric, limit in limits.items():
         if metric not in metrics:
             not_measured.append(metric)
             continue
@@ -165,7 +173,7 @@ def judge(policy: Policy, profile_name: str, metrics: dict, findings: list[dict]
         "verdict": verdict,
         "profile": profile_name,
         "tau": profile["tau"],
-        "limits": profile.get("limits", {}),
+        "limits": limits,
         "violations": violations,
         "not_measured": not_measured,
         "failing_findings": sorted(set(failing)),

@@ -10,6 +10,12 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.compare.align import Aligned, Region, align
+from pipeline.compare.calibrated import (
+    calibrated_judging,
+    effective_limits,
+    side_precision,
+    usable,
+)
 from pipeline.compare.diagnosis import diagnose_region, weights_evidence
 from pipeline.compare.drift_map import drift_map
 from pipeline.compare.metrics import (
@@ -43,6 +49,8 @@ def compare_files(
     channel: str = "rollout",
     allow_weight_mismatch: bool = False,
     command_line: str = "",
+    calibration: dict | None = None,
+    calibration_source: str = "",
 ) -> Comparison:
     fixture = read_table(fixture_path, expect_kind="fixture")
     replay = read_table(replay_path, expect_kind="replay")
@@ -56,6 +64,8 @@ def compare_files(
         channel,
         allow_weight_mismatch,
         command_line,
+        calibration,
+        calibration_source,
     )
 
 
@@ -69,8 +79,14 @@ def compare_tables(
     channel: str = "rollout",
     allow_weight_mismatch: bool = False,
     command_line: str = "",
+    calibration: dict | None = None,
+    calibration_source: str = "",
 ) -> Comparison:
-    """Compare tables already in memory; the paths only name them in messages and reports."""
+    """Compare tables already in memory; the paths only name them in messages and reports.
+
+    With a ``calibration`` (`lpx calibrate`) that covers both sides' precisions, drift is
+    judged against the model's measured noise floor; otherwise against the profile's
+    constants, and the report says why."""
     vocab_size = (fixture.metadata.get("model") or {}).get("vocab_size")
     validate_table(fixture, fixture_path, vocab_size)
     validate_table(replay, replay_path, vocab_size)
@@ -119,6 +135,25 @@ def compare_tables(
     context["version_channels"] = aligned.version_channels
     context.update(_lengths(fixture, aligned))
     region = aligned.completion
+    pair, why_not = usable(calibration, fixture.metadata, replay.metadata)
+    token_tau, limits = tau, None
+    if pair:
+        floor = calibrated_judging(
+            calibration, pair, region.train, region.positions, region.offsets, calibration_source
+        )
+        token_tau = floor.tau
+        context["noise_expected"] = floor.expected_mean
+        user_policy = policy.source != "default policy"
+        limits = effective_limits(
+            policy.profile(profile).get("limits", {}), floor.limits, user_policy
+        )
+        calibration_note = {**floor.note, "limits": limits}
+    else:
+        calibration_note = {
+            "used": False,
+            "reason": why_not,
+            "judged_by": "the profile's constants",
+        }
     findings = diagnose_region(
         region.train,
         region.rollout,
@@ -126,11 +161,14 @@ def compare_tables(
         region.positions,
         aligned.sequence_ids,
         aligned.weight_versions,
-        tau,
+        token_tau,
         context,
     )
     findings = [f.as_dict() for f in findings] + _missing_versions(replay, aligned)
-    judgement = judge(policy, profile, metrics, findings)
+    judgement = judge(policy, profile, metrics, findings, limits)
+    if pair:
+        findings += _precision_over_user_limits(judgement, findings, floor.expected)
+        judgement["calibrated"] = True
     report = {
         "verdict": judgement["verdict"],
         "sign_convention": SIGN_CONVENTION,
@@ -147,6 +185,7 @@ def compare_tables(
         "drift_map": _drift_map(aligned, tau),
         "diagnosis": findings,
         "policy": judgement,
+        "calibration": calibration_note,
         "metadata": {
             "fixture": {
                 "path": str(fixture_path),
@@ -160,6 +199,17 @@ def compare_tables(
         },
     }
     return Comparison(report, aligned, tau)
+
+
+def rejudge(report: dict, policy: Policy) -> None:
+    """The verdict again, after verification changed the findings (same profile, limits)."""
+    judged = report["policy"]
+    judgement = judge(
+        policy, judged["profile"], report["metrics"], report["diagnosis"], judged["limits"]
+    )
+    if judged.get("calibrated"):
+        judgement["calibrated"] = True
+    report["policy"], report["verdict"] = judgement, judgement["verdict"]
 
 
 PER_VERSION_METRICS = ("tokens", "max_abs_diff", "mean_abs_diff", "p99_abs_diff", "k3")
@@ -269,8 +319,39 @@ def _lengths(fixture: TokenTable, aligned: Aligned) -> dict:
     }
 
 
+def _precision_over_user_limits(judgement: dict, findings: list[dict], expected: dict) -> list:
+    """A limit the user set, exceeded by drift the calibrated floor explains (no finding
+    beyond precision): name precision, so the failure is not read as a semantic bug."""
+    if not judgement["violations"] or any(f["cause"] != "dtype" for f in findings):
+        return []
+    names = ", ".join(
+        f"{v['metric']} {v['value']:.3g} > {v['limit']:.3g} (noise alone: "
+        f"{expected.get(v['metric'], float('nan')):.3g})"
+        for v in judgement["violations"]
+    )
+    return [
+        {
+            "cause": "dtype",
+            "sequences": [],
+            "first_position": {},
+            "evidence": (
+                f"every drifting token is within this model's calibrated precision floor, yet "
+                f"limits the policy sets are exceeded: {names}; the drift is precision, not a "
+                "semantic bug: raise the limit, or compute in a higher precision"
+            ),
+            "severity": "info",
+            "details": {"violations": judgement["violations"]},
+            "confidence": 1.0,
+            "runner_up": None,
+            "status": "verified",
+        }
+    ]
+
+
 def _diagnosis_context(fixture_meta: dict, replay_meta: dict, aligned: Aligned, dtypes) -> dict:
     context = {"low_precision_dtype": profile_for(dtypes), "sampling": fixture_meta.get("sampling")}
+    sides = (side_precision(fixture_meta), side_precision(replay_meta))
+    context["tf32_side"] = "float32+tf32" in sides
     reference = replay_meta.get("weight_version")
     multi_version = replay_meta.get("weights_store") is not None  # each token its own version
     if (

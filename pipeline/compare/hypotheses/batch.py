@@ -20,6 +20,10 @@ LABEL_SHIFT_GAP = 2.0  # nats: a factor e^2 at the typical token, beyond any pro
 # runs still meet TF32 matmuls, another reduction order or a head left in bf16 (~1e-3);
 # bf16 engines of the same weights differ by a mean |d| of ~0.011-0.013 in public reports.
 NUMERIC_CEILING = {"float32": 0.01, "float16": 0.01, "bfloat16": 0.03}
+# With a calibration: a sequence's mean |d| under this many times its floor is at the floor;
+# beyond CALIBRATED_CEILING times, its drift is more than precision gives.
+MEAN_AT_FLOOR = 2.0
+CALIBRATED_CEILING = 3.0
 WEIGHT_SIGN_Z = 8.0  # a weight change: per-sequence direction this many s.e. above chance
 ONSET_WINDOW = 3  # tokens: a shared onset may show up to this late (drift under tau at first)
 PREFIX_FLOOR = 0.1  # before an onset, |d| stays under this fraction of tau
@@ -39,7 +43,7 @@ class Batch:
     offsets: np.ndarray
     train: np.ndarray
     rollout: np.ndarray
-    tau: float
+    tau: float | np.ndarray  # a token drifts when |d| > tau: one value, or one per token
     versions: np.ndarray | None
     context: dict
 
@@ -61,6 +65,22 @@ class Batch:
     @cached_property
     def bad_tokens(self) -> np.ndarray:
         return np.abs(self.diff) > self.tau
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether a measured noise floor judges this batch (`lpx calibrate`)."""
+        return self.context.get("noise_expected") is not None
+
+    @cached_property
+    def noise_mean(self) -> np.ndarray:
+        """Per sequence: the mean |d| precision alone gives its tokens (the calibrated floor),
+        else the constant ceiling of the batch's lowest precision."""
+        expected = self.context.get("noise_expected")
+        if expected is None:
+            constant = NUMERIC_CEILING.get(low_dtype(self), NUMERIC_CEILING["float32"])
+            return np.full(len(self.ids), constant / CALIBRATED_CEILING)
+        lengths = np.maximum(np.diff(self.offsets), 1)
+        return segment_sum(np.asarray(expected, dtype=np.float64), self.offsets) / lengths
 
 
 def weights_evidence(context: dict) -> str | None:
@@ -85,7 +105,11 @@ def clean_at_floor(batch: Batch) -> np.ndarray:
     """Sequences that agree at the noise floor, not merely under tau: what a batch-wide
     cause (weights, precision, sampling, a shared template) cannot leave untouched."""
     sig = batch.sig
-    return ~batch.drifting & (sig.tokens >= MIN_TOKENS) & (sig.mean_abs <= batch.tau * PREFIX_FLOOR)
+    if batch.calibrated:
+        at_floor = sig.mean_abs <= MEAN_AT_FLOOR * batch.noise_mean
+    else:
+        at_floor = sig.mean_abs <= batch.tau * PREFIX_FLOOR
+    return ~batch.drifting & (sig.tokens >= MIN_TOKENS) & at_floor
 
 
 def unexplained(batch: Batch, open_: np.ndarray) -> Finding:
@@ -111,9 +135,10 @@ def finding(
     confidence=1.0,
     runner_up=None,
     first=None,
+    **verification,
 ):
     """``first``: the sequence whose first bad token the finding points at (default: the
-    first claimed one)."""
+    first claimed one); ``verification``: status, residual_before, residual_after, floor."""
     index = np.flatnonzero(claimed)
     ids = [batch.ids[i] for i in index]
     where = {}
@@ -130,6 +155,7 @@ def finding(
         details or {},
         round(float(confidence), 3),
         None if runner_up is None else {"cause": runner_up[0], "why_not": runner_up[1]},
+        **verification,
     )
 
 
@@ -174,8 +200,21 @@ def low_dtype(batch: Batch) -> str:
     return batch.context.get("low_precision_dtype", "float32")
 
 
-def numeric_ceiling(batch: Batch) -> float:
-    return NUMERIC_CEILING.get(low_dtype(batch), NUMERIC_CEILING["float32"])
+def low_precision_side(batch: Batch) -> bool:
+    """Whether a side computed in bf16, fp16 or with TF32 matmuls."""
+    return low_dtype(batch) != "float32" or bool(batch.context.get("tf32_side"))
+
+
+def numeric_ceiling(batch: Batch) -> np.ndarray:
+    """Per sequence: the mean |d| beyond which drift is more than precision."""
+    return CALIBRATED_CEILING * batch.noise_mean
+
+
+def weighted_ceiling(batch: Batch, which: np.ndarray) -> float:
+    """The ceiling of a set of sequences, weighted by their tokens."""
+    weights = batch.sig.tokens[which]
+    ceilings = numeric_ceiling(batch)[which]
+    return float(np.average(ceilings, weights=weights)) if weights.sum() else 0.0
 
 
 def flat_bad_diff(batch: Batch, which: np.ndarray) -> np.ndarray:

@@ -17,12 +17,14 @@ from pipeline.compare.hypotheses.batch import (
     finding,
     flat_bad_diff,
     low_dtype,
+    low_precision_side,
     numeric_ceiling,
     position_of,
     sharpening,
     temperature_fit,
     unexplained,
     weight_like,
+    weighted_ceiling,
 )
 
 
@@ -189,7 +191,7 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
     sig = batch.sig
     if not open_.any():
         return
-    ceiling = numeric_ceiling(batch)
+    ceiling = weighted_ceiling(batch, open_)
     mean_abs = float(np.average(sig.mean_abs[open_], weights=sig.tokens[open_]))
     # Clean at the floor, not merely under tau; substantial: most tokens from the onset on.
     clean = clean_at_floor(batch)
@@ -201,24 +203,48 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
         if not open_.any():
             return
         mean_abs = float(np.average(sig.mean_abs[open_], weights=sig.tokens[open_]))
+        ceiling = weighted_ceiling(batch, open_)
     if clean.any() and mean_abs > ceiling:
         # Weights, precision and prompts of the whole batch would reach the clean ones too.
         yield (unexplained(batch, open_), open_.copy())
         return
     weights, why_weights, bias = weight_like(sig, open_)
-    if not weights and mean_abs <= ceiling:
+    # Without a measured floor, a low-precision side's noise may reach past the constant
+    # ceiling on a large model: unbiased drift there is named precision, never a semantic
+    # cause, and the finding says to calibrate.
+    uncalibrated_low = not batch.calibrated and low_precision_side(batch)
+    if not weights and (mean_abs <= ceiling or uncalibrated_low):
+        floor = (
+            f"the calibrated floor gives up to {ceiling:.3g} for these tokens"
+            if batch.calibrated
+            else f"{ceiling:g} is the constant for {low_dtype(batch)} sides"
+            + (
+                "; uncalibrated: lpx calibrate measures this model's own floor"
+                if mean_abs > ceiling
+                else ""
+            )
+        )
         yield (
             finding(
                 batch,
                 "dtype",
                 open_,
-                f"numeric drift in {int(open_.sum())} sequences: mean |d| {mean_abs:.3g} within "
-                f"what precision gives ({ceiling:g} for {low_dtype(batch)} sides: lower-precision "
-                f"kernels, TF32, another reduction order), not biased as a weight change biases "
-                f"sequences ({why_weights}); no semantic cause fits",
+                f"numeric drift in {int(open_.sum())} sequences: mean |d| {mean_abs:.3g} "
+                f"({floor}), from lower-precision kernels, TF32 or another reduction order, "
+                f"not biased as a weight change biases sequences ({why_weights}); no semantic "
+                "cause fits",
                 severity="info",
-                details={"dtype": low_dtype(batch), "mean_abs_diff": mean_abs, "bias": bias},
+                details={
+                    "dtype": low_dtype(batch),
+                    "mean_abs_diff": mean_abs,
+                    "ceiling": ceiling,
+                    "calibrated": batch.calibrated,
+                    "bias": bias,
+                },
                 confidence=min(1.0, ceiling / max(mean_abs, 1e-12) / 2),
+                status="verified" if batch.calibrated and mean_abs <= ceiling else "plausible",
+                residual_before=mean_abs,
+                floor=float(np.average(batch.noise_mean[open_], weights=sig.tokens[open_])),
                 runner_up=(
                     "stale_weights",
                     f"weights bias whole sequences, the same way or strongly; {why_weights}",

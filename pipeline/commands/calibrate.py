@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from pipeline.commands.options import COUNT, device_option
+
+
+@click.command()
+@click.argument("fixture_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Model directory [default: the one recorded in the fixture].",
+)
+@click.option(
+    "--engine",
+    default="hf",
+    show_default=True,
+    help="Reference engine that re-scores the tokens (hf).",
+)
+@click.option(
+    "--dtype",
+    "dtypes",
+    multiple=True,
+    help="A precision the comparisons will meet, repeatable [default: the fixture's dtype and "
+    "bf16]; fp32 is always measured, and TF32 on CUDA.",
+)
+@click.option("--sequences", type=COUNT, default=32, show_default=True,
+              help="Fixture sequences re-scored (spread evenly over it).")  # fmt: skip
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Where to write it [default: calibration.json beside the fixture].",
+)
+@device_option
+def calibrate(fixture_path, model_dir, engine, dtypes, sequences, out_path, device) -> None:
+    """Measure the model's own precision noise floor on the fixture's tokens.
+
+    The reference engine re-scores a sample of the fixture's sequences in fp32 and in each
+    given dtype (TF32 too on CUDA), each in two micro-batch sizes and by teacher-forced
+    decoding with a KV cache. How far those correct scorings differ, per bucket of token
+    surprisal and position, is the floor `lpx compare` judges drift against (it finds
+    calibration.json beside the replay or the fixture, or take --calibration).
+
+    \b
+    Example:
+      lpx calibrate run/fixture.parquet --dtype bf16 --sequences 32
+      lpx compare run/fixture.parquet run/replay-bf16.parquet --out run/cmp   # uses it
+    """
+    from pipeline.calibrate.run import CALIBRATION_FILE
+    from pipeline.calibrate.run import calibrate as run_calibration
+    from pipeline.engines.model_dir import check_model_dir
+    from pipeline.errors import BadInput
+    from pipeline.fixture.io import read_table, validate_table
+    from pipeline.names import canonical_dtype
+    from pipeline.paths import check_output, write_text_atomic
+
+    out_path = out_path or Path(fixture_path).with_name(CALIBRATION_FILE)
+    check_output(out_path, [fixture_path])
+    if engine != "hf":
+        raise BadInput(
+            f"--engine {engine}: calibration re-scores with the reference engine, hf; the noise "
+            "floor it measures is the model's, and compare applies it to any engine pair."
+        )
+    fixture = read_table(fixture_path, expect_kind="fixture")
+    model_dir = model_dir or (fixture.metadata.get("model") or {}).get("path")
+    if not model_dir:
+        raise BadInput(f"{fixture_path}: records no model path; pass --model DIR.")
+    check_model_dir(model_dir)
+    validate_table(fixture, fixture_path, (fixture.metadata.get("model") or {}).get("vocab_size"))
+    try:
+        wanted = [canonical_dtype(d) for d in dtypes] or [
+            canonical_dtype(str(fixture.metadata.get("dtype") or "float32")),
+            "bfloat16",
+        ]
+    except ValueError as error:
+        raise BadInput(f"--dtype: {error}") from None
+    result = run_calibration(
+        fixture, Path(model_dir), wanted, sequences, device, say=lambda m: click.echo(m, err=True)
+    )
+    write_text_atomic(out_path, json.dumps(result, indent=1) + "\n")
+    means = ", ".join(
+        f"{pair} mean |d| {floor['all']['mean']:.3g} (q999 {floor['all']['q999']:.3g})"
+        for pair, floor in result["pairs"].items()
+    )
+    click.echo(
+        f"calibration: {result['sequences']} sequences, {result['tokens']} tokens; {means} "
+        f"-> {out_path}"
+    )
