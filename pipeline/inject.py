@@ -54,10 +54,13 @@ def inject_fault(
     model_dir: Path | None = None,
     settings: FaultSettings | None = None,
     device: str = "cpu",
+    dtype: str = "float32",
+    model=None,
 ) -> TokenTable:
     """A copy of ``table`` whose logprobs carry fault ``kind`` in the chosen sequences
     (``"all"`` for every one), from ``from_position`` where the kind has an onset. The model
-    kinds re-score on ``device`` (auto, cpu, cuda, cuda:N)."""
+    kinds re-score on ``device`` (auto, cpu, cuda, cuda:N) in ``dtype``: a bf16 engine's bug
+    carries bf16 noise too. ``model``: one already loaded, reused."""
     if kind not in FAULT_KINDS:
         raise BadInput(f"unknown fault kind {kind!r}; choose one of {', '.join(FAULT_KINDS)}.")
     rows = _rows(table, sequence_ids)
@@ -78,7 +81,7 @@ def inject_fault(
     else:
         settings = _settings_for(table, kind, from_position, settings or FaultSettings())
         device = resolve_device(device)
-        model = _load(_model_dir(table, model_dir), device)
+        model = model if model is not None else _load(_model_dir(table, model_dir), device, dtype)
         if model.config.bos_token_id is not None:
             settings = replace(settings, bos_id=int(model.config.bos_token_id))
         # Padding, packing, truncation and the optimiser step depend on the whole batch:
@@ -96,7 +99,7 @@ def inject_fault(
         "kind": kind,
         "sequence_ids": [table.sequence_ids[r] for r in rows],
         "from_position": from_position,
-        **({} if kind in DATA_KINDS else {"device": device}),
+        **({} if kind in DATA_KINDS else {"device": device, "dtype": _dtype_of(model)}),
         "expected_cause": FAULTS[kind][0] if kind in FAULTS else _DATA_CAUSES.get(kind),
     }
     faulted.metadata = {
@@ -180,12 +183,16 @@ def _mark_new_version(table: TokenTable, span: slice, at: int) -> None:
     versions[at:] = str(int(current) + 1) if current.isdigit() else f"{current}-next"
 
 
-def _load(model_dir: Path, device: str):
+def _load(model_dir: Path, device: str, dtype: str = "float32"):
     from pipeline.engines.hf_common import load_model
 
-    model = load_model(model_dir, "float32", device=device)
-    set_tf32(device, False)  # the faults are fp32 re-scores: IEEE fp32 on a GPU too
+    model = load_model(model_dir, dtype, device=device)
+    set_tf32(device, False)  # fp32 re-scores are IEEE fp32 on a GPU too
     return model
+
+
+def _dtype_of(model) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def _model_dir(table: TokenTable, model_dir: Path | None) -> Path:

@@ -28,18 +28,11 @@ from pipeline.faults import FaultSettings, rescore
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
 
 VERIFY_MARGIN = 3.0  # a reproduction leaves at most this many times the floor's mean |d|
+DATA_DRIFT = 5.0  # a data bug is judged on tokens whose |d| is this many times their floor
 EXPLAINED = 0.5  # and removes at least this fraction of the drift it set out to explain
 MAX_SEQUENCES = 16  # re-scored per hypothesis, spread evenly over the finding's sequences
 OFFSETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # position offsets searched on one sequence
-UNEXPLAINED_KINDS = (
-    "bos_extra",
-    "bos_missing",
-    "positions_restart",
-    "label_shift",
-    "pad_attended",
-    "mask_dropped",
-)
-TEMPERATURE_STEPS = 24  # golden-section steps on log T: ~1e-5 relative
+TEMPERATURE_STEPS = 45  # golden-section steps on log T: to ~1e-9, an fp32 reproduction
 COMPETED = ("stale_weights",)  # tried against reproducible causes of the same shape
 NOT_REPRODUCIBLE = {
     "stale_weights": "other weights cannot be re-created from one side's logprobs; give "
@@ -84,6 +77,7 @@ class Verifier:
         calibration: dict | None = None,
         device: str = "auto",
         say=lambda line: None,
+        model=None,
     ):
         from pipeline.devices import resolve_device, set_tf32
         from pipeline.engines.hf_common import load_model
@@ -91,7 +85,7 @@ class Verifier:
         self.fixture, self.replay, self.channel = fixture, replay, channel
         self.calibration = calibration
         self.device = resolve_device(device)
-        self.model = load_model(Path(model_dir), "float32", device=self.device)
+        self.model = model or load_model(Path(model_dir), "float32", device=self.device)
         set_tf32(self.device, False)
         self.rows = fixture.index_of()
         self.replay_rows = replay.index_of()
@@ -103,66 +97,56 @@ class Verifier:
     # --- the whole diagnosis ---------------------------------------------------------------
 
     def verify(self, findings: list[dict]) -> list[dict]:
-        """The findings with statuses, residuals and floors; ruled-out ones demoted, their
-        runner-ups tried, and what nothing reproduces gathered as `unexplained`."""
+        """The findings with statuses, residuals and floors. A finding whose own hypotheses
+        fail is ruled out; what reproduced other findings, its runner-up and every other
+        reproducible cause are tried on its sequences next; what nothing reproduces is
+        gathered as `unexplained`, listing what was ruled out."""
+        self.drifting = {
+            s for f in findings if f.get("severity") == "fault" for s in f.get("sequences") or []
+        }
         out: list[dict] = []
-        unexplained_ids: list[str] = []
+        leftover: list[str] = []
         ruled_out: list[dict] = []
+        reproduced: list[Candidate] = []  # what verified: tried first on the rest
         for finding in findings:
-            if finding["cause"] in COMPETED and finding.get("sequences"):
-                # Not reproducible itself; a cause that fits the same shape and reproduces
-                # exactly beats it (a temperature or a BOS bug also moves every sequence).
-                verified, tried = self._first_verified(finding, self.competitors(finding))
-                if verified:
-                    out.append(
-                        _verified(
-                            {**finding, "cause": verified.candidate.cause},
-                            verified,
-                            renamed_from=finding["cause"],
-                        )
-                    )
-                elif tried:
-                    out.append(
-                        {
-                            **finding,
-                            "details": {**(finding.get("details") or {}), "ruled_out": tried},
-                            "evidence": f"{finding['evidence']}; re-scoring reproduces none of: {', '.join(t['kind'] for t in tried)}",
-                        }
-                    )
-                else:
-                    out.append(finding)
-                continue
-            if finding["cause"] in NOT_REPRODUCIBLE or not finding.get("sequences"):
+            cause = finding["cause"]
+            if not finding.get("sequences") or (
+                cause in NOT_REPRODUCIBLE and cause not in COMPETED
+            ):
                 out.append(finding)
                 continue
-            if finding["cause"] == "unexplained":
-                verified, tried = self._first_verified(finding, _unexplained_candidates())
-                if verified:
-                    out.append(_verified(finding, verified))
-                else:
-                    unexplained_ids += finding["sequences"]
-                    ruled_out += tried
-                continue
-            verified, tried = self._first_verified(finding, self.candidates(finding))
+            own = [] if cause in ("unexplained", *COMPETED) else self.candidates(finding)
+            verified, tried = self._first_verified(finding, own)
             if verified:
                 out.append(_verified(finding, verified))
+                reproduced.append(verified.candidate)
                 continue
-            if not tried:  # nothing to re-score with: it stays as the signatures said
+            if own and not tried:  # nothing could be re-scored: as the signatures said
                 out.append(finding)
                 continue
-            out.append(_ruled_out(finding, tried))
             runner = (finding.get("runner_up") or {}).get("cause")
-            if runner and runner not in NOT_REPRODUCIBLE:
-                alternative = {**finding, "cause": runner, "details": {}}
-                verified, also = self._first_verified(alternative, self.candidates(alternative))
-                if verified:
-                    out.append(_verified(alternative, verified, renamed_from=finding["cause"]))
-                    continue
-                tried += also
-            unexplained_ids += finding["sequences"]
+            others = [
+                *reproduced,
+                *(self.candidates({**finding, "cause": runner, "details": {}}) if runner else []),
+                *(self.competitors(finding) if cause in COMPETED else self.any_cause(finding)),
+            ]
+            verified, also = self._first_verified(finding, _distinct(others, tried))
+            if verified:
+                if tried:
+                    out.append(_ruled_out(finding, tried))
+                out.append(_verified(finding, verified, renamed_from=cause))
+                reproduced.append(verified.candidate)
+                continue
+            tried += also
+            if cause in COMPETED:  # weights stay the signatures' answer, now with what failed
+                out.append(_not_reproduced(finding, tried))
+                continue
+            if cause != "unexplained":
+                out.append(_ruled_out(finding, tried))
+            leftover += finding["sequences"]
             ruled_out += tried
-        if unexplained_ids:
-            out.append(_unexplained(sorted(set(unexplained_ids)), ruled_out))
+        if leftover:
+            out.append(_unexplained(sorted(set(leftover)), ruled_out))
         return out
 
     def _first_verified(self, finding: dict, candidates: list[Candidate]):
@@ -249,17 +233,46 @@ class Verifier:
 
     def competitors(self, finding: dict) -> list[Candidate]:
         """Reproducible causes with the shape of a weight change (drift in every sequence
-        from its first token): a temperature on one side, a BOS added or dropped."""
+        from its first token): a temperature on one side, a BOS added or dropped, positions
+        restarted at the completion, labels off by one, long prompts cut."""
         base = self.base
         return [
             Candidate("temperature", "temperature", base, {}),
             Candidate("prompt_mismatch", "bos_extra", base, {"extra_leading": base.bos_id}),
             Candidate("prompt_mismatch", "bos_missing", base, {"missing_leading": 1}),
+            Candidate("position_ids", "positions_restart", base, {}),
+            Candidate("token_shift", "label_shift", base, {}),
+            *self._truncation(finding),
+        ]
+
+    def any_cause(self, finding: dict) -> list[Candidate]:
+        """What drift no signature explained is tested against: the data bugs first (free),
+        then each reproducible bug with parameters read from the drift."""
+        base = self.base
+        onset = int((finding.get("first_position") or {}).get("position") or 0)
+        size = self._micro_batch()
+        return [
+            Candidate("token_shift", "data_shift+1", base, {"shift": 1}),
+            Candidate("token_shift", "data_shift-1", base, {"shift": -1}),
+            Candidate("mask_padding", "data_fill", base, {"fill_value": 0.0, "side": "rollout"}),
+            Candidate("mask_padding", "data_fill", base, {"fill_value": 0.0, "side": "replay"}),
+            *self.competitors(finding),
+            *(
+                [Candidate("position_ids", "position_ids", replace(base, at=onset), {"at": onset})]
+                if onset > 1
+                else []
+            ),
+            *(
+                Candidate(
+                    "mask_padding", kind, replace(base, micro_batch=size), {"micro_batch": size}
+                )
+                for kind in ("pad_attended", "mask_dropped", "packed_no_reset")
+            ),
         ]
 
     def _truncation(self, finding: dict) -> list[Candidate]:
         """A max prompt length that cut exactly the finding's prompts: the longest clean one."""
-        drifting = set(finding["sequences"])
+        drifting = set(finding["sequences"]) | getattr(self, "drifting", set())
         clean = [
             len(self.fixture.prompt_of(row))
             for sid, row in self.rows.items()
@@ -288,16 +301,21 @@ class Verifier:
             return None
         rollout, replay, positions = self._observed(rows)
         before = _mean_abs(rollout, replay)
+        pair = (side_precision(self.fixture.metadata), side_precision(self.replay.metadata))
         if candidate.kind.startswith("data_"):
             # A data bug needs no model: the rollout's logprobs moved by one token, or one
-            # side filled with a constant, set against the other side as it is.
-            side, reproduced, against = _data_reproduction(candidate, rollout, replay)
-            after = {side: _mean_abs(against, reproduced)}
-            floor = self._floor(
-                (side_precision(self.fixture.metadata), side_precision(self.replay.metadata)),
-                replay,
-                positions,
+            # side filled with a constant, judged on the tokens that drift (beyond noise).
+            token_floor = self._token_floors(pair, replay, positions)
+            side, reproduced, against, drifting = _data_reproduction(
+                candidate, rollout, replay, token_floor
             )
+            if not drifting.any():
+                return None
+            before = float(
+                np.mean(np.abs(np.concatenate(rollout) - np.concatenate(replay))[drifting])
+            )
+            after = {side: float(np.mean(np.abs(against - reproduced)[drifting]))}
+            floor = float(np.mean(np.concatenate(token_floor)[drifting]))
         else:
             # The side the bug moved is the one farther from the clean reference; every
             # search and the verdict are about reproducing that side.
@@ -316,7 +334,10 @@ class Verifier:
                 # the bug barely changes these sequences: it cannot explain their drift
                 after[side] = max(after[side], before)
             meta = self.fixture.metadata if side == "rollout" else self.replay.metadata
-            floor = self._floor((side_precision(meta), "float32"), replay, positions)
+            # bucketed by the bug's own logprobs: a bug that scores unlikely tokens meets
+            # the larger noise of unlikely tokens
+            floors = self._token_floors((side_precision(meta), "float32"), reproduced, positions)
+            floor = float(np.mean(np.concatenate(floors)))
         verified = after[side] <= VERIFY_MARGIN * floor and after[side] <= EXPLAINED * before
         return Outcome(
             candidate, side, before, after[side], floor, verified, time.perf_counter() - started
@@ -342,16 +363,29 @@ class Verifier:
         return [v[self._mask(r)].astype(np.float64) for v, r in zip(values, rows, strict=True)]
 
     def _search_offset(self, candidate, row: int, observed) -> Candidate:
-        """The position offset that reproduces one sequence best (each try re-scores one
-        sequence): what a KV-cache or cache-reuse bug shifted the positions by."""
-        best, best_gap = candidate, np.inf
-        for offset in OFFSETS:
-            trial = replace(candidate, settings=replace(candidate.settings, position_offset=offset))
+        """The position offset, then the onset within two tokens, that reproduce one sequence
+        best (each try re-scores one sequence): what a KV-cache or cache-reuse bug shifted
+        the positions by, and from where (an onset reads late when its first tokens drift
+        under tau)."""
+
+        def gap(trial):
             (scored,) = self._rescore(trial, [row])
-            gap = _mean_abs([observed], [scored])
-            if gap < best_gap:
-                best, best_gap = replace(trial, params={**candidate.params, "offset": offset}), gap
-        return best
+            return _mean_abs([observed], [scored])
+
+        at = candidate.settings.at
+        tries = [
+            replace(candidate, settings=replace(candidate.settings, position_offset=offset),
+                    params={"at": at, "offset": offset})
+            for offset in OFFSETS
+        ]  # fmt: skip
+        best = min(tries, key=gap)
+        offset = best.params["offset"]
+        moved = [
+            replace(best, settings=replace(best.settings, at=a), params={"at": a, "offset": offset})
+            for a in (at - 2, at - 1, at + 1)
+            if a >= 1
+        ]
+        return min([best, *moved], key=gap)
 
     def _search_truncation(self, candidate, rows: list[int], observed) -> Candidate:
         """The max prompt length between the longest clean prompt and the shortest cut one
@@ -434,25 +468,27 @@ class Verifier:
             self.fixture.completion_mask[self.fixture.completion_slice(row)], dtype=bool
         )
 
-    def _floor(self, precisions: tuple[str, str], replay, positions) -> float:
-        """Mean |d| precision alone gives these tokens between two precisions: the
-        calibrated floor, else the constant for the less precise one."""
+    def _token_floors(self, precisions: tuple[str, str], reference, positions) -> list:
+        """Per token (one array per sequence): the mean |d| precision alone gives between
+        two precisions, from the calibration (bucketed by ``reference`` logprobs), else the
+        constant for the less precise one."""
         pair = pair_key(*precisions)
+        lengths = [len(r) for r in reference]
         if self.calibration and pair in self.calibration.get("pairs", {}):
-            lengths = np.array([len(r) for r in replay])
             offsets = np.concatenate([[0], np.cumsum(lengths)])
             floor = calibrated_judging(
                 self.calibration,
                 pair,
-                np.concatenate(replay),
+                np.concatenate(reference),
                 np.concatenate(positions),
                 offsets,
                 "",
             )
-            return float(floor.expected_mean.mean()) if len(floor.expected_mean) else 0.0
+            return np.split(floor.expected_mean, offsets[1:-1])
         dtypes = [p.removesuffix("+tf32") for p in precisions]
         least = max(dtypes, key=("float32", "float16", "bfloat16").index)
-        return NUMERIC_CEILING.get(least, NUMERIC_CEILING["float32"]) / 3
+        constant = NUMERIC_CEILING.get(least, NUMERIC_CEILING["float32"]) / 3
+        return [np.full(n, constant) for n in lengths]
 
     def _micro_batch(self) -> int:
         layout = self.replay.metadata.get("layout") or {}
@@ -469,26 +505,32 @@ def _slope_temperature(processed, raw) -> float:
     return float(1.0 / slope) if 0.2 <= slope <= 5.0 else 1.0
 
 
-def _unexplained_candidates() -> list[Candidate]:
-    base = FaultSettings()
-    return [Candidate("unexplained", kind, base, {}) for kind in UNEXPLAINED_KINDS]
-
-
-def _data_reproduction(candidate: Candidate, rollout, replay):
-    """(side, reproduction, what it is set against) for a data bug."""
+def _data_reproduction(candidate: Candidate, rollout, replay, token_floor):
+    """(side, reproduction, what it is set against, which tokens drift) for a data bug, as
+    flat arrays over the sequences' tokens."""
+    floor = np.concatenate(token_floor)
+    drifting = np.abs(np.concatenate(rollout) - np.concatenate(replay)) > DATA_DRIFT * floor
     if candidate.kind.startswith("data_shift"):
         shift = candidate.params["shift"]
-        # replay[t] = rollout[t + shift]: the rollout's logprobs sit one token off
-        moved = [np.roll(r, -shift) for r in rollout]
+        # replay[t] = rollout[t + shift]: the rollout's logprobs sit one token off; a
+        # sequence's last (or first) token has no neighbour there and is left out
+        moved, edge = [], []
+        for r in rollout:
+            moved.append(np.roll(r, -shift))
+            inside = np.ones(len(r), dtype=bool)
+            if len(r):
+                inside[-1 if shift > 0 else 0] = False
+            edge.append(inside)
         return (
             "rollout",
-            [m[:-1] if shift > 0 else m[1:] for m in moved],
-            [r[:-1] if shift > 0 else r[1:] for r in replay],
+            np.concatenate(moved),
+            np.concatenate(replay),
+            drifting & np.concatenate(edge),
         )
     side = candidate.params.get("side", "rollout")
-    filled = rollout if side == "rollout" else replay
+    filled = np.concatenate(rollout if side == "rollout" else replay)
     value = float(candidate.params["fill_value"])
-    return side, [np.full(len(f), value) for f in filled], filled
+    return side, np.full(len(filled), value), filled, drifting
 
 
 def _mean_abs(a: list, b: list) -> float:
@@ -516,13 +558,8 @@ def _describe(outcome: Outcome) -> dict:
 
 
 def _verified(finding: dict, outcome: Outcome, renamed_from: str | None = None) -> dict:
-    """The finding, verified. An unexplained one takes the cause its reproduction names; a
-    runner-up says what was ruled out before it."""
-    from pipeline.faults import FAULTS
-
-    cause = finding["cause"]
-    if cause == "unexplained":
-        cause = (FAULTS.get(outcome.candidate.kind) or (None,))[0] or "unexplained"
+    """The finding, verified, named by the cause its reproduction stands for; a renamed one
+    says what did not reproduce the drift first."""
     params = outcome.candidate.params
     how = (
         f"re-scored with {outcome.candidate.kind}"
@@ -531,7 +568,8 @@ def _verified(finding: dict, outcome: Outcome, renamed_from: str | None = None) 
         f"{outcome.floor:.3g}; the drift was {outcome.before:.3g}): the bug is on the "
         f"{outcome.side} side"
     )
-    if renamed_from:
+    cause = outcome.candidate.cause
+    if renamed_from and renamed_from != cause:
         how = f"{renamed_from} did not reproduce the drift; {how}"
     return {
         **finding,
@@ -544,6 +582,27 @@ def _verified(finding: dict, outcome: Outcome, renamed_from: str | None = None) 
         "floor": outcome.floor,
         "details": {**(finding.get("details") or {}), "verified_by": _describe(outcome)},
     }
+
+
+def _not_reproduced(finding: dict, tried: list[dict]) -> dict:
+    return {
+        **finding,
+        "details": {**(finding.get("details") or {}), "ruled_out": tried},
+        "evidence": f"{finding['evidence']}; re-scoring reproduces none of: "
+        + ", ".join(t["kind"] for t in tried),
+    }
+
+
+def _distinct(candidates: list[Candidate], tried: list[dict]) -> list[Candidate]:
+    """Each (kind, parameters) once, leaving out what was already tried."""
+    seen = {(t["kind"], repr(sorted(t["params"].items()))) for t in tried}
+    out = []
+    for candidate in candidates:
+        key = (candidate.kind, repr(sorted(candidate.params.items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(candidate)
+    return out
 
 
 def _ruled_out(finding: dict, tried: list[dict]) -> dict:

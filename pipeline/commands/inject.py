@@ -32,8 +32,15 @@ from pipeline.inject import FAULT_KINDS
     type=click.Path(file_okay=False, path_type=Path),
     help="For the kinds that re-score with the model [default: the recorded model].",
 )
+@click.option(
+    "--dtype",
+    default="fp32",
+    show_default=True,
+    help="Model kinds: the precision the bug is re-scored in (a bf16 engine's bug carries "
+    "bf16 noise too).",
+)
 @device_option
-def inject(path, kind, sequence_ids, from_position, out_path, model_dir, device) -> None:
+def inject(path, kind, sequence_ids, from_position, out_path, model_dir, dtype, device) -> None:
     """Write a copy of a fixture (or replay) with a planted fault, to prove compare catches it.
 
     \b
@@ -58,12 +65,20 @@ def inject(path, kind, sequence_ids, from_position, out_path, model_dir, device)
     from pipeline.paths import check_output
 
     check_output(out_path, [path])
+    from pipeline.errors import BadInput
     from pipeline.fixture.io import read_table, write_table
     from pipeline.inject import inject_fault
+    from pipeline.names import canonical_dtype
 
     table = read_table(path)
     chosen = "all" if "all" in sequence_ids else list(sequence_ids)
-    faulted = inject_fault(table, kind, chosen, from_position, model_dir, device=device)
+    try:
+        dtype = canonical_dtype(dtype)
+    except ValueError as error:
+        raise BadInput(f"--dtype: {error}") from None
+    faulted = inject_fault(
+        table, kind, chosen, from_position, model_dir, device=device, dtype=dtype
+    )
     write_table(faulted, out_path)
     where = "every sequence" if chosen == "all" else f"sequence {', '.join(chosen)}"
     click.echo(f"injected {kind} into {where} from position {from_position} -> {out_path}")

@@ -24,10 +24,11 @@ reads the records and data signatures, `shapes.py` the shape of the drift), `fin
 
 from __future__ import annotations
 
+from pipeline.compare.calibrated import TAU_MARGIN
 from pipeline.compare.findings import FAULT_CAUSES, KNOWN_CAUSES, Finding
 from pipeline.compare.hypotheses import propose
 from pipeline.compare.hypotheses.batch import Batch, weights_evidence
-from pipeline.compare.signatures import signatures
+from pipeline.compare.signatures import FLOOR, signatures
 
 __all__ = ["FAULT_CAUSES", "KNOWN_CAUSES", "Finding", "diagnose_region", "weights_evidence"]
 
@@ -36,8 +37,10 @@ def diagnose_region(
     train, rollout, offsets, positions, sequence_ids, weight_versions, tau, context
 ) -> list[Finding]:
     """Findings for one compared region (the completion), from flat arrays."""
+    # A calibrated tau is TAU_MARGIN times each token's q999 noise: |d| under q999 is the floor.
+    floor = 1.0 / TAU_MARGIN if context.get("noise_expected") is not None else FLOOR
     batch = Batch(
-        signatures(train, rollout, offsets, tau),
+        signatures(train, rollout, offsets, tau, floor),
         list(sequence_ids),
         positions,
         offsets,

@@ -360,7 +360,7 @@ def _diagnosis_context(fixture_meta: dict, replay_meta: dict, aligned: Aligned, 
         and aligned.weight_versions is not None
         and len(aligned.weight_versions)
     ):
-        reference = Counter(aligned.weight_versions.tolist()).most_common(1)[0][0]
+        reference = _agreeing_version(aligned)
     context["reference_weight_version"] = reference
     sampling = fixture_meta.get("sampling") or {}
     holds = str((fixture_meta.get("logprob_channels") or {}).get("rollout", ""))
@@ -372,6 +372,20 @@ def _diagnosis_context(fixture_meta: dict, replay_meta: dict, aligned: Aligned, 
             f"{sampling.get('temperature')}) and the replay applied temperature {replay_temperature}"
         )
     return context
+
+
+def _agreeing_version(aligned: Aligned):
+    """The weight version the replay scored with, when it records none: the one whose tokens
+    the replay agrees with best (ties: the most common)."""
+    region = aligned.completion
+    names = np.asarray([str(v) for v in aligned.weight_versions], dtype=object)
+    gap = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
+    counts = Counter(names.tolist())
+    scores = {name: float(np.nanmean(gap[names == name])) for name in counts}
+    best = min(scores.values())
+    tied = [name for name, score in scores.items() if score <= best * 1.0001]
+    choice = max(tied, key=counts.get)
+    return next(v for v in aligned.weight_versions if str(v) == choice)
 
 
 def _sequence_rows(aligned: Aligned, per_sequence: dict, tau: float) -> list[dict]:

@@ -45,8 +45,12 @@ class Signatures:
         return len(self.tokens)
 
 
-def signatures(train: np.ndarray, rollout: np.ndarray, offsets: np.ndarray, tau: float):
-    """Every signature for every sequence; ``offsets`` delimit the sequences' tokens."""
+def signatures(
+    train: np.ndarray, rollout: np.ndarray, offsets: np.ndarray, tau, floor: float = FLOOR
+):
+    """Every signature for every sequence; ``offsets`` delimit the sequences' tokens. A
+    token is at the floor when |d| <= ``floor`` x tau (with a calibrated per-token tau,
+    which is itself a multiple of the measured noise, a larger fraction)."""
     n_seq = len(offsets) - 1
     lengths = np.diff(offsets)
     seq = np.repeat(np.arange(n_seq), lengths)
@@ -87,7 +91,7 @@ def signatures(train: np.ndarray, rollout: np.ndarray, offsets: np.ndarray, tau:
 
     before = ~after
     n_before = total(before)
-    at_floor = total(before & (a <= tau * FLOOR))
+    at_floor = total(before & (a <= tau * floor))
     prefix_floor = np.where(n_before > 0, at_floor / np.maximum(n_before, 1), 1.0)
     scale = total(np.abs(r64)) / safe_count
 

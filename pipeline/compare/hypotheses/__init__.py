@@ -14,7 +14,12 @@ from pipeline.compare.hypotheses.records import (
     precision_rounding_rule,
     weight_version_rule,
 )
-from pipeline.compare.hypotheses.shapes import from_start_rule, onset_rule, sampling_rule
+from pipeline.compare.hypotheses.shapes import (
+    from_start_rule,
+    onset_rule,
+    sampling_rule,
+    shared_onset_rule,
+)
 
 RULES = (
     fingerprint_rule,
@@ -25,6 +30,7 @@ RULES = (
     claimed_version_rule,
     weight_version_rule,
     sampling_rule,
+    shared_onset_rule,
     onset_rule,
     from_start_rule,
 )

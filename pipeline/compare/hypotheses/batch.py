@@ -24,6 +24,13 @@ NUMERIC_CEILING = {"float32": 0.01, "float16": 0.01, "bfloat16": 0.03}
 # beyond CALIBRATED_CEILING times, its drift is more than precision gives.
 MEAN_AT_FLOOR = 2.0
 CALIBRATED_CEILING = 3.0
+# A shared onset (shared_onset_rule): before it the batch's drift by index stays within
+# SHARED_ONSET_QUIET times the floor; after it, SHARED_ONSET_STEP times what it was; each
+# token's multiple is capped so one outlier cannot make a step; at least MIN sequences.
+SHARED_ONSET_QUIET = 2.0
+SHARED_ONSET_STEP = 2.0
+SHARED_ONSET_CAP = 20.0
+SHARED_ONSET_MIN = 3
 WEIGHT_SIGN_Z = 8.0  # a weight change: per-sequence direction this many s.e. above chance
 ONSET_WINDOW = 3  # tokens: a shared onset may show up to this late (drift under tau at first)
 PREFIX_FLOOR = 0.1  # before an onset, |d| stays under this fraction of tau
@@ -121,6 +128,7 @@ def unexplained(batch: Batch, open_: np.ndarray) -> Finding:
         "known cause explains; ruled out: a token shift, a constant fill, labels off by one, "
         "rounding, recorded weight versions, sampling processing, a position or version onset, "
         "precision noise, weights and per-sequence context; inspect the worst tokens",
+        severity="fault",
         confidence=0.0,
     )
 
@@ -135,17 +143,20 @@ def finding(
     confidence=1.0,
     runner_up=None,
     first=None,
+    position=None,
     **verification,
 ):
     """``first``: the sequence whose first bad token the finding points at (default: the
-    first claimed one); ``verification``: status, residual_before, residual_after, floor."""
+    first claimed one), ``position``: where in it, when not its first bad token;
+    ``verification``: status, residual_before, residual_after, floor."""
     index = np.flatnonzero(claimed)
     ids = [batch.ids[i] for i in index]
     where = {}
     if first is None and len(index):
         first = int(index[0])
     if first is not None:
-        where = {"sequence_id": batch.ids[first], "position": position_of(batch, first)}
+        at = position_of(batch, first) if position is None else int(position)
+        where = {"sequence_id": batch.ids[first], "position": at}
     return Finding(
         cause,
         ids,

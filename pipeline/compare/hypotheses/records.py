@@ -228,6 +228,11 @@ def weight_version_rule(batch: Batch, open_: np.ndarray):
                 f"{drift_same:.3g} on the others: score each token with its own version",
                 details={"at": at, "versions": other_versions, "reference": str(reference)},
                 first=first,
+                position=at,
+                runner_up=(
+                    "stale_weights",
+                    "the tokens before the recorded change agree; only those after it drift",
+                ),
             ),
             part,
         )

@@ -11,6 +11,10 @@ from pipeline.compare.hypotheses.batch import (
     MIN_TOKENS,
     ONE_SIGNED,
     ONSET_WINDOW,
+    SHARED_ONSET_CAP,
+    SHARED_ONSET_MIN,
+    SHARED_ONSET_QUIET,
+    SHARED_ONSET_STEP,
     WEIGHT_STEP_RELATIVE,
     Batch,
     clean_at_floor,
@@ -20,6 +24,7 @@ from pipeline.compare.hypotheses.batch import (
     low_precision_side,
     numeric_ceiling,
     position_of,
+    segment_sum,
     sharpening,
     temperature_fit,
     unexplained,
@@ -101,6 +106,96 @@ def sampling_rule(batch: Batch, open_: np.ndarray):
             ),
             claimed,
         )
+
+
+def shared_onset_rule(batch: Batch, open_: np.ndarray):
+    """A weight update in flight: from one completion index on, every sequence still
+    generating drifts a little more, by a small fraction of its logprobs. Under another
+    side's noise each sequence's tokens cross tau only now and then, but the batch's drift,
+    measured in multiples of the noise floor and averaged by index, steps up at the update:
+    a change point over the whole batch."""
+    sig = batch.sig
+    candidates = open_ & (sig.tokens >= 2 * SHARED_ONSET_MIN)
+    if candidates.sum() < SHARED_ONSET_MIN:
+        return
+    in_play = candidates[batch.seq]
+    local = np.arange(len(batch.diff)) - batch.offsets[batch.seq]
+    excess = np.abs(batch.diff) / np.maximum(batch.noise_mean[batch.seq], 1e-12)
+    index, z = local[in_play], np.minimum(excess[in_play], SHARED_ONSET_CAP)
+    width = int(index.max()) + 1
+    count = np.bincount(index, minlength=width).astype(np.float64)
+    total = np.bincount(index, weights=z, minlength=width)
+    before_n, before_sum = np.cumsum(count)[:-1], np.cumsum(total)[:-1]
+    after_n, after_sum = count.sum() - before_n, total.sum() - before_sum
+    ks = np.arange(1, width)
+    # at least ONSET_WINDOW + 1 quiet tokens: drift from the first few tokens is a weight
+    # difference from the start (stale weights), not an update during generation
+    usable = (ks > ONSET_WINDOW) & (before_n >= SHARED_ONSET_MIN) & (after_n >= SHARED_ONSET_MIN)
+    if not usable.any():
+        return
+    with np.errstate(divide="ignore", invalid="ignore"):
+        before, after = before_sum / before_n, after_sum / after_n
+    contrast = np.where(usable, after - before, -np.inf)
+    best = int(np.argmax(contrast))
+    k, level_before, level_after = int(ks[best]), float(before[best]), float(after[best])
+    if level_before > SHARED_ONSET_QUIET or level_after < SHARED_ONSET_STEP * level_before:
+        return
+    mine_before = segment_sum(np.where(local < k, excess, 0.0), batch.offsets)
+    mine_after = segment_sum(np.where(local >= k, excess, 0.0), batch.offsets)
+    n_before = np.maximum(np.minimum(sig.tokens, k), 1)
+    n_after = np.maximum(sig.tokens - k, 1)
+    up = (
+        candidates
+        & (sig.tokens > k)
+        & (mine_after / n_after > SHARED_ONSET_STEP * np.maximum(mine_before / n_before, 1.0))
+    )
+    if up.sum() < max(SHARED_ONSET_MIN, 0.5 * candidates.sum()):
+        return
+    relative = float(np.median(sig.relative[up]))
+    # An update reaches every sequence still generating at k; a small one may move some
+    # within the noise, but more sequences with no step at all than with one rule it out.
+    flat = (sig.tokens > k + ONSET_WINDOW) & (
+        mine_after / n_after <= np.maximum(mine_before / n_before, 1.0)
+    )
+    if relative > WEIGHT_STEP_RELATIVE or flat.sum() > up.sum():
+        return
+    # every sequence that drifts more after k than before it took the update too
+    up |= (
+        candidates
+        & (sig.tokens > k)
+        & (mine_after / n_after > mine_before / n_before)
+        & (sig.bad > 0)
+    )
+    first = int(np.flatnonzero(up)[0])
+    at = int(batch.positions[batch.offsets[first] + k])
+    yield (
+        finding(
+            batch,
+            "version_change",
+            up,
+            f"from completion index {at} on, {int(up.sum())} sequences drift more than before "
+            f"it (the batch's mean |d| by index, in multiples of the noise floor, steps from "
+            f"{level_before:.2f} to {level_after:.2f}), by a small fraction of the logprobs (median "
+            f"{relative:.1%}), as a weight update does: the weights changed while they were "
+            "being generated (an in-flight update); record per-token weight versions and score "
+            "each token with its own",
+            details={
+                "at": at,
+                "relative_drift": relative,
+                "level_before": level_before,
+                "level_after": level_after,
+            },  # fmt: skip
+            confidence=float(min(1.0, up.sum() / candidates.sum())),
+            first=first,
+            position=at,
+            runner_up=(
+                "position_ids",
+                f"a position bug scrambles attention, moving logprobs by tens of % "
+                f"(here {relative:.1%})",
+            ),
+        ),
+        up,
+    )
 
 
 def onset_rule(batch: Batch, open_: np.ndarray):

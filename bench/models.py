@@ -1,0 +1,87 @@
+"""Models the benchmarks build offline, deterministically: the tiny model lpx trains, random
+llamas at a given depth, width and init scale, and a small Qwen2-MoE (routing under bf16).
+
+The larger ones share the tiny model's tokenizer, so the bundled prompts tokenize for them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from pipeline.smoke import default_model_dir, ensure_tiny_model
+
+CACHE = Path.home() / ".cache" / "lpx" / "bench-models"
+
+
+def tiny() -> Path:
+    return ensure_tiny_model(default_model_dir())
+
+
+def random_llama(layers: int, width: int, std: float = 0.02, vocab: int | None = None) -> Path:
+    """A random-init llama, `layers` x `width`, weights ~ N(0, std), cached by its shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = CACHE / f"llama-{layers}x{width}-std{std:g}-v{vocab or 'tiny'}"
+    if (out / "config.json").is_file():
+        return out
+    config = LlamaConfig(
+        vocab_size=vocab or _tiny_vocab(),
+        hidden_size=width,
+        intermediate_size=width * 8 // 3 // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, width // 64),
+        num_key_value_heads=max(1, width // 256),
+        max_position_embeddings=4096,
+        initializer_range=std,
+        **_special_tokens(),
+    )
+    return _save(LlamaForCausalLM, config, out, vocab is None)
+
+
+def random_moe(layers: int = 8, width: int = 512, experts: int = 8, top_k: int = 2, std=0.02):
+    """A random-init Qwen2-MoE: `experts` experts per layer, `top_k` routed per token."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    out = CACHE / f"qwen2moe-{layers}x{width}-e{experts}k{top_k}-std{std:g}"
+    if (out / "config.json").is_file():
+        return out
+    config = Qwen2MoeConfig(
+        vocab_size=_tiny_vocab(),
+        hidden_size=width,
+        intermediate_size=width * 2,
+        moe_intermediate_size=width,
+        shared_expert_intermediate_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, width // 64),
+        num_key_value_heads=max(1, width // 256),
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=4096,
+        initializer_range=std,
+        **_special_tokens(),
+    )
+    return _save(Qwen2MoeForCausalLM, config, out, True)
+
+
+def _save(cls, config, out: Path, with_tokenizer: bool) -> Path:
+    import torch
+
+    torch.manual_seed(0)
+    out.mkdir(parents=True, exist_ok=True)
+    cls(config).save_pretrained(out)
+    if with_tokenizer:
+        for path in tiny().iterdir():
+            if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
+                shutil.copy(path, out / path.name)
+    return out
+
+
+def _tiny_vocab() -> int:
+    return int(json.loads((tiny() / "config.json").read_text())["vocab_size"])
+
+
+def _special_tokens() -> dict:
+    config = json.loads((tiny() / "config.json").read_text())
+    return {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
