@@ -49,7 +49,7 @@ def compare(
     """Compare replays with their fixture token by token; write the report; exit with the verdict.
 
     Computes drift metrics (|d| tails, k1/k2/k3, IS ratio, ESS, clip fraction, per-sequence
-    max/mean/sum), finds the worst tokens, tests semantic causes (off-by-one, mask/padding,
+    max/mean/sum, NeMo-RL's token_mult_prob_error gates), finds the worst tokens, tests semantic causes (off-by-one, mask/padding,
     position ids, temperature, dtype, stale weights) and applies the threshold policy.
     Exit 0 pass, 1 regression, 2 bad input. With several replays, each pair gets its own
     directory under --out and report.json/summary.md hold the matrix, a row per pair.

@@ -65,11 +65,11 @@ def render_summary(report: dict) -> str:
         f"- replay: {_md(_engine(replay))} ({_md(replay['path'])})",
         f"- policy: {policy['source']}, profile `{policy['profile']}`, tau {policy['tau']:g}",
         f"- sign: {report['sign_convention']}",
-        "",
-        "| metric | value | limit |",
-        "|---|---|---|",
     ]
-    for name in SUMMARY_METRICS:
+    lines += ["", "| metric | value | limit |", "|---|---|---|"]
+    # the usual metrics, then any other the policy limits (e.g. NeMo-RL's gates)
+    limited = [name for name in policy["limits"] if name not in SUMMARY_METRICS]
+    for name in (*SUMMARY_METRICS, *limited):
         if name in metrics:
             limit = policy["limits"].get(name)
             lines.append(

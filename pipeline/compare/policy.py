@@ -38,6 +38,9 @@ LIMITED_METRICS = (
     "ess",
     "clip_frac",
     "token_mult_prob_error",
+    "token_mult_prob_error_median",
+    "token_mult_prob_error_trimmed_mean",
+    "token_mult_prob_error_frac_above_1_1",
     "max_seq_mean_abs_diff",
     "top1_flip_rate",
 )
