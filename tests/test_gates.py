@@ -1,4 +1,5 @@
-"""Gates as practitioners write them: NeMo-RL's token_mult_prob_error statistics."""
+"""Gates as practitioners write them: NeMo-RL's token_mult_prob_error statistics and exact
+(bitwise) mode."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.compare.metrics import batch_metrics
+from pipeline.compare.metrics import batch_metrics, bitwise_agreement
 from pipeline.fixture.io import read_table, write_table
 from tests.helpers import read_report, run_lpx
 
@@ -119,3 +120,95 @@ def test_the_documented_nemo_rl_policy_passes_clean_runs_and_fails_drift(run_dir
     assert violations["token_mult_prob_error_median"]["value"] == pytest.approx(
         np.exp(0.2), abs=0.02
     )
+
+
+# --- exact mode ------------------------------------------------------------------------
+
+
+def test_bitwise_agreement_on_the_float32_bits():
+    rollout = np.array([-1.0, -np.inf, np.nan, 0.0, -2.0, -3.0], dtype=np.float32)
+    train = np.array([-1.0, -np.inf, np.nan, -0.0, np.nextafter(-2.0, 0, dtype=np.float32), -3.0])
+    # -inf == -inf counts; NaN never; 0.0 and -0.0 differ in their bits; one ulp differs;
+    # a float64 side is compared as the float32 it holds
+    assert bitwise_agreement(train, rollout) == {
+        "bitwise_equal_fraction": 3 / 6,
+        "bitwise_mismatches": 3,
+    }
+
+
+def _active(table, channel):
+    return table.channels[channel][table.completion_mask]
+
+
+def test_exact_mode_fails_an_hf_rollout_that_is_close_but_not_bitwise_equal(run_dir, tmp_path):
+    """The fixture is an HF rollout with a KV cache: the fp32 replay agrees to ~1e-6 but not
+    bit for bit, so the plain compare passes and --exact fails on the mismatches."""
+    fixture = read_table(run_dir / "fixture.parquet")
+    replay = read_table(run_dir / "replay-float32.parquet")
+    rollout, train = _active(fixture, "rollout"), _active(replay, "replay")
+    mismatches = int(np.count_nonzero(rollout.view(np.uint32) != train.view(np.uint32)))
+    assert 0 < mismatches < len(rollout)
+    args = ("compare", run_dir / "fixture.parquet", run_dir / "replay-float32.parquet")
+    plain = run_lpx(*args, "--out", tmp_path / "plain")
+    assert plain.exit_code == 0, plain.output
+    report = read_report(tmp_path / "plain")
+    assert report["metrics"]["bitwise_mismatches"] == mismatches
+    equal_fraction = (len(rollout) - mismatches) / len(rollout)
+    assert report["metrics"]["bitwise_equal_fraction"] == equal_fraction
+    assert report["policy"]["exact"] is False and "exact mode" not in plain.output
+
+    exact = run_lpx(*args, "--exact", "--out", tmp_path / "exact")
+    assert exact.exit_code == 1, exact.output
+    report = read_report(tmp_path / "exact")
+    assert report["verdict"] == "fail" and report["policy"]["exact"] is True
+    assert report["policy"]["violations"] == [
+        {"metric": "bitwise_mismatches", "value": mismatches, "limit": 0}
+    ]
+    percent = f"{100 * equal_fraction:.2f} %"
+    line = f"exact mode (--exact): bitwise equal: {percent} ({mismatches} mismatches of"
+    assert line in exact.output
+    assert f"- bitwise_mismatches = {mismatches} > 0" in exact.output
+
+
+def test_exact_mode_passes_a_bitwise_equal_pair_and_catches_one_ulp(run_dir, tmp_path):
+    fixture = read_table(run_dir / "fixture.parquet")
+    replay = read_table(run_dir / "replay-float32.parquet")
+    fixture.channels["rollout"] = replay.channels["replay"].copy()  # the replay's own values
+    write_table(fixture, tmp_path / "fixture-equal.parquet")
+    args = ("compare", tmp_path / "fixture-equal.parquet", run_dir / "replay-float32.parquet")
+    result = run_lpx(*args, "--exact", "--out", tmp_path / "equal")
+    assert result.exit_code == 0, result.output
+    report = read_report(tmp_path / "equal")
+    tokens = int(fixture.completion_mask.sum())
+    assert report["metrics"]["bitwise_equal_fraction"] == 1.0
+    assert report["metrics"]["bitwise_mismatches"] == 0
+    assert f"bitwise equal: 100.00 % (0 mismatches of {tokens} tokens)" in result.output
+
+    # one active token one ulp away: invisible to every limit, not to --exact
+    first_active = int(np.flatnonzero(fixture.completion_mask)[0])
+    values = fixture.channels["rollout"]
+    values[first_active] = np.nextafter(values[first_active], np.float32(0))
+    write_table(fixture, tmp_path / "fixture-ulp.parquet")
+    args = ("compare", tmp_path / "fixture-ulp.parquet", run_dir / "replay-float32.parquet")
+    assert run_lpx(*args, "--out", tmp_path / "ulp-plain").exit_code == 0
+    result = run_lpx(*args, "--exact", "--out", tmp_path / "ulp")
+    assert result.exit_code == 1
+    assert f"bitwise equal: {100 * (tokens - 1) / tokens:.2f} % (1 mismatch of" in result.output
+    violations = read_report(tmp_path / "ulp")["policy"]["violations"]
+    assert violations == [{"metric": "bitwise_mismatches", "value": 1, "limit": 0}]
+
+
+def test_exact_mode_over_a_matrix_fails_the_pair_that_differs(run_dir, tmp_path):
+    fixture = read_table(run_dir / "fixture.parquet")
+    fixture.channels["rollout"] = read_table(run_dir / "replay-float32.parquet").channels["replay"]
+    write_table(fixture, tmp_path / "fixture-equal.parquet")
+    result = run_lpx(
+        "compare", tmp_path / "fixture-equal.parquet", run_dir / "replay-float32.parquet",
+        run_dir / "replay-bfloat16.parquet", "--exact", "--out", tmp_path / "matrix",
+    )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    matrix = read_report(tmp_path / "matrix")
+    assert [row["verdict"] for row in matrix["pairs"]] == ["pass", "fail"]
+    assert matrix["pairs"][0]["bitwise_mismatches"] == 0
+    assert matrix["pairs"][1]["bitwise_mismatches"] == int(fixture.completion_mask.sum())
+    assert "Exact mode (--exact)" in result.output

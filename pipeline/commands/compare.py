@@ -42,22 +42,39 @@ from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
     is_flag=True,
     help="Compare even when the weight fingerprints differ (diagnoses stale weights).",
 )
+@click.option(
+    "--exact",
+    is_flag=True,
+    help="Fail on any completion token whose float32 logprobs are not bitwise equal (for "
+    "batch-invariant or true-on-policy stacks); the policy's limits still apply.",
+)
 @click.option("--quiet", is_flag=True, help="Print only the verdict line.")
 def compare(
-    fixture_path, replay_paths, out_dir, policy_path, profile, channel, allow_weight_mismatch, quiet
+    fixture_path,
+    replay_paths,
+    out_dir,
+    policy_path,
+    profile,
+    channel,
+    allow_weight_mismatch,
+    exact,
+    quiet,
 ):
     """Compare replays with their fixture token by token; write the report; exit with the verdict.
 
-    Computes drift metrics (|d| tails, k1/k2/k3, IS ratio, ESS, clip fraction, per-sequence
-    max/mean/sum, NeMo-RL's token_mult_prob_error gates), finds the worst tokens, tests semantic causes (off-by-one, mask/padding,
-    position ids, temperature, dtype, stale weights) and applies the threshold policy.
-    Exit 0 pass, 1 regression, 2 bad input. With several replays, each pair gets its own
-    directory under --out and report.json/summary.md hold the matrix, a row per pair.
+    Computes drift metrics (|d| tails, k1/k2/k3, IS ratio, ESS, clip fraction, NeMo-RL's
+    token_mult_prob_error gates, per-sequence max/mean/sum and the bitwise-equal fraction),
+    finds the worst tokens, tests semantic causes (off-by-one, mask/padding, position ids,
+    temperature, dtype, stale weights) and applies the threshold policy; --exact also fails
+    on any token that is not bitwise equal. Exit 0 pass, 1 regression, 2 bad input. With
+    several replays, each pair gets its own directory under --out and report.json/summary.md
+    hold the matrix, a row per pair.
 
     \b
     Example:
       lpx compare run/fixture.parquet run/replay-bf16.parquet --out run/compare-bf16
       lpx compare run/fixture.parquet run/replay.parquet --profile float32 --out run/strict
+      lpx compare run/fixture.parquet run/replay-batch-invariant.parquet --exact --out run/exact
       lpx compare run/fixture.parquet run/hf.parquet run/fsdp.parquet run/megatron-tp2.parquet \\
           --out run/matrix
     """
@@ -84,6 +101,7 @@ def compare(
             channel=channel,
             allow_weight_mismatch=allow_weight_mismatch,
             command_line=shlex.join(["lpx", *sys.argv[1:]]),
+            exact=exact,
         )
         for replay_path in replay_paths
     ]

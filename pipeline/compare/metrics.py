@@ -107,6 +107,24 @@ def batch_metrics(
     return {name: (int(v) if name == "tokens" else float(v)) for name, v in metrics.items()}
 
 
+def bitwise_agreement(train: np.ndarray, rollout: np.ndarray) -> dict[str, float]:
+    """How many tokens carry the same float32 logprob bit for bit on both sides.
+
+    The uint32 views are compared, so -inf equals -inf, and 0.0 and -0.0 differ; NaN never
+    equals anything, whatever its payload. Batch-invariant and true-on-policy stacks
+    (slime's true-on-policy mode, RL-Kernel) promise zero mismatches.
+    """
+    n = len(train)
+    train32 = np.ascontiguousarray(train, dtype=np.float32)
+    rollout32 = np.ascontiguousarray(rollout, dtype=np.float32)
+    same = train32.view(np.uint32) == rollout32.view(np.uint32)
+    equal = int(np.count_nonzero(same & ~np.isnan(train32)))
+    return {
+        "bitwise_equal_fraction": equal / n if n else 0.0,
+        "bitwise_mismatches": n - equal,
+    }
+
+
 def sequence_metrics(
     train: np.ndarray, rollout: np.ndarray, offsets: np.ndarray
 ) -> dict[str, np.ndarray]:

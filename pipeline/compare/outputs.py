@@ -66,6 +66,8 @@ def render_summary(report: dict) -> str:
         f"- policy: {policy['source']}, profile `{policy['profile']}`, tau {policy['tau']:g}",
         f"- sign: {report['sign_convention']}",
     ]
+    if policy.get("exact"):
+        lines.append(f"- exact mode (--exact): {bitwise_line(metrics)}")
     lines += ["", "| metric | value | limit |", "|---|---|---|"]
     # the usual metrics, then any other the policy limits (e.g. NeMo-RL's gates)
     limited = [name for name in policy["limits"] if name not in SUMMARY_METRICS]
@@ -122,6 +124,19 @@ def render_summary(report: dict) -> str:
             f"{row['logprob_rollout']:.6g} | {row['logprob_train']:.6g} | {row['abs_diff']:.3g} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def bitwise_line(metrics: dict) -> str:
+    """'bitwise equal: 99.99 % (3 mismatches of 41,000 tokens)'; never 100.00 % with a
+    mismatch."""
+    mismatches = metrics["bitwise_mismatches"]
+    percent = round(metrics["bitwise_equal_fraction"] * 100, 2)
+    if mismatches:
+        percent = min(percent, 99.99)
+    return (
+        f"bitwise equal: {percent:.2f} % ({mismatches:,} mismatch{'es' if mismatches != 1 else ''} "
+        f"of {metrics['tokens']:,} tokens)"
+    )
 
 
 def _write_tokens(comparison: Comparison, path: Path) -> None:

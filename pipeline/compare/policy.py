@@ -144,12 +144,16 @@ def profile_for(dtypes: list[str]) -> str:
     return max(known, key=PRECISION_ORDER.index) if known else "float32"
 
 
-def judge(policy: Policy, profile_name: str, metrics: dict, findings: list[dict]) -> dict:
+def judge(
+    policy: Policy, profile_name: str, metrics: dict, findings: list[dict], exact: bool = False
+) -> dict:
     """Verdict plus every violated limit and failing finding.
 
     A limited metric these inputs cannot give (top1_flip_rate without top-k alternatives on
     both sides) is listed as not measured, in the report and the summary, and judges nothing:
-    one policy serves every pair, and the names in the policy were validated when it loaded."""
+    one policy serves every pair, and the names in the policy were validated when it loaded.
+    ``exact`` (lpx compare --exact, for batch-invariant stacks) also fails on any token whose
+    logprobs are not bitwise equal; the profile's limits still apply."""
     profile = policy.profile(profile_name)
     violations, not_measured = [], []
     for metric, limit in profile.get("limits", {}).items():
@@ -158,6 +162,10 @@ def judge(policy: Policy, profile_name: str, metrics: dict, findings: list[dict]
             continue
         if not metrics[metric] <= limit:  # NaN fails too
             violations.append({"metric": metric, "value": metrics[metric], "limit": limit})
+    if exact and metrics["bitwise_mismatches"] != 0:
+        violations.append(
+            {"metric": "bitwise_mismatches", "value": metrics["bitwise_mismatches"], "limit": 0}
+        )
     failing = [
         f["cause"]
         for f in findings
@@ -173,4 +181,5 @@ def judge(policy: Policy, profile_name: str, metrics: dict, findings: list[dict]
         "not_measured": not_measured,
         "failing_findings": sorted(set(failing)),
         "source": policy.source,
+        "exact": exact,
     }

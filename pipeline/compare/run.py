@@ -15,6 +15,7 @@ from pipeline.compare.drift_map import drift_map
 from pipeline.compare.metrics import (
     SIGN_CONVENTION,
     batch_metrics,
+    bitwise_agreement,
     kl_input_drift,
     sequence_metrics,
 )
@@ -43,6 +44,7 @@ def compare_files(
     channel: str = "rollout",
     allow_weight_mismatch: bool = False,
     command_line: str = "",
+    exact: bool = False,
 ) -> Comparison:
     fixture = read_table(fixture_path, expect_kind="fixture")
     replay = read_table(replay_path, expect_kind="replay")
@@ -56,6 +58,7 @@ def compare_files(
         channel,
         allow_weight_mismatch,
         command_line,
+        exact,
     )
 
 
@@ -69,8 +72,12 @@ def compare_tables(
     channel: str = "rollout",
     allow_weight_mismatch: bool = False,
     command_line: str = "",
+    exact: bool = False,
 ) -> Comparison:
-    """Compare tables already in memory; the paths only name them in messages and reports."""
+    """Compare tables already in memory; the paths only name them in messages and reports.
+
+    ``exact``: for batch-invariant or true-on-policy stacks, any completion token whose
+    float32 logprobs are not bitwise equal fails the verdict (the policy applies as well)."""
     vocab_size = (fixture.metadata.get("model") or {}).get("vocab_size")
     validate_table(fixture, fixture_path, vocab_size)
     validate_table(replay, replay_path, vocab_size)
@@ -100,6 +107,7 @@ def compare_tables(
             "every token masked); comparing nothing is never a pass."
         )
     metrics = batch_metrics(completion.train, completion.rollout, tau)
+    metrics.update(bitwise_agreement(completion.train, completion.rollout))
     per_sequence = sequence_metrics(completion.train, completion.rollout, completion.offsets)
     metrics["max_seq_mean_abs_diff"] = float(per_sequence["mean_abs_diff"].max(initial=0.0))
     if aligned.top1_rollout is not None and len(aligned.top1_rollout):
@@ -130,7 +138,7 @@ def compare_tables(
         context,
     )
     findings = [f.as_dict() for f in findings] + _missing_versions(replay, aligned)
-    judgement = judge(policy, profile, metrics, findings)
+    judgement = judge(policy, profile, metrics, findings, exact)
     report = {
         "verdict": judgement["verdict"],
         "sign_convention": SIGN_CONVENTION,
