@@ -1,5 +1,5 @@
-"""Gates as practitioners write them: NeMo-RL's token_mult_prob_error statistics and exact
-(bitwise) mode."""
+"""Gates as practitioners write them: NeMo-RL's token_mult_prob_error statistics, exact
+(bitwise) mode, and the HF replay scoring the rollout's recorded top-k ids."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.compare.metrics import batch_metrics, bitwise_agreement
 from pipeline.fixture.io import read_table, write_table
+from pipeline.fixture.table import REPLAY_TOP1_CHANNEL
 from tests.helpers import read_report, run_lpx
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -212,3 +213,97 @@ def test_exact_mode_over_a_matrix_fails_the_pair_that_differs(run_dir, tmp_path)
     assert matrix["pairs"][0]["bitwise_mismatches"] == 0
     assert matrix["pairs"][1]["bitwise_mismatches"] == int(fixture.completion_mask.sum())
     assert "Exact mode (--exact)" in result.output
+
+
+# --- the rollout's top-k ids, scored by the real HF replay ---------------------------------------------
+
+
+def _model_top_k(fixture, model_dir, k: int, dtype: str = "float32"):
+    """The tiny model's own top-k ids and fp32 logprobs at every completion position (one
+    unpadded forward per sequence): what a rollout engine with logprobs=k records."""
+    import torch
+
+    from pipeline.engines.hf_common import load_model
+
+    model = load_model(model_dir, dtype)
+    ids, values = [], []
+    with torch.no_grad():
+        for i in range(fixture.num_sequences):
+            prompt, completion = fixture.prompt_of(i), fixture.completion_of(i)
+            tokens = torch.from_numpy(np.concatenate([prompt, completion]).astype(np.int64))
+            logits = model(tokens[None]).logits[0, len(prompt) - 1 : -1]
+            top = logits.float().log_softmax(-1).topk(k, dim=-1)
+            ids.append(top.indices.numpy())
+            values.append(top.values.numpy())
+    return np.concatenate(ids).astype(np.int32), np.concatenate(values).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def topk_run(run_dir, tiny_model, tmp_path_factory):
+    """fixture-k4: the HF rollout with the model's top-4 per token; replay-k4: lpx replay of
+    it (the replay scores the fixture's ids); fixture-same: fixture-k4 whose top-4 logprobs
+    are the replay's own, so both sides hold identical numbers at the same ids."""
+    out = tmp_path_factory.mktemp("topk")
+    fixture = read_table(run_dir / "fixture.parquet")
+    fixture.top_ids, fixture.top_logprobs = _model_top_k(fixture, tiny_model, 4)
+    write_table(fixture, out / "fixture-k4.parquet")
+    result = run_lpx("replay", out / "fixture-k4.parquet", "--out", out / "replay-k4.parquet")
+    assert result.exit_code == 0, result.output
+    replay = read_table(out / "replay-k4.parquet")
+    fixture.top_logprobs = replay.top_logprobs.copy()
+    write_table(fixture, out / "fixture-same.parquet")
+    return out
+
+
+def test_the_hf_replay_scores_the_fixtures_top_k_ids(topk_run, run_dir):
+    fixture = read_table(topk_run / "fixture-k4.parquet")
+    replay = read_table(topk_run / "replay-k4.parquet")
+    assert replay.metadata["top_logprobs"] == "at the fixture's top-k ids"
+    assert replay.metadata["knobs"]["score_top_ids"] is True
+    assert np.array_equal(replay.top_ids, fixture.top_ids)
+    # the replay's fp32 logprobs at those ids: the model's own, to fp32 rounding
+    np.testing.assert_allclose(replay.top_logprobs, fixture.top_logprobs, atol=2e-5, rtol=0)
+    # the sampled token's logprob is unchanged by scoring the extra ids
+    plain = read_table(run_dir / "replay-float32.parquet")
+    assert np.array_equal(replay.channels["replay"], plain.channels["replay"])
+    # its own most likely token's logprob is the top of its distribution
+    assert np.array_equal(replay.channels[REPLAY_TOP1_CHANNEL], plain.top_logprobs[:, 0])
+
+
+def test_a_top_1_fixture_keeps_the_replays_own_top_1(run_dir, tiny_model):
+    """HF rollouts record top-1 only: the replay records its own top-1 as before."""
+    replay = read_table(run_dir / "replay-float32.parquet")
+    fixture = read_table(run_dir / "fixture.parquet")
+    assert fixture.top_ids.shape[1] == 1 and replay.top_ids.shape[1] == 1
+    assert "top_logprobs" not in replay.metadata
+    assert REPLAY_TOP1_CHANNEL not in replay.channels
+    ids, values = _model_top_k(fixture, tiny_model, 1)
+    assert np.array_equal(replay.top_ids, ids)
+    np.testing.assert_allclose(replay.top_logprobs, values, atol=2e-5, rtol=0)
+
+
+def test_the_top_1_flip_rate_is_the_same_when_the_replay_scored_the_fixtures_ids(
+    topk_run, tmp_path
+):
+    """A rollout whose recorded top-1 is the model's second choice on every third token: the
+    flip rate from a replay that scored the fixture's ids equals the one from a replay that
+    recorded its own top-1."""
+    fixture = read_table(topk_run / "fixture-k4.parquet")
+    swapped = np.arange(len(fixture.top_ids)) % 3 == 0
+    fixture.top_ids[swapped] = fixture.top_ids[swapped][:, [1, 0, 2, 3]]
+    fixture.top_logprobs[swapped] = fixture.top_logprobs[swapped][:, [1, 0, 2, 3]]
+    write_table(fixture, tmp_path / "fixture-swapped.parquet")
+    rates = {}
+    for name, knobs in (("scored", []), ("own", ["--set", "score_top_ids=false"])):
+        result = run_lpx(
+            "replay", tmp_path / "fixture-swapped.parquet", *knobs,
+            "--out", tmp_path / f"replay-{name}.parquet",
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        run_lpx(
+            "compare", tmp_path / "fixture-swapped.parquet", tmp_path / f"replay-{name}.parquet",
+            "--out", tmp_path / f"cmp-{name}",
+        )  # fmt: skip
+        rates[name] = read_report(tmp_path / f"cmp-{name}")["metrics"]["top1_flip_rate"]
+    expected = swapped[fixture.completion_mask].mean()
+    assert rates["scored"] == rates["own"] == pytest.approx(expected)
