@@ -1,8 +1,10 @@
 """Gates as practitioners write them: NeMo-RL's token_mult_prob_error statistics, exact
-(bitwise) mode, and the HF replay scoring the rollout's recorded top-k ids."""
+(bitwise) mode, and forward/reverse KL over the rollout's recorded top-k ids, scored by the
+real HF replay on the tiny model."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline.compare.metrics import batch_metrics, bitwise_agreement
+from pipeline.compare.topk import topk_kl
 from pipeline.fixture.io import read_table, write_table
 from pipeline.fixture.table import REPLAY_TOP1_CHANNEL
 from tests.helpers import read_report, run_lpx
@@ -215,7 +218,7 @@ def test_exact_mode_over_a_matrix_fails_the_pair_that_differs(run_dir, tmp_path)
     assert "Exact mode (--exact)" in result.output
 
 
-# --- the rollout's top-k ids, scored by the real HF replay ---------------------------------------------
+# --- top-k KL, scored by the real HF replay ---------------------------------------------
 
 
 def _model_top_k(fixture, model_dir, k: int, dtype: str = "float32"):
@@ -282,6 +285,84 @@ def test_a_top_1_fixture_keeps_the_replays_own_top_1(run_dir, tiny_model):
     np.testing.assert_allclose(replay.top_logprobs, values, atol=2e-5, rtol=0)
 
 
+def test_identical_sides_give_a_top_k_kl_of_exactly_zero(topk_run, tmp_path):
+    result = run_lpx(
+        "compare", topk_run / "fixture-same.parquet", topk_run / "replay-k4.parquet",
+        "--out", tmp_path / "same",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    metrics = read_report(tmp_path / "same")["metrics"]
+    assert metrics["topk_k"] == 4
+    assert metrics["topk_tokens"] == metrics["tokens"]
+    for name in ("forward_mean", "forward_max", "reverse_mean", "reverse_max"):
+        assert metrics[f"topk_kl_{name}"] == 0.0, name
+    replay = read_table(topk_run / "replay-k4.parquet")
+    mass = np.exp(replay.top_logprobs[replay.completion_mask].astype(np.float64)).sum(1).mean()
+    assert metrics["topk_mass_rollout_mean"] == metrics["topk_mass_train_mean"]
+    assert metrics["topk_mass_train_mean"] == pytest.approx(mass, rel=1e-12)
+    assert "| topk_kl_forward_mean | 0 |" in result.output
+
+
+def test_a_temperature_processed_side_gives_the_kl_numpy_computes(topk_run, tmp_path):
+    """The replay at temperature 0.7: restricted to the same ids, its distribution is
+    softmax(log p / 0.7) of the T=1 one, so the KL follows from the T=1 logprobs alone."""
+    temperature = 0.7
+    result = run_lpx(
+        "replay", topk_run / "fixture-same.parquet", "--temperature", temperature,
+        "--out", tmp_path / "replay-t.parquet",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    run_lpx(
+        "compare", topk_run / "fixture-same.parquet", tmp_path / "replay-t.parquet",
+        "--out", tmp_path / "t",
+    )  # fmt: skip
+    metrics = read_report(tmp_path / "t")["metrics"]
+
+    fixture = read_table(topk_run / "fixture-same.parquet")
+    log_p = fixture.top_logprobs[fixture.completion_mask].astype(np.float64)
+    log_p -= np.log(np.exp(log_p).sum(1, keepdims=True))  # rollout, renormalised on the ids
+    log_q = log_p / temperature
+    log_q -= np.log(np.exp(log_q).sum(1, keepdims=True))  # T = 0.7, renormalised
+    p, q = np.exp(log_p), np.exp(log_q)
+    forward = (p * (log_p - log_q)).sum(1)
+    reverse = (q * (log_q - log_p)).sum(1)
+    assert metrics["topk_kl_forward_mean"] == pytest.approx(forward.mean(), rel=1e-4)
+    assert metrics["topk_kl_reverse_mean"] == pytest.approx(reverse.mean(), rel=1e-4)
+    assert metrics["topk_kl_forward_max"] == pytest.approx(forward.max(), rel=1e-4)
+    assert metrics["topk_kl_reverse_max"] == pytest.approx(reverse.max(), rel=1e-4)
+    assert metrics["topk_kl_forward_mean"] > 1e-3  # a real KL, not the rounding floor
+    # sharpening moves mass onto the most likely ids
+    assert metrics["topk_mass_train_mean"] > metrics["topk_mass_rollout_mean"]
+
+
+def test_different_ids_report_no_top_k_kl(topk_run, run_dir, tmp_path):
+    """A replay that recorded its own top-1 (here of a k=4 fixture, with score_top_ids off)
+    holds other ids than the fixture: no KL is reported, the top-1 flip rate still is, and a
+    policy limit on the KL is listed as not measured."""
+    result = run_lpx(
+        "replay", topk_run / "fixture-k4.parquet", "--set", "score_top_ids=false",
+        "--out", tmp_path / "own.parquet",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    own = read_table(tmp_path / "own.parquet")
+    assert own.top_ids.shape[1] == 1 and "top_logprobs" not in own.metadata
+    assert np.array_equal(own.top_ids, read_table(run_dir / "replay-float32.parquet").top_ids)
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "version: 1\nprofiles:\n  float32:\n    tau: 1.0e-4\n"
+        "    limits: {topk_kl_forward_mean: 1.0e-6}\n"
+    )
+    result = run_lpx(
+        "compare", topk_run / "fixture-k4.parquet", tmp_path / "own.parquet",
+        "--policy", policy, "--out", tmp_path / "cmp",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = read_report(tmp_path / "cmp")
+    assert not [name for name in report["metrics"] if name.startswith("topk_")]
+    assert report["metrics"]["top1_flip_rate"] == 0.0
+    assert report["policy"]["not_measured"] == ["topk_kl_forward_mean"]
+
+
 def test_the_top_1_flip_rate_is_the_same_when_the_replay_scored_the_fixtures_ids(
     topk_run, tmp_path
 ):
@@ -307,3 +388,13 @@ def test_the_top_1_flip_rate_is_the_same_when_the_replay_scored_the_fixtures_ids
         rates[name] = read_report(tmp_path / f"cmp-{name}")["metrics"]["top1_flip_rate"]
     expected = swapped[fixture.completion_mask].mean()
     assert rates["scored"] == rates["own"] == pytest.approx(expected)
+
+
+def test_topk_kl_is_nan_when_an_alternative_is_unknown():
+    rollout = np.log(np.array([[0.5, 0.3, 0.1], [0.6, 0.2, 0.1]]))
+    train = rollout.copy()
+    rollout[1, 2] = np.nan
+    metrics = topk_kl(rollout, train)
+    assert metrics["topk_kl_forward_max"] != metrics["topk_kl_forward_max"]  # NaN
+    assert np.isnan(metrics["topk_kl_reverse_mean"])
+    assert json.dumps(metrics)  # still plain numbers for report.json

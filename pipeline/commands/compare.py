@@ -63,8 +63,9 @@ def compare(
     """Compare replays with their fixture token by token; write the report; exit with the verdict.
 
     Computes drift metrics (|d| tails, k1/k2/k3, IS ratio, ESS, clip fraction, NeMo-RL's
-    token_mult_prob_error gates, per-sequence max/mean/sum and the bitwise-equal fraction),
-    finds the worst tokens, tests semantic causes (off-by-one, mask/padding, position ids,
+    token_mult_prob_error gates, per-sequence max/mean/sum, the bitwise-equal fraction, and
+    forward/reverse KL over the rollout's top-k ids when both sides hold them), finds the
+    worst tokens, tests semantic causes (off-by-one, mask/padding, position ids,
     temperature, dtype, stale weights) and applies the threshold policy; --exact also fails
     on any token that is not bitwise equal. Exit 0 pass, 1 regression, 2 bad input. With
     several replays, each pair gets its own directory under --out and report.json/summary.md

@@ -42,6 +42,10 @@ class Aligned:
     # (-1 on the train side: a token other than the rollout's top-k ids the replay scored).
     top1_rollout: np.ndarray | None = None
     top1_train: np.ndarray | None = None
+    # [compared tokens, k >= 2] logprobs of the same token ids on both sides: the rollout's
+    # recorded top-k and the replay's logprobs at those ids (pipeline/compare/topk.py).
+    topk_rollout: np.ndarray | None = None
+    topk_train: np.ndarray | None = None
     # A multi-version replay: the train side under each store version it scored (NaN where
     # it did not score that token), and how many tokens it left unscored (version missing).
     version_channels: dict[str, np.ndarray] | None = None
@@ -101,6 +105,7 @@ def align(
         )
     replay_rows = completion_index[active]
     top1_rollout, top1_train = _top1(fixture, replay, active, replay_rows)
+    topk_rollout, topk_train = _same_topk(fixture, replay, active, replay_rows)
     return Aligned(
         sequence_ids=fixture.sequence_ids,
         completion=completion,
@@ -111,6 +116,8 @@ def align(
         else fixture.weight_versions[active],
         top1_rollout=top1_rollout,
         top1_train=top1_train,
+        topk_rollout=topk_rollout,
+        topk_train=topk_train,
         version_channels={
             name[len(VERSION_CHANNEL_PREFIX) :]: values[completion_index][active]
             for name, values in replay.channels.items()
@@ -134,6 +141,19 @@ def _top1(fixture: TokenTable, replay: TokenTable, active, replay_rows):
         reaches = replay.top_logprobs[replay_rows, 0] >= own_best[replay_rows]
         train = np.where(reaches, train, -1)
     return rollout, train
+
+
+def _same_topk(fixture: TokenTable, replay: TokenTable, active, replay_rows):
+    """Both sides' logprobs at the same k >= 2 ids per compared token, or (None, None) when
+    the sides hold different ids (e.g. a replay that recorded its own top-1)."""
+    if fixture.top_ids is None or replay.top_ids is None:
+        return None, None
+    k = fixture.top_ids.shape[1]
+    if k < 2 or replay.top_ids.shape[1] != k:
+        return None, None
+    if not np.array_equal(fixture.top_ids[active], replay.top_ids[replay_rows]):
+        return None, None
+    return fixture.top_logprobs[active], replay.top_logprobs[replay_rows]
 
 
 def _replay_order(fixture, replay, fixture_path, replay_path) -> np.ndarray:

@@ -28,6 +28,8 @@ SUMMARY_METRICS = (
     "ess",
     "clip_frac",
     "max_seq_mean_abs_diff",
+    "topk_kl_forward_mean",
+    "topk_kl_reverse_mean",
 )
 
 
@@ -96,7 +98,8 @@ def render_summary(report: dict) -> str:
         lines += [
             "",
             f"Not measured here, so not judged: {', '.join(policy['not_measured'])} "
-            "(top1_flip_rate needs top-k alternatives on both sides).",
+            "(top1_flip_rate needs top-k alternatives on both sides, the topk_kl metrics "
+            "logprobs at the same k >= 2 ids on both sides).",
         ]
     if policy["violations"]:
         lines += ["", "## Violations", ""]

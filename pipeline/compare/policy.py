@@ -16,7 +16,8 @@ from pipeline.errors import BadInput
 
 PRECISION_ORDER = ("float32", "float16", "bfloat16")  # most to least precise
 # Metrics a profile may limit: compare's batch metrics (pipeline/compare/metrics.py) plus
-# the worst sequence's mean |d| and the top-1 flip rate.
+# the worst sequence's mean |d|, the top-1 flip rate and the KLs over recorded top-k ids
+# (pipeline/compare/topk.py).
 LIMITED_METRICS = (
     "max_abs_diff",
     "mean_abs_diff",
@@ -43,6 +44,8 @@ LIMITED_METRICS = (
     "token_mult_prob_error_frac_above_1_1",
     "max_seq_mean_abs_diff",
     "top1_flip_rate",
+    "topk_kl_forward_mean",
+    "topk_kl_reverse_mean",
 )
 VERDICT_PASS, VERDICT_FAIL = "pass", "fail"
 

@@ -20,6 +20,7 @@ from pipeline.compare.metrics import (
     sequence_metrics,
 )
 from pipeline.compare.policy import Policy, judge, load_policy, profile_for
+from pipeline.compare.topk import topk_kl
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table, validate_table
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
@@ -112,6 +113,8 @@ def compare_tables(
     metrics["max_seq_mean_abs_diff"] = float(per_sequence["mean_abs_diff"].max(initial=0.0))
     if aligned.top1_rollout is not None and len(aligned.top1_rollout):
         metrics["top1_flip_rate"] = float(np.mean(aligned.top1_rollout != aligned.top1_train))
+    if aligned.topk_rollout is not None:
+        metrics.update(topk_kl(aligned.topk_rollout, aligned.topk_train))
     by_region = {"completion": metrics}
     if aligned.prompt is not None:
         by_region["prompt"] = batch_metrics(aligned.prompt.train, aligned.prompt.rollout, tau)
