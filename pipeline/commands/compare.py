@@ -55,6 +55,12 @@ def compare_options(function):
         click.option(
             "--no-calibration", is_flag=True, help="Judge by the profile's constants even so."
         ),
+        click.option(
+            "--exact",
+            is_flag=True,
+            help="Fail on any completion token whose float32 logprobs are not bitwise equal "
+            "(for batch-invariant or true-on-policy stacks); the policy's limits still apply.",
+        ),
         device_option,
         click.option("--quiet", is_flag=True, help="Print only the verdict line."),
     ]
@@ -75,19 +81,23 @@ def compare_options(function):
 def compare(model_dir, **options):
     """Compare replays with their fixture token by token; write the report; exit with the verdict.
 
-    Computes drift metrics (|d| tails, k1/k2/k3, IS ratio, ESS, clip fraction, per-sequence
-    max/mean/sum), finds the worst tokens, tests semantic causes (off-by-one, mask/padding,
-    position ids, temperature, dtype, stale weights) and applies the threshold policy. With
-    a calibration (lpx calibrate) drift is judged against the model's measured noise floor;
-    with --model each finding is verified by reproducing it. Exit 0 pass, 1 regression,
-    2 bad input. With several replays, each pair gets its own directory under --out and
-    report.json/summary.md hold the matrix, a row per pair.
+    Computes drift metrics (|d| tails, k1/k2/k3, IS ratio, ESS, clip fraction, NeMo-RL's
+    token_mult_prob_error gates, per-sequence max/mean/sum, the bitwise-equal fraction, and
+    forward/reverse KL over the rollout's top-k ids when both sides hold them), finds the
+    worst tokens, tests semantic causes (off-by-one, mask/padding, position ids,
+    temperature, dtype, stale weights) and applies the threshold policy; --exact also fails
+    on any token that is not bitwise equal. With a calibration (lpx calibrate) drift is
+    judged against the model's measured noise floor; with --model each finding is verified
+    by reproducing it. Exit 0 pass, 1 regression, 2 bad input. With several replays, each
+    pair gets its own directory under --out and report.json/summary.md hold the matrix, a
+    row per pair.
 
     \b
     Example:
       lpx compare run/fixture.parquet run/replay-bf16.parquet --out run/compare-bf16
       lpx compare run/fixture.parquet run/replay.parquet --profile float32 --out run/strict
       lpx compare run/fixture.parquet run/replay.parquet --model models/tiny --out run/checked
+      lpx compare run/fixture.parquet run/replay-batch-invariant.parquet --exact --out run/exact
       lpx compare run/fixture.parquet run/hf.parquet run/fsdp.parquet run/megatron-tp2.parquet \\
           --out run/matrix
     """
@@ -138,6 +148,7 @@ def run_compare(
     allow_weight_mismatch,
     calibration_path,
     no_calibration,
+    exact,
     device,
     quiet,
     model_dir=None,
@@ -177,6 +188,7 @@ def run_compare(
             command_line=shlex.join(["lpx", *sys.argv[1:]]),
             calibration=calibration,
             calibration_source=source,
+            exact=exact,
         )
         if model_dir is not None and needs_verifying(comparison.report["diagnosis"]):
             from pipeline.verification import Verifier

@@ -10,6 +10,7 @@ import numpy as np
 from pipeline.errors import BadInput
 from pipeline.fixture.table import (
     REPLAY_CHANNEL,
+    REPLAY_TOP1_CHANNEL,
     VERSION_CHANNEL_PREFIX,
     TokenTable,
     offsets_from_lengths,
@@ -37,9 +38,14 @@ class Aligned:
     prompt: Region | None
     kl_channels: dict[str, np.ndarray]
     weight_versions: np.ndarray | None
-    # Most likely token per compared completion position on each side, when both recorded it.
+    # Most likely token per compared completion position on each side, when both recorded it
+    # (-1 on the train side: a token other than the rollout's top-k ids the replay scored).
     top1_rollout: np.ndarray | None = None
     top1_train: np.ndarray | None = None
+    # [compared tokens, k >= 2] logprobs of the same token ids on both sides: the rollout's
+    # recorded top-k and the replay's logprobs at those ids (pipeline/compare/topk.py).
+    topk_rollout: np.ndarray | None = None
+    topk_train: np.ndarray | None = None
     # A multi-version replay: the train side under each store version it scored (NaN where
     # it did not score that token), and how many tokens it left unscored (version missing).
     version_channels: dict[str, np.ndarray] | None = None
@@ -97,7 +103,9 @@ def align(
             rollout=fixture.prompt_logprobs[scored],
             train=replay.prompt_logprobs[prompt_index][scored],
         )
-    both_top = fixture.top_ids is not None and replay.top_ids is not None
+    replay_rows = completion_index[active]
+    top1_rollout, top1_train = _top1(fixture, replay, active, replay_rows)
+    topk_rollout, topk_train = _same_topk(fixture, replay, active, replay_rows)
     return Aligned(
         sequence_ids=fixture.sequence_ids,
         completion=completion,
@@ -106,8 +114,10 @@ def align(
         weight_versions=None
         if fixture.weight_versions is None
         else fixture.weight_versions[active],
-        top1_rollout=fixture.top_ids[active, 0] if both_top else None,
-        top1_train=replay.top_ids[completion_index][active, 0] if both_top else None,
+        top1_rollout=top1_rollout,
+        top1_train=top1_train,
+        topk_rollout=topk_rollout,
+        topk_train=topk_train,
         version_channels={
             name[len(VERSION_CHANNEL_PREFIX) :]: values[completion_index][active]
             for name, values in replay.channels.items()
@@ -116,6 +126,34 @@ def align(
         or None,
         unscored_tokens=unscored,
     )
+
+
+def _top1(fixture: TokenTable, replay: TokenTable, active, replay_rows):
+    """Each side's most likely token at the compared positions, when both recorded top-k."""
+    if fixture.top_ids is None or replay.top_ids is None:
+        return None, None
+    rollout, train = fixture.top_ids[active, 0], replay.top_ids[replay_rows, 0]
+    own_best = replay.channels.get(REPLAY_TOP1_CHANNEL)
+    if own_best is not None:
+        # The replay scored the fixture's ids, not its own top-1: its top-1 is the first of
+        # them where that one reaches the replay's own maximum logprob (the same fp32 values,
+        # so equality is exact), and some other token elsewhere.
+        reaches = replay.top_logprobs[replay_rows, 0] >= own_best[replay_rows]
+        train = np.where(reaches, train, -1)
+    return rollout, train
+
+
+def _same_topk(fixture: TokenTable, replay: TokenTable, active, replay_rows):
+    """Both sides' logprobs at the same k >= 2 ids per compared token, or (None, None) when
+    the sides hold different ids (e.g. a replay that recorded its own top-1)."""
+    if fixture.top_ids is None or replay.top_ids is None:
+        return None, None
+    k = fixture.top_ids.shape[1]
+    if k < 2 or replay.top_ids.shape[1] != k:
+        return None, None
+    if not np.array_equal(fixture.top_ids[active], replay.top_ids[replay_rows]):
+        return None, None
+    return fixture.top_logprobs[active], replay.top_logprobs[replay_rows]
 
 
 def _replay_order(fixture, replay, fixture_path, replay_path) -> np.ndarray:

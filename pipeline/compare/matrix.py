@@ -47,12 +47,14 @@ def write_matrix(comparisons: list[Comparison], out_dir: Path) -> dict:
                 "verdict": report["verdict"],
                 "profile": report["policy"]["profile"],
                 **{name: report["metrics"].get(name) for name in MATRIX_METRICS},
+                "bitwise_mismatches": report["metrics"].get("bitwise_mismatches"),
                 "findings": [f["cause"] for f in report["diagnosis"]],
                 "report": str(paths["report"]),
             }
         )
     matrix = {
         "verdict": "fail" if any(r["verdict"] != "pass" for r in rows) else "pass",
+        "exact": any(c.report["policy"].get("exact") for c in comparisons),
         "pairs": rows,
         "metadata": {"fixture": comparisons[0].report["metadata"]["fixture"]["path"]},
     }
@@ -63,9 +65,13 @@ def write_matrix(comparisons: list[Comparison], out_dir: Path) -> dict:
 
 
 def render_matrix(matrix: dict) -> str:
-    lines = [
-        f"# lpx compare matrix: {matrix['verdict'].upper()}",
-        "",
+    lines = [f"# lpx compare matrix: {matrix['verdict'].upper()}", ""]
+    if matrix.get("exact"):
+        counts = ", ".join(
+            f"{_md(row['pair'])}: {row['bitwise_mismatches']:,}" for row in matrix["pairs"]
+        )
+        lines += [f"Exact mode (--exact): a pair fails on any bitwise mismatch ({counts}).", ""]
+    lines += [
         "| rollout | replay | layout | verdict | max abs d | mean abs d | p99 abs d | k3 | top-1 flips | findings |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -4,6 +4,8 @@ Sign convention (recorded in every report): d_t = logp_train(t) - logp_rollout(t
 active completion tokens, r_t = exp(d_t) = pi_train / pi_rollout. Definitions follow
 shared/notes/metrics.md: k1 = mean(-d) estimates KL(rollout || train); k2 = 0.5 mean(d^2);
 k3 = mean(r - 1 - d) (Schulman's low-variance estimator); ESS = 1 / mean((w / mean w)^2).
+NeMo-RL's token_mult_prob_error is mean exp(|d|); its CI gates read the median, the mean
+without the top 5 % and the fraction above 1.1 (shared/notes/field-2026.md).
 
 All functions are pure numpy and vectorized; batch metrics stream over fixed-size chunks
 so memory stays at a few arrays of the input size whatever the batch.
@@ -19,6 +21,9 @@ SIGN_CONVENTION = "d = logp_train - logp_rollout; r = exp(d) = pi_train / pi_rol
 QUANTILES = (0.5, 0.99, 0.999)
 CHUNK = 1 << 20
 RELATIVE_EPS = 1e-6
+# NeMo-RL's gates on exp(|d|): `ratio_above(1.1)` and the mean without the top 5 %.
+MULT_PROB_ERROR_THRESHOLD = 1.1
+TRIMMED_TOP_FRACTION = 0.05
 
 
 def batch_metrics(
@@ -32,7 +37,7 @@ def batch_metrics(
     n = len(train)
     if n == 0:
         return {"tokens": 0}
-    sums = np.zeros(11)
+    sums = np.zeros(12)
     max_abs = max_rel = max_prob = 0.0
     abs_diff = np.empty(n, dtype=np.float32)
     for start in range(0, n, CHUNK):
@@ -42,6 +47,10 @@ def batch_metrics(
             d = t - r_lp
         a = np.abs(d)
         abs_diff[start : start + len(d)] = a
+        mult_prob_error = np.exp(a)  # NeMo-RL's per-token exp(|d|), freed before the rest
+        s_mult_prob_error = mult_prob_error.sum()
+        above = np.count_nonzero(mult_prob_error > MULT_PROB_ERROR_THRESHOLD)
+        del mult_prob_error
         em1 = np.expm1(d)  # r - 1, exact near zero
         ratio = em1 + 1.0
         rel = a / np.maximum(np.abs(t), RELATIVE_EPS)
@@ -57,14 +66,17 @@ def batch_metrics(
             a.sum(),
             rel.sum(),
             prob.sum(),
-            np.exp(a).sum(),
+            s_mult_prob_error,
+            above,
         )
         max_abs = _max_keeping_nan(max_abs, float(a.max()))
         max_rel = _max_keeping_nan(max_rel, float(rel.max()))
         max_prob = _max_keeping_nan(max_prob, float(prob.max()))
-    (s_d, s_d2, s_k3, s_r, s_r2, clipped, over_tau, s_abs, s_rel, s_prob, s_exp_abs) = sums
+    (s_d, s_d2, s_k3, s_r, s_r2, clipped, over_tau, s_abs, s_rel, s_prob, s_exp_abs, above) = sums
     mean_ratio = s_r / n
-    quantiles = _quantiles(abs_diff)
+    quantiles, median_exp, trimmed_exp = _order_statistics(abs_diff)
+    if math.isnan(max_abs):  # a NaN token sorts last and would be trimmed away: fail instead
+        median_exp = trimmed_exp = above = math.nan
     metrics = {
         "tokens": n,
         "max_abs_diff": max_abs,
@@ -88,8 +100,29 @@ def batch_metrics(
         "ess": (mean_ratio * mean_ratio) / (s_r2 / n) if s_r2 > 0 else 0.0,
         "clip_frac": clipped / n,
         "token_mult_prob_error": s_exp_abs / n,
+        "token_mult_prob_error_median": median_exp,
+        "token_mult_prob_error_trimmed_mean": trimmed_exp,
+        "token_mult_prob_error_frac_above_1_1": above / n,
     }
     return {name: (int(v) if name == "tokens" else float(v)) for name, v in metrics.items()}
+
+
+def bitwise_agreement(train: np.ndarray, rollout: np.ndarray) -> dict[str, float]:
+    """How many tokens carry the same float32 logprob bit for bit on both sides.
+
+    The uint32 views are compared, so -inf equals -inf, and 0.0 and -0.0 differ; NaN never
+    equals anything, whatever its payload. Batch-invariant and true-on-policy stacks
+    (slime's true-on-policy mode, RL-Kernel) promise zero mismatches.
+    """
+    n = len(train)
+    train32 = np.ascontiguousarray(train, dtype=np.float32)
+    rollout32 = np.ascontiguousarray(rollout, dtype=np.float32)
+    same = train32.view(np.uint32) == rollout32.view(np.uint32)
+    equal = int(np.count_nonzero(same & ~np.isnan(train32)))
+    return {
+        "bitwise_equal_fraction": equal / n if n else 0.0,
+        "bitwise_mismatches": n - equal,
+    }
 
 
 def sequence_metrics(
@@ -124,12 +157,23 @@ def _max_keeping_nan(current: float, new: float) -> float:
     return max(current, new)
 
 
-def _quantiles(values: np.ndarray) -> list[float]:
-    """p50/p99/p99.9 with one in-place partition (np.quantile would sort a copy per call)."""
-    n = len(values)
-    ranks = sorted({min(n - 1, int(np.ceil(q * n)) - 1) for q in QUANTILES})
-    values.partition(ranks)
-    return [float(values[min(n - 1, max(0, int(np.ceil(q * n)) - 1))]) for q in QUANTILES]
+def _order_statistics(abs_diff: np.ndarray) -> tuple[list[float], float, float]:
+    """From one in-place partition of |d| (np.quantile would sort a copy per call): the
+    nearest-rank p50/p99/p99.9 of |d|, the median of exp(|d|) (the two middle tokens
+    averaged when n is even, as np.median does) and the mean of exp(|d|) over all tokens but
+    the floor(5 % of n) with the largest |d|. exp is monotonic, so ranking |d| ranks exp(|d|).
+    """
+    n = len(abs_diff)
+    quantile_ranks = [min(n - 1, max(0, int(np.ceil(q * n)) - 1)) for q in QUANTILES]
+    median_ranks = ((n - 1) // 2, n // 2)
+    kept = n - int(n * TRIMMED_TOP_FRACTION)
+    abs_diff.partition(sorted({*quantile_ranks, *median_ranks, kept - 1}))
+    quantiles = [float(abs_diff[rank]) for rank in quantile_ranks]
+    with np.errstate(over="ignore"):  # |d| > 88 (float32) or 709 (float64): inf, which fails
+        middle = np.exp(abs_diff[list(median_ranks)].astype(np.float64))
+        # float32 exp, float64 sum: the kept tokens are the small ones, and one pass stays cheap
+        trimmed = float(np.exp(abs_diff[:kept]).sum(dtype=np.float64)) / kept
+    return quantiles, float(middle.mean()), trimmed
 
 
 def _segment_sum(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:

@@ -16,7 +16,8 @@ from pipeline.errors import BadInput
 
 PRECISION_ORDER = ("float32", "float16", "bfloat16")  # most to least precise
 # Metrics a profile may limit: compare's batch metrics (pipeline/compare/metrics.py) plus
-# the worst sequence's mean |d| and the top-1 flip rate.
+# the worst sequence's mean |d|, the top-1 flip rate and the KLs over recorded top-k ids
+# (pipeline/compare/topk.py).
 LIMITED_METRICS = (
     "max_abs_diff",
     "mean_abs_diff",
@@ -38,8 +39,13 @@ LIMITED_METRICS = (
     "ess",
     "clip_frac",
     "token_mult_prob_error",
+    "token_mult_prob_error_median",
+    "token_mult_prob_error_trimmed_mean",
+    "token_mult_prob_error_frac_above_1_1",
     "max_seq_mean_abs_diff",
     "top1_flip_rate",
+    "topk_kl_forward_mean",
+    "topk_kl_reverse_mean",
 )
 VERDICT_PASS, VERDICT_FAIL = "pass", "fail"
 
@@ -147,13 +153,16 @@ def judge(
     metrics: dict,
     findings: list[dict],
     limits: dict | None = None,
+    exact: bool = False,
 ) -> dict:
     """Verdict plus every violated limit and failing finding. ``limits`` replaces the
     profile's (a calibrated comparison's, `calibrated.effective_limits`).
 
     A limited metric these inputs cannot give (top1_flip_rate without top-k alternatives on
     both sides) is listed as not measured, in the report and the summary, and judges nothing:
-    one policy serves every pair, and the names in the policy were validated when it loaded."""
+    one policy serves every pair, and the names in the policy were validated when it loaded.
+    ``exact`` (lpx compare --exact, for batch-invariant stacks) also fails on any token whose
+    logprobs are not bitwise equal; the profile's limits still apply."""
     profile = policy.profile(profile_name)
     limits = profile.get("limits", {}) if limits is None else limits
     violations, not_measured = [], []
@@ -163,6 +172,10 @@ def judge(
             continue
         if not metrics[metric] <= limit:  # NaN fails too
             violations.append({"metric": metric, "value": metrics[metric], "limit": limit})
+    if exact and metrics["bitwise_mismatches"] != 0:
+        violations.append(
+            {"metric": "bitwise_mismatches", "value": metrics["bitwise_mismatches"], "limit": 0}
+        )
     failing = [
         f["cause"]
         for f in findings
@@ -178,4 +191,5 @@ def judge(
         "not_measured": not_measured,
         "failing_findings": sorted(set(failing)),
         "source": policy.source,
+        "exact": exact,
     }

@@ -21,10 +21,12 @@ from pipeline.compare.drift_map import drift_map
 from pipeline.compare.metrics import (
     SIGN_CONVENTION,
     batch_metrics,
+    bitwise_agreement,
     kl_input_drift,
     sequence_metrics,
 )
 from pipeline.compare.policy import Policy, judge, load_policy, profile_for
+from pipeline.compare.topk import topk_kl
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table, validate_table
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
@@ -51,6 +53,7 @@ def compare_files(
     command_line: str = "",
     calibration: dict | None = None,
     calibration_source: str = "",
+    exact: bool = False,
 ) -> Comparison:
     fixture = read_table(fixture_path, expect_kind="fixture")
     replay = read_table(replay_path, expect_kind="replay")
@@ -66,6 +69,7 @@ def compare_files(
         command_line,
         calibration,
         calibration_source,
+        exact,
     )
 
 
@@ -81,12 +85,15 @@ def compare_tables(
     command_line: str = "",
     calibration: dict | None = None,
     calibration_source: str = "",
+    exact: bool = False,
 ) -> Comparison:
     """Compare tables already in memory; the paths only name them in messages and reports.
 
     With a ``calibration`` (`lpx calibrate`) that covers both sides' precisions, drift is
     judged against the model's measured noise floor; otherwise against the profile's
-    constants, and the report says why."""
+    constants, and the report says why. ``exact``: for batch-invariant or true-on-policy
+    stacks, any completion token whose float32 logprobs are not bitwise equal fails the
+    verdict (the policy applies as well)."""
     vocab_size = (fixture.metadata.get("model") or {}).get("vocab_size")
     validate_table(fixture, fixture_path, vocab_size)
     validate_table(replay, replay_path, vocab_size)
@@ -116,10 +123,13 @@ def compare_tables(
             "every token masked); comparing nothing is never a pass."
         )
     metrics = batch_metrics(completion.train, completion.rollout, tau)
+    metrics.update(bitwise_agreement(completion.train, completion.rollout))
     per_sequence = sequence_metrics(completion.train, completion.rollout, completion.offsets)
     metrics["max_seq_mean_abs_diff"] = float(per_sequence["mean_abs_diff"].max(initial=0.0))
     if aligned.top1_rollout is not None and len(aligned.top1_rollout):
         metrics["top1_flip_rate"] = float(np.mean(aligned.top1_rollout != aligned.top1_train))
+    if aligned.topk_rollout is not None:
+        metrics.update(topk_kl(aligned.topk_rollout, aligned.topk_train))
     by_region = {"completion": metrics}
     if aligned.prompt is not None:
         by_region["prompt"] = batch_metrics(aligned.prompt.train, aligned.prompt.rollout, tau)
@@ -165,7 +175,7 @@ def compare_tables(
         context,
     )
     findings = [f.as_dict() for f in findings] + _missing_versions(replay, aligned)
-    judgement = judge(policy, profile, metrics, findings, limits)
+    judgement = judge(policy, profile, metrics, findings, limits, exact)
     if pair:
         findings += _precision_over_user_limits(judgement, findings, floor.expected)
         judgement["calibrated"] = True
@@ -205,7 +215,12 @@ def rejudge(report: dict, policy: Policy) -> None:
     """The verdict again, after verification changed the findings (same profile, limits)."""
     judged = report["policy"]
     judgement = judge(
-        policy, judged["profile"], report["metrics"], report["diagnosis"], judged["limits"]
+        policy,
+        judged["profile"],
+        report["metrics"],
+        report["diagnosis"],
+        judged["limits"],
+        bool(judged.get("exact")),
     )
     if judged.get("calibrated"):
         judgement["calibrated"] = True

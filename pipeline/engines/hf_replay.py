@@ -18,18 +18,28 @@ from pipeline.engines.hf_common import (
     software_versions,
 )
 from pipeline.errors import BadInput
-from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable, table_from_sequences
+from pipeline.fixture.table import (
+    REPLAY_CHANNEL,
+    REPLAY_TOP1_CHANNEL,
+    TokenTable,
+    table_from_sequences,
+)
 from pipeline.progress import progress_bar
 
 PADDING_SIDES = ("right", "left")
+SCORED_TOP_IDS = "at the fixture's top-k ids"  # metadata["top_logprobs"] when score_top_ids acts
 
 
 @dataclass
 class ScoredSequence:
     completion: np.ndarray  # selected-token logprobs of the completion
     prompt: np.ndarray | None  # of the prompt (NaN first) when asked
-    top_id: np.ndarray  # the most likely token at each completion position
+    # [tokens]: the most likely token at each completion position and its logprob; or
+    # [tokens, k]: the fixture's top-k ids there and this engine's logprobs at them
+    top_id: np.ndarray
     top_logprob: np.ndarray
+    # with [tokens, k] ids only: the logprob of this engine's own most likely token
+    best_logprob: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,9 @@ class ReplayKnobs:
     prompt_logprobs: bool = False
     device: str = "auto"  # auto, cpu, cuda, cuda:N (pipeline.devices)
     allow_tf32: bool = False  # TF32 matmuls in fp32 on CUDA: off unless asked
+    # When the fixture recorded top-k ids (k >= 2, e.g. vLLM's logprobs=k), score those ids
+    # instead of recording this engine's own top-1, so compare gets a top-k KL (hf only).
+    score_top_ids: bool = True
 
     @classmethod
     def from_dict(cls, knobs: dict) -> ReplayKnobs:
@@ -79,6 +92,7 @@ class HFScoringEngine:
             range(start, min(start + size, fixture.num_sequences))
             for start in range(0, fixture.num_sequences, size)
         ]
+        fixture_top = _fixture_top_ids(fixture, model, settings)
         scored = score_batches(
             model,
             [[(fixture.prompt_of(i), fixture.completion_of(i)) for i in b] for b in batches],
@@ -86,18 +100,52 @@ class HFScoringEngine:
             where=lambda k: micro_batch_where(fixture, batches[k], size),
             lower=f"--micro-batch-size (now {size}), or score in bf16 or on more ranks "
             "(--engine fsdp --nproc N)",
+            top_ids=None
+            if fixture_top is None
+            else [[fixture_top[fixture.completion_slice(i)] for i in b] for b in batches],
         )
         metadata = {
             **replay_metadata(model, model_dir, settings, tf32),
             "timing": {"load_s": loaded - started, "score_s": time.perf_counter() - loaded},
         }
+        if fixture_top is not None:
+            metadata["top_logprobs"] = SCORED_TOP_IDS
         return replay_table(fixture, scored, metadata, settings.prompt_logprobs)
 
 
+def _fixture_top_ids(fixture: TokenTable, model, settings: ReplayKnobs) -> np.ndarray | None:
+    """The fixture's top-k ids to score (k >= 2 and score_top_ids), checked against the
+    vocabulary; None keeps the replay's own top-1."""
+    top = fixture.top_ids
+    if not settings.score_top_ids or top is None or top.shape[1] < 2:
+        return None
+    vocab_size = int(model.get_output_embeddings().weight.shape[0])
+    outside = np.flatnonzero(((top < 0) | (top >= vocab_size)).any(axis=1))
+    if len(outside):
+        row = int(outside[0])
+        i = int(np.searchsorted(fixture.completion_offsets, row, side="right") - 1)
+        raise BadInput(
+            f"the fixture's top_ids at sequence {fixture.sequence_ids[i]!r} completion position "
+            f"{row - int(fixture.completion_offsets[i])} hold an id outside the model vocabulary "
+            f"[0, {vocab_size}); it was recorded with another model, or replay with "
+            "--set score_top_ids=false."
+        )
+    return top
+
+
 def score_batches(
-    model, batches: list, settings: ReplayKnobs, where=None, lower: str = "", progress=True
+    model,
+    batches: list,
+    settings: ReplayKnobs,
+    where=None,
+    lower: str = "",
+    progress=True,
+    top_ids: list | None = None,
 ):
     """ScoredSequences of micro-batches of (prompt ids, completion ids) pairs, in order.
+
+    ``top_ids``, when given, holds per micro-batch one [completion tokens, k] id array per
+    pair: the ids to score at each completion position instead of the replay's own top-1.
 
     On a GPU, micro-batch k + 1 is launched before k's results are read back, so the GPU
     never idles while the host pads the next batch and splits the last one's results. A CUDA
@@ -109,7 +157,9 @@ def score_batches(
     shown = progress_bar(batches, desc="hf replay", unit="batch") if progress else batches
     for k, pairs in enumerate(shown):
         try:
-            launched = launch_batch(model, pairs, settings)
+            launched = launch_batch(
+                model, pairs, settings, top_ids=None if top_ids is None else top_ids[k]
+            )
         except Exception as error:
             if not devices.is_out_of_memory(error):
                 raise
@@ -140,23 +190,37 @@ def replay_table(
 ) -> TokenTable:
     """A replay of `fixture` from one ScoredSequence per fixture sequence, in fixture order."""
     indices = range(fixture.num_sequences)
+    channels = {REPLAY_CHANNEL: [s.completion for s in scored]}
+    if scored and scored[0].best_logprob is not None:  # top_ids are the fixture's ids
+        channels[REPLAY_TOP1_CHANNEL] = [s.best_logprob for s in scored]
     table = table_from_sequences(
         "replay",
         fixture.sequence_ids,
         [fixture.prompt_of(i) for i in indices],
         [fixture.completion_of(i) for i in indices],
-        {REPLAY_CHANNEL: [s.completion for s in scored]},
+        channels,
         masks=np.split(fixture.completion_mask, fixture.completion_offsets[1:-1]),
         prompt_logprobs=[s.prompt for s in scored] if with_prompt else None,
         metadata=metadata,
     )
     if scored:
-        table.top_ids = np.concatenate([s.top_id for s in scored])[:, None].astype(np.int32)
-        table.top_logprobs = np.concatenate([s.top_logprob for s in scored])[:, None]
+        top_ids = np.concatenate([s.top_id for s in scored])
+        top_logprobs = np.concatenate([s.top_logprob for s in scored])
+        if top_ids.ndim == 1:  # the engine's own top-1
+            top_ids, top_logprobs = top_ids[:, None], top_logprobs[:, None]
+        table.top_ids = top_ids.astype(np.int32)
+        table.top_logprobs = top_logprobs.astype(np.float32)
     return table
 
 
-def score_batch(model, pairs, settings: ReplayKnobs, position_ids=None, full_forward: bool = False):
+def score_batch(
+    model,
+    pairs,
+    settings: ReplayKnobs,
+    position_ids=None,
+    full_forward: bool = False,
+    top_ids: list | None = None,
+):
     """Selected-token logprobs for a micro-batch of (prompt ids, completion ids) pairs.
 
     Returns one ScoredSequence per pair. Logits are computed
@@ -165,8 +229,10 @@ def score_batch(model, pairs, settings: ReplayKnobs, position_ids=None, full_for
     0..len-1 rule; fault injection uses it to reproduce position-id bugs. ``full_forward``
     runs the model's own forward (all-position logits) instead: sharded wrappers (FSDP,
     DeepSpeed) gather their parameters in hooks on the root module, so they need it.
+    ``top_ids`` (one [completion tokens, k] array per pair) are ids to score at each
+    completion position instead of the replay's own top-1 (ScoredSequence says which).
     """
-    return finish_batch(launch_batch(model, pairs, settings, position_ids, full_forward))
+    return finish_batch(launch_batch(model, pairs, settings, position_ids, full_forward, top_ids))
 
 
 @dataclass
@@ -176,18 +242,26 @@ class LaunchedBatch:
     pairs: list
     firsts: list[int]
     with_prompt: bool
-    values: object  # host tensor [tokens, 3]: selected logprob, top logprob, top id
+    # host tensor [tokens, 3]: selected logprob, top logprob, top id; or with k scored ids
+    # [tokens, 2 + 2k]: selected logprob, own top logprob, k logprobs, k ids
+    values: object
     ready: object  # waits for the copy to land
+    scored_ids: int = 0  # k, or 0: the replay's own top-1
 
 
 def launch_batch(
-    model, pairs, settings: ReplayKnobs, position_ids=None, full_forward: bool = False
+    model,
+    pairs,
+    settings: ReplayKnobs,
+    position_ids=None,
+    full_forward: bool = False,
+    top_ids: list | None = None,
 ) -> LaunchedBatch:
     """Queue a micro-batch's scoring on the model's device (score_batch without the wait)."""
     import torch
 
     with torch.no_grad():
-        return _launch_batch(model, pairs, settings, position_ids, full_forward)
+        return _launch_batch(model, pairs, settings, position_ids, full_forward, top_ids)
 
 
 def finish_batch(launched: LaunchedBatch) -> list[ScoredSequence]:
@@ -195,8 +269,15 @@ def finish_batch(launched: LaunchedBatch) -> list[ScoredSequence]:
     launched.ready()
     values = launched.values.numpy()
     logprobs = values[:, 0].astype(np.float32)
-    top_logprobs = values[:, 1].astype(np.float32)
-    top_ids = values[:, 2].astype(np.int64)
+    k = launched.scored_ids
+    if k:
+        best = values[:, 1].astype(np.float32)
+        top_logprobs = values[:, 2 : 2 + k].astype(np.float32)
+        top_ids = values[:, 2 + k :].astype(np.int64)
+    else:
+        best = None
+        top_logprobs = values[:, 1].astype(np.float32)
+        top_ids = values[:, 2].astype(np.int64)
     results, cursor = [], 0
     for (prompt, completion), first in zip(launched.pairs, launched.firsts, strict=True):
         count = len(prompt) + len(completion) - first
@@ -207,11 +288,19 @@ def finish_batch(launched: LaunchedBatch) -> list[ScoredSequence]:
             prompt_lp = np.concatenate([[np.nan], chunk[:split]]).astype(np.float32)
         span = slice(cursor + split, cursor + count)
         cursor += count
-        results.append(ScoredSequence(chunk[split:], prompt_lp, top_ids[span], top_logprobs[span]))
+        results.append(
+            ScoredSequence(
+                chunk[split:],
+                prompt_lp,
+                top_ids[span],
+                top_logprobs[span],
+                None if best is None else best[span],
+            )
+        )
     return results
 
 
-def _launch_batch(model, pairs, settings: ReplayKnobs, position_ids, full_forward: bool):
+def _launch_batch(model, pairs, settings: ReplayKnobs, position_ids, full_forward: bool, top_ids):
     import torch
 
     sequences = [np.concatenate([p, c]).astype(np.int64) for p, c in pairs]
@@ -232,17 +321,34 @@ def _launch_batch(model, pairs, settings: ReplayKnobs, position_ids, full_forwar
         ]
     )
     targets = np.concatenate([s[f:] for s, f in zip(sequences, firsts, strict=True)])
+    index = np.stack([row_index, column_index, targets])
+    if top_ids is not None:
+        index = np.concatenate([index, _scored_id_rows(pairs, firsts, top_ids).T])
     device = model_device(model)
     inputs = _to_device(inputs, device)
-    index = torch.from_numpy(np.stack([row_index, column_index, targets]))
-    rows, columns, targets = index.to(device).unbind(0)  # one copy for the three
+    index = torch.from_numpy(index).to(device)  # one copy for all the index rows
+    rows, columns, targets = index[0], index[1], index[2]
+    scored_ids = index[3:].T if top_ids is not None else None
     if full_forward:
         logits = model(**inputs, use_cache=False).logits[rows, columns]
     else:
         hidden = model.base_model(**inputs).last_hidden_state
         logits = _head_logits(model, hidden[rows, columns], settings)
-    values, ready = devices.to_host_later(_selected_logprobs(logits, targets, settings))
-    return LaunchedBatch(pairs, firsts, settings.prompt_logprobs, values, ready)
+    values, ready = devices.to_host_later(_selected_logprobs(logits, targets, settings, scored_ids))
+    k = 0 if top_ids is None else len(index) - 3
+    return LaunchedBatch(pairs, firsts, settings.prompt_logprobs, values, ready, k)
+
+
+def _scored_id_rows(pairs, firsts, top_ids) -> np.ndarray:
+    """[scored rows, k]: the ids to score at each completion row, in the order the rows are
+    gathered; rows that predict prompt tokens score id 0, and their values are dropped."""
+    k = top_ids[0].shape[1]
+    blocks = []
+    for (prompt, completion), first, ids in zip(pairs, firsts, top_ids, strict=True):
+        if ids.shape != (len(completion), k):
+            raise ValueError(f"top ids of shape {ids.shape} for {len(completion)} tokens, k={k}")
+        blocks += [np.zeros((len(prompt) - first, k), np.int64), ids.astype(np.int64)]
+    return np.concatenate(blocks)
 
 
 def _head_logits(model, hidden_rows, settings: ReplayKnobs):
@@ -255,8 +361,10 @@ def _head_logits(model, hidden_rows, settings: ReplayKnobs):
     return head(hidden_rows)
 
 
-def _selected_logprobs(logits, targets, settings: ReplayKnobs):
-    """[rows, 3]: the selected-token logprob, the top-1 token's logprob and its id.
+def _selected_logprobs(logits, targets, settings: ReplayKnobs, scored_ids=None):
+    """[rows, 3]: the selected-token logprob, the top-1 token's logprob and its id; with
+    ``scored_ids`` [rows, k], [rows, 2 + 2k]: the selected-token logprob, the top-1 token's
+    logprob, the logprobs at the k ids and the ids.
 
     ``logits`` come in the model's dtype; the log-softmax is always fp32. Without
     temperature or truncation it reads bf16 logits and writes fp32 in one kernel, and the
@@ -272,6 +380,11 @@ def _selected_logprobs(logits, targets, settings: ReplayKnobs):
             logits.float(), settings.temperature, settings.top_k, settings.top_p
         )
     all_logprobs = logits.log_softmax(-1, dtype=torch.float32)
+    if scored_ids is not None:
+        picked = all_logprobs.gather(-1, torch.cat([targets[:, None], scored_ids], dim=1))
+        best = all_logprobs.amax(-1, keepdim=True)
+        logprobs = torch.cat([picked[:, :1], best, picked[:, 1:]], dim=1)
+        return torch.cat([logprobs.double(), scored_ids.double()], dim=1)
     top_id = logits.argmax(-1)
     picked = all_logprobs.gather(-1, torch.stack([targets, top_id], dim=1))
     # float64 holds every fp32 logprob and token id exactly: one copy off the device
