@@ -413,7 +413,18 @@ def _sequence_rows(aligned: Aligned, per_sequence: dict, tau: float) -> list[dic
         "log_ppl_diff",
         "chi2_seq",
     )
-    columns = [list(aligned.sequence_ids)] + [per_sequence[name].tolist() for name in names]
+    columns = [list(aligned.sequence_ids)] + [_json_column(per_sequence[name]) for name in names]
     columns.append((per_sequence["max_abs_diff"] > tau).tolist())
     keys = ("sequence_id", *names, "over_tau")
     return [dict(zip(keys, values, strict=True)) for values in zip(*columns, strict=True)]
+
+
+def _json_column(values: np.ndarray) -> list:
+    """A column as JSON-safe Python values: JSON has no NaN or inf, so those (rare) entries
+    become the strings a reader recognises, patched in place of a whole-report walk."""
+    column = values.tolist()
+    if values.dtype.kind == "f":
+        for index in np.flatnonzero(~np.isfinite(values)):
+            column[index] = str(float(values[index]))
+    return column
+
