@@ -203,3 +203,20 @@ class Annotation(Base):
     kind: Mapped[str] = mapped_column(String(24))  # distribution_change | excluded
     reason: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime]
+
+
+class Calibration(Base):
+    """A model's measured noise floor (`lpx calibrate`), kept so later nights reuse it: keyed
+    by the weights, engine, layout, hardware and library versions it was measured with."""
+
+    __tablename__ = "calibrations"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key: Mapped[str] = mapped_column(String(KEY), index=True)  # digest of its key
+    model_fingerprint: Mapped[str | None] = mapped_column(Text)
+    engine: Mapped[str] = mapped_column(String(64))
+    hardware: Mapped[str | None] = mapped_column(Text)
+    precisions: Mapped[list] = mapped_column(Json, default=list)
+    created_at: Mapped[datetime]
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
+    payload: Mapped[dict] = mapped_column(Json, default=dict)
+    __table_args__ = (UniqueConstraint("key", "created_at", name="uq_calibration_made"),)

@@ -69,7 +69,7 @@ def alerts(url, statuses=("active",)):
 
 def test_a_fresh_database_is_migrated_to_head_on_first_use(history_url):
     history = open_history(history_url)
-    assert schema_revision(history) == head_revision() == "0002"
+    assert schema_revision(history) == head_revision() == "0003"
     history.dispose()
     assert count(history_url, Run) == 0
 
@@ -382,7 +382,7 @@ def test_upgrade_from_the_previous_revision_keeps_data_and_judges_it(history_url
             )
     engine.dispose()
     history = open_history(history_url)
-    assert schema_revision(history) == "0002"
+    assert schema_revision(history) == "0003"
     with history.read() as session:
         rows = session.execute(
             select(MetricValue.value, MetricValue.status, MetricValue.upper).order_by(

@@ -58,6 +58,7 @@ def test_a_wheel_carries_migrations_and_templates_and_works_outside_the_repo(tmp
         "pipeline/db/migrations/env.py",
         "pipeline/db/migrations/versions/0001_runs_and_points.py",
         "pipeline/db/migrations/versions/0002_detection.py",
+        "pipeline/db/migrations/versions/0003_calibrations.py",
         "pipeline/templates/index.html",
         "pipeline/templates/assets/lpx.js",
         "pipeline/templates/assets/lpx.css",
@@ -93,5 +94,5 @@ def test_a_wheel_carries_migrations_and_templates_and_works_outside_the_repo(tmp
         env={**os.environ, "PYTHONPATH": str(target)},
     )
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines()[0] == "0002"
+    assert run.stdout.splitlines()[0] == "0003"
     assert (outside / "site" / "assets" / "lpx.js").is_file()

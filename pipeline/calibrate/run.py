@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import devices
-from pipeline.compare.calibrated import CALIBRATION_FORMAT, TF32, pair_key
+from pipeline.compare.calibrated import CALIBRATION_FILE, CALIBRATION_FORMAT, TF32, pair_key
 from pipeline.compare.floor import fit_floor
 from pipeline.fixture.table import TokenTable
 
-CALIBRATION_FILE = "calibration.json"
+__all__ = ["CALIBRATION_FILE", "calibrate", "calibration_key", "precisions_for"]
 DEFAULT_SEQUENCES = 32
 MICRO_BATCHES = (8, 3)
 
@@ -57,7 +57,7 @@ def calibrate(
     active = np.concatenate([_mask(fixture, r) for r in rows])
     positions = np.concatenate([np.arange(len(c)) for _, c in pairs])[active]
     lengths = np.array([int(_mask(fixture, r).sum()) for r in rows])
-    precisions = sorted({"float32", *dtypes} | ({TF32} if devices.is_cuda(device) else set()))
+    precisions = precisions_for(dtypes, device)
     scored: dict[tuple[str, str], np.ndarray] = {}
     timing = {}
     for name in precisions:
@@ -87,7 +87,9 @@ def calibrate(
             np.tile(-reference, len(samples)),
             np.tile(positions, len(samples)),
         )
-        floor["sequence_mean_abs_max"] = max(_sequence_means(s, lengths).max() for s in samples)
+        floor["sequence_mean_abs_max"] = float(
+            max(_sequence_means(s, lengths).max() for s in samples)
+        )
         floor["variants"] = len(samples)
         floors[pair_key(a, b)] = floor
     return {
@@ -101,6 +103,11 @@ def calibrate(
         "timing_s": timing,
         "pairs": floors,
     }
+
+
+def precisions_for(dtypes: list[str], device: str) -> list[str]:
+    """What a calibration measures: fp32 (the reference), the given dtypes, TF32 on CUDA."""
+    return sorted({"float32", *dtypes} | ({TF32} if devices.is_cuda(device) else set()))
 
 
 def calibration_key(model: dict, device: str) -> dict:

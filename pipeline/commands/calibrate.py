@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import COUNT, device_option
+from pipeline.commands.options import COUNT, db_option, device_option
 
 
 @click.command()
@@ -37,8 +37,18 @@ from pipeline.commands.options import COUNT, device_option
     type=click.Path(dir_okay=False, path_type=Path),
     help="Where to write it [default: calibration.json beside the fixture].",
 )
+@db_option("calibrate")
+@click.option(
+    "--reuse/--no-reuse",
+    default=True,
+    show_default=True,
+    help="With a history (--db): take a stored calibration of the same weights, engine, "
+    "layout, hardware and libraries instead of re-scoring; a new one is stored there.",
+)
 @device_option
-def calibrate(fixture_path, model_dir, engine, dtypes, sequences, out_path, device) -> None:
+def calibrate(
+    fixture_path, model_dir, engine, dtypes, sequences, out_path, db, reuse, device
+) -> None:
     """Measure the model's own precision noise floor on the fixture's tokens.
 
     The reference engine re-scores a sample of the fixture's sequences in fp32 and in each
@@ -80,9 +90,35 @@ def calibrate(fixture_path, model_dir, engine, dtypes, sequences, out_path, devi
         ]
     except ValueError as error:
         raise BadInput(f"--dtype: {error}") from None
-    result = run_calibration(
-        fixture, Path(model_dir), wanted, sequences, device, say=lambda m: click.echo(m, err=True)
-    )
+    history = _history(db)
+    result = None
+    if history is not None and reuse:
+        from pipeline.calibrate.run import calibration_key, precisions_for
+        from pipeline.devices import resolve_device
+        from pipeline.engines.hf_common import model_metadata
+        from pipeline.history.calibrations import find_calibration
+
+        resolved = resolve_device(device)
+        key = calibration_key(model_metadata(Path(model_dir)), resolved)
+        result = find_calibration(history, key, precisions_for(wanted, resolved))
+        if result is not None:
+            click.echo(
+                f"calibration: reused the one made {result['created_at']} (history)", err=True
+            )
+    if result is None:
+        result = run_calibration(
+            fixture,
+            Path(model_dir),
+            wanted,
+            sequences,
+            device,
+            say=lambda m: click.echo(m, err=True),
+        )
+        if history is not None:
+            from pipeline.history.calibrations import store_calibration
+
+            with history.write() as session:
+                store_calibration(session, result)
     write_text_atomic(out_path, json.dumps(result, indent=1) + "\n")
     means = ", ".join(
         f"{pair} mean |d| {floor['all']['mean']:.3g} (q999 {floor['all']['q999']:.3g})"
@@ -92,3 +128,12 @@ def calibrate(fixture_path, model_dir, engine, dtypes, sequences, out_path, devi
         f"calibration: {result['sequences']} sequences, {result['tokens']} tokens; {means} "
         f"-> {out_path}"
     )
+
+
+def _history(db: str | None):
+    """The history when one is named (--db or LPX_DB); calibrating needs none."""
+    if not db:
+        return None
+    from pipeline.history.database import open_history
+
+    return open_history(db)

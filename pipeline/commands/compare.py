@@ -227,8 +227,7 @@ def needs_verifying(findings: list[dict]) -> bool:
 def find_calibration(given: Path | None, off: bool, beside: list[Path]) -> tuple[dict | None, str]:
     """(the calibration, its path): the one given, else calibration.json in the first of
     ``beside`` that holds one, else none."""
-    from pipeline.calibrate.run import CALIBRATION_FILE
-    from pipeline.compare.calibrated import read_calibration
+    from pipeline.compare.calibrated import CALIBRATION_FILE, read_calibration
 
     if off:
         return None, ""

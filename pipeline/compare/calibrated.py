@@ -20,6 +20,7 @@ from pipeline.compare.floor import expect, mixture_quantile
 from pipeline.errors import BadInput
 
 CALIBRATION_FORMAT = 1
+CALIBRATION_FILE = "calibration.json"  # beside the replay or fixture: compare finds it
 TF32 = "float32+tf32"
 # A token drifts beyond precision when |d| exceeds its bucket's q999 by this factor.
 TAU_MARGIN = 3.0

@@ -427,4 +427,3 @@ def _json_column(values: np.ndarray) -> list:
         for index in np.flatnonzero(~np.isfinite(values)):
             column[index] = str(float(values[index]))
     return column
-

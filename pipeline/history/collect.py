@@ -52,6 +52,7 @@ class RunInput:
     pairs: list[PairInput]
     errors: list[dict] = field(default_factory=list)
     manifest: dict = field(default_factory=dict)
+    calibration: dict | None = None  # the run's calibration.json, kept for later nights
 
 
 def collect_run(
@@ -122,7 +123,16 @@ def collect_run(
         pairs=pairs,
         errors=errors,
         manifest=manifest,
+        calibration=_calibration(run_dir),
     )
+
+
+def _calibration(run_dir: Path) -> dict | None:
+    """The run directory's calibration.json (lpx calibrate), validated like compare does."""
+    from pipeline.compare.calibrated import CALIBRATION_FILE, read_calibration
+
+    path = run_dir / CALIBRATION_FILE
+    return read_calibration(path) if path.is_file() else None
 
 
 def _find_reports(run_dir: Path) -> tuple[list[PairInput], list[Path]]:

@@ -25,6 +25,7 @@ from pipeline.db.models import (
     Testbed,
 )
 from pipeline.history import keys
+from pipeline.history.calibrations import store_calibration
 from pipeline.history.collect import PairInput, RunInput
 from pipeline.history.database import History
 from pipeline.history.details import comparison_details
@@ -139,6 +140,9 @@ class _Recorder:
             manifest={**run.manifest, "testbed": run.testbed},
         )
         session.add(row)
+        if run.calibration is not None:
+            session.flush()  # the run's id, which the calibration points at
+            store_calibration(session, run.calibration, row.id)
         pairs = self._describe(run, testbed)
         self._resolve(pairs, testbed)
         session.flush()  # the run's id, and the series states judged at the previous run

@@ -87,6 +87,15 @@ class Replay(_Strict):
             raise ValueError(error.format_message()) from None
 
 
+class Calibrate(_Strict):
+    """`lpx calibrate` after the rollout: the model's own noise floor, which the compare stage
+    judges drift against (calibration.json in the run directory)."""
+
+    dtypes: list[Dtype] = []  # default: the rollout's and every replay's dtype
+    sequences: Count = 32
+    reuse: bool = True  # take a stored calibration from the history when one matches
+
+
 class History(_Strict):
     db: str | None = None  # default: LPX_DB, else runs/lpx.db
     report: str | None = None  # where the HTML report is rendered; none: not rendered
@@ -102,6 +111,9 @@ class Plan(_Strict):
     rollout: Rollout
     replays: list[Replay] = Field(min_length=1)
     policy: str | None = None
+    calibrate: Calibrate | None = None
+    # the compare stage verifies failing pairs' findings by re-scoring them with the model
+    diagnose: bool = True
     history: History = History()
     stage_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 3600.0
     gpus: bool = False  # container runners give each stage every GPU of the host

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.names import canonical_dtype
 from pipeline.orchestrator.plan import Plan, Server
 
 FIXTURE = "fixture.parquet"
@@ -16,6 +17,7 @@ LOGS = "logs"
 PROMPTS = "prompts.txt"
 MODEL = "model"
 COMPARE = "compare"
+CALIBRATION = "calibration.json"
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ def expand(plan: Plan) -> list[Stage]:
             server=plan.rollout.server,
         )
     )
+    if plan.calibrate is not None:
+        stages.append(calibrate_stage(plan, model))
     for replay in plan.replays:
         argv = [
             "replay",
@@ -119,10 +123,28 @@ def expand(plan: Plan) -> list[Stage]:
     return stages
 
 
+def calibrate_stage(plan: Plan, model: str) -> Stage:
+    """The model's noise floor on the fixture's tokens, for every dtype the run meets."""
+    dtypes = plan.calibrate.dtypes or sorted(
+        {canonical_dtype(plan.rollout.dtype), *(canonical_dtype(r.dtype) for r in plan.replays)}
+    )
+    argv = ["calibrate", FIXTURE, "--model", model, "--out", CALIBRATION]
+    argv += ["--sequences", str(plan.calibrate.sequences)]
+    for dtype in dtypes:
+        argv += ["--dtype", canonical_dtype(dtype)]
+    argv += ["--db", plan.history.db] if plan.history.db else []
+    argv += [] if plan.calibrate.reuse else ["--no-reuse"]
+    trainer = next((r.image for r in plan.replays if r.engine == "hf"), None)
+    image = trainer or (plan.replays[0].image if plan.replays else plan.rollout.image)
+    return Stage("calibrate", argv, [CALIBRATION], ["rollout"], image)
+
+
 def compare_stage(plan: Plan, replay_names: list[str]) -> Stage:
-    """The comparison of the fixture with the replays that finished (a pair or a matrix)."""
+    """The comparison of the fixture with the replays that finished (a pair or a matrix);
+    with `diagnose`, failing pairs' findings are verified by re-scoring with the model."""
     argv = ["compare", FIXTURE, *(replay_file(n) for n in replay_names), "--out", COMPARE]
     argv += ["--policy", plan.policy] if plan.policy else []
+    argv += ["--model", MODEL if plan.model == "tiny" else plan.model] if plan.diagnose else []
     return Stage(
         "compare",
         [*argv, "--quiet"],

@@ -1,0 +1,129 @@
+"""Findings verified by reproducing them (`lpx diagnose`, `lpx compare --model`): the real
+tiny model re-scores the affected sequences with each hypothesised bug committed. Numbers:
+the parameters recovered, the residual left, and what is ruled out when nothing fits."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.fixture.io import read_table, write_table
+from tests.helpers import read_report, run_lpx
+
+
+@pytest.fixture(scope="module")
+def faulted(run_dir, tmp_path_factory):
+    """Fixtures with one planted bug each, from the shared run's fp32 HF rollout."""
+    out = tmp_path_factory.mktemp("faulted")
+
+    def plant(kind, *sequences, at=6):
+        path = out / f"{kind}.parquet"
+        if not path.exists():
+            chosen = [a for s in sequences for a in ("--sequence", s)] or ["--sequence", "all"]
+            result = run_lpx(
+                "inject", run_dir / "fixture.parquet", "--kind", kind, *chosen,
+                "--from-position", at, "--out", path,
+            )  # fmt: skip
+            assert result.exit_code == 0, result.output
+        return path
+
+    return plant
+
+
+def diagnose(fixture, replay, out, *more) -> dict:
+    result = run_lpx("diagnose", fixture, replay, "--out", out, "--quiet", *more)
+    assert result.exit_code in (0, 1), result.output
+    return read_report(out)
+
+
+def only(report, cause) -> dict:
+    found = [f for f in report["diagnosis"] if f["cause"] == cause]
+    assert len(found) == 1, [
+        (f["cause"], f["status"], f["evidence"][-200:]) for f in report["diagnosis"]
+    ]
+    return found[0]
+
+
+def test_a_temperature_is_recovered_to_the_floor(faulted, run_dir, tmp_path):
+    report = diagnose(faulted("temperature"), run_dir / "replay-float32.parquet", tmp_path / "d")
+    finding = only(report, "temperature")
+    assert finding["status"] == "verified" and report["verdict"] == "fail"
+    verified = finding["details"]["verified_by"]
+    assert verified["side"] == "rollout" and abs(verified["params"]["T"] - 0.7) < 1e-3
+    assert finding["residual_before"] > 0.05
+    assert finding["residual_after"] <= 3 * finding["floor"]
+    assert "the bug is on the rollout side" in finding["evidence"]
+
+
+def test_a_position_offset_and_its_onset_are_recovered(faulted, run_dir, tmp_path):
+    path = faulted("position_ids", "0-0", "3-1", "5-0", at=6)
+    report = diagnose(path, run_dir / "replay-float32.parquet", tmp_path / "d")
+    finding = only(report, "position_ids")
+    assert finding["status"] == "verified"
+    assert finding["details"]["verified_by"]["params"] == {"at": 6, "offset": 16}
+    assert finding["sequences"] == ["0-0", "3-1", "5-0"]
+    assert finding["residual_after"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_a_truncation_length_is_recovered(faulted, run_dir, tmp_path):
+    report = diagnose(
+        faulted("prompt_truncated"), run_dir / "replay-float32.parquet", tmp_path / "d"
+    )
+    finding = only(report, "prompt_mismatch")
+    assert finding["status"] == "verified"
+    verified = finding["details"]["verified_by"]
+    assert verified["kind"] == "prompt_truncated"
+    fixture = read_table(run_dir / "fixture.parquet")
+    longest = max(len(fixture.prompt_of(i)) for i in range(fixture.num_sequences))
+    assert verified["params"]["max_prompt"] == int(longest * 0.75)  # what inject cut to
+
+
+def test_a_signature_the_model_does_not_reproduce_is_ruled_out(run_dir, tmp_path):
+    """|noise| of ~0.3 nats taken off three replay sequences: no bug re-scores into that."""
+    replay = read_table(run_dir / "replay-float32.parquet")
+    replay.channels["replay"] = replay.channels["replay"].copy()
+    rng = np.random.default_rng(0)
+    for row in (1, 4, 9):
+        span = replay.completion_slice(row)
+        noise = np.abs(rng.normal(0, 0.3, span.stop - span.start)).astype(np.float32)
+        replay.channels["replay"][span] -= noise  # logprobs stay <= 0
+    write_table(replay, tmp_path / "noisy.parquet")
+    report = diagnose(run_dir / "fixture.parquet", tmp_path / "noisy.parquet", tmp_path / "d")
+    unexplained = only(report, "unexplained")
+    assert unexplained["severity"] == "fault" and report["verdict"] == "fail"
+    ruled = {t["kind"] for t in unexplained["details"]["ruled_out"]}
+    assert {"bos_extra", "bos_missing", "positions_restart", "label_shift"} <= ruled
+    assert all(t["residual_after"] > 3 * t["floor"] for t in unexplained["details"]["ruled_out"])
+    assert set(unexplained["sequences"]) <= {replay.sequence_ids[r] for r in (1, 4, 9)}
+    assert all(f["status"] != "verified" for f in report["diagnosis"])
+
+
+def test_without_the_model_findings_stay_plausible(faulted, run_dir, tmp_path):
+    result = run_lpx(
+        "compare",
+        faulted("temperature"),
+        run_dir / "replay-float32.parquet",
+        "--out",
+        tmp_path / "c",
+    )
+    assert result.exit_code == 1
+    statuses = {f["status"] for f in read_report(tmp_path / "c")["diagnosis"]}
+    assert statuses == {"plausible"}
+
+
+def test_verified_under_bf16_noise_with_a_calibration(faulted, run_dir, tmp_path):
+    calibration = tmp_path / "calibration.json"
+    assert run_lpx("calibrate", run_dir / "fixture.parquet", "--sequences", 8,
+                   "--out", calibration).exit_code == 0  # fmt: skip
+    report = diagnose(
+        faulted("temperature"), run_dir / "replay-bfloat16.parquet", tmp_path / "d",
+        "--calibration", calibration,
+    )  # fmt: skip
+    finding = only(report, "temperature")
+    assert finding["status"] == "verified"
+    floor = json.loads(calibration.read_text())["pairs"]["float32|float32"]["all"]["mean"]
+    assert finding["floor"] == pytest.approx(floor, rel=1.0)  # the fp32 side's own floor
+    assert abs(finding["details"]["verified_by"]["params"]["T"] - 0.7) < 1e-3
+    assert report["calibration"]["used"]
