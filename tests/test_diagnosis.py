@@ -347,3 +347,46 @@ def test_a_shared_onset_beside_clean_long_sequences_is_positions_not_an_update()
     assert set(found) == {"position_ids"}
     assert found["position_ids"]["sequences"] == ["s2", "s5", "s9"]
     assert found["position_ids"]["first_position"]["position"] == 7
+
+
+def calibrated_noise_batch(rng, sequences=12, length=40, noise=0.01):
+    """A bf16-like pair: every token moved by noise of mean |d| ~ `noise`, and the
+    calibrated context that says so (expected |d| per token, tau 3 x its q999)."""
+    pairs = []
+    for _ in range(sequences):
+        lp = lm_logprobs(rng, length)
+        pairs.append((lp, lp + rng.laplace(0, noise, length)))
+    n = sequences * length
+    expected = np.full(n, noise)  # Laplace(0, b): mean |d| = b, q999 ~ 6.9 b
+    return pairs, {"noise_expected": expected}, np.full(n, 3 * 6.9 * noise)
+
+
+def test_calibrated_noise_alone_names_nothing():
+    pairs, context, tau = calibrated_noise_batch(np.random.default_rng(20))
+    assert [f["cause"] for f in diagnose(pairs, tau=tau, **context)] in ([], ["dtype"])
+
+
+def test_an_update_in_flight_under_noise_is_one_batch_change_point():
+    """From index 15 on every sequence's drift doubles-plus: each token crosses its tau only
+    now and then, but the batch's drift by index steps up there: version_change at 15."""
+    rng = np.random.default_rng(21)
+    pairs, context, tau = calibrated_noise_batch(rng)
+    for i, (rollout, train) in enumerate(pairs):
+        step = np.where(np.arange(len(train)) >= 15, rng.choice([-1, 1]) * 0.15, 0.0)
+        pairs[i] = (rollout, train + step * (1 + 0.3 * rng.standard_normal(len(train))))
+    found = causes(diagnose(pairs, tau=tau, **context))
+    assert set(found) == {"version_change"}
+    finding = found["version_change"]
+    assert finding["details"]["at"] == 15 and finding["first_position"]["position"] == 15
+    assert len(finding["sequences"]) >= 10
+    assert finding["details"]["level_before"] < 2 <= finding["details"]["level_after"] / 2
+
+
+def test_drift_from_the_first_tokens_is_no_update_in_flight():
+    """The same step from index 1: weights differ from the start, not during generation."""
+    rng = np.random.default_rng(22)
+    pairs, context, tau = calibrated_noise_batch(rng)
+    for i, (rollout, train) in enumerate(pairs):
+        step = np.where(np.arange(len(train)) >= 1, rng.choice([-1, 1]) * 0.15, 0.0)
+        pairs[i] = (rollout, train + step)
+    assert "version_change" not in causes(diagnose(pairs, tau=tau, **context))
