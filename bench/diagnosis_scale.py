@@ -13,9 +13,10 @@ floor (`lpx calibrate`), and then:
   request; on the tiny model also a vLLM-CPU rollout. Each case is compared with the
   calibration and its findings verified by re-scoring (`lpx diagnose`).
 
-A case is named exactly when the fault causes named are the planted ones, the findings
-cover the sequences the fault changed (Jaccard >= 0.9), and a positional fault's first bad
-position is within 1. Prints per scale: the confusion matrix, accuracy per kind, verified
+A case is named exactly when the fault causes named are the planted ones (a fault whose
+changes stay under the calibrated floor may go unnamed), the findings name every sequence
+the fault visibly moved (two tokens past their tau) and none it left untouched, and a
+positional fault's first bad position is within 1. Prints per scale: the confusion matrix, accuracy per kind, verified
 findings right/wrong, clean-run verdicts and semantic findings, and verification time.
 
     .venv/bin/python bench/diagnosis_scale.py                       # every scale, hours on 2 cores
@@ -240,7 +241,8 @@ def score(case: dict) -> dict:
     named_right = want <= faults <= want | set(case.get("below_floor", []))
     claimed = {s for f in case["findings"] if f["cause"] in want for s in f["sequences"]}
     changed = set(case["changed"])
-    jaccard = len(claimed & changed) / max(len(claimed | changed), 1) if want else 1.0
+    # every sequence the fault visibly moved is named, and none it left untouched
+    covered = not want or changed <= claimed <= set(case.get("touched", case["changed"]))
     position_ok = True
     if len(case["kinds"]) == 1 and case["kinds"][0] in ONSETS and want:
         spots = [
@@ -256,7 +258,7 @@ def score(case: dict) -> dict:
     touched = set(case.get("touched", case["changed"]))
     wrong = [f for f in verified if f["cause"] not in allowed or not set(f["sequences"]) <= touched]
     return {
-        "exact": named_right and jaccard >= 0.9 and position_ok,
+        "exact": named_right and covered and position_ok,
         "named": sorted(faults),
         "verified": len(verified),
         "verified_wrong": len(wrong),
@@ -264,8 +266,9 @@ def score(case: dict) -> dict:
 
 
 def _visible_sequences(faulted, replay, moved, calibration) -> set[str]:
-    """Sequences where the fault moved at least two tokens past their calibrated tau (what
-    a fault must do to be seen at all under the other side's noise)."""
+    """Sequences with at least two tokens that drift past their calibrated tau and that the
+    fault moved by half of it or more: what a fault must do to be seen at all under the
+    other side's noise (which can cancel it as well as add to it)."""
     from pipeline.compare.calibrated import calibrated_judging, pair_key, side_precision
 
     pair = pair_key(side_precision(faulted.metadata), side_precision(replay.metadata))
@@ -274,10 +277,11 @@ def _visible_sequences(faulted, replay, moved, calibration) -> set[str]:
     tau = calibrated_judging(
         calibration, pair, replay.channels["replay"], positions, offsets, ""
     ).tau
+    drift = np.abs(faulted.channels["rollout"].astype(np.float64) - replay.channels["replay"])
+    seen = (np.nan_to_num(drift) > tau) & (np.nan_to_num(moved) > 0.5 * tau)
     out = set()
     for row, sid in enumerate(faulted.sequence_ids):
-        span = faulted.completion_slice(row)
-        if np.sum(np.nan_to_num(moved[span]) > tau[span]) >= 2:
+        if np.sum(seen[faulted.completion_slice(row)]) >= 2:
             out.add(sid)
     return out
 

@@ -183,7 +183,10 @@ def test_the_example_plans_are_valid(name):
     plan = load_plan(Path(__file__).parents[1] / "examples" / name)
     stages = expand(plan)
     assert [s.name for s in stages][:2] == ["model", "rollout"]
-    assert len(stages) == 2 + len(plan.replays)
+    assert len(stages) == 2 + (plan.calibrate is not None) + len(plan.replays)
+    if plan.calibrate is not None:
+        calibrate = next(s for s in stages if s.name == "calibrate")
+        assert calibrate.needs == ["rollout"] and calibrate.outputs == ["calibration.json"]
 
 
 def test_docker_unreachable_is_one_line_before_any_stage(tmp_path, monkeypatch):
