@@ -10,7 +10,7 @@ floor (`lpx calibrate`), and then:
 - faults: every zoo kind (pipeline/faults.py and the data kinds) committed in the rollout,
   under the other side's noise: fp32 rollout vs bf16 replay, and a bf16 rollout (the fault
   re-scored in bf16) vs an fp32 replay; two faults at once; a sampling fault in one
-  request; on the tiny model also a vLLM-CPU rollout. Each case is compared with the
+  request; on the tiny model also a real vLLM-CPU fp32 rollout vs an HF bf16 replay. Each case is compared with the
   calibration and its findings verified by re-scoring (`lpx diagnose`).
 
 A case is named exactly when the fault causes named are the planted ones (a fault whose
@@ -121,6 +121,22 @@ def scale_setup(name: str, work: Path) -> dict:
             f"replay-{kind}-bfloat16",
             lambda k=kind: HFScoringEngine().score(
                 setup["fixtures"][k], model_dir, {"dtype": "bfloat16", "device": "cpu"}
+            ),
+        )
+    if name == "tiny":
+        # the real vLLM-CPU engine's fp32 rollout (its own kernels, its own sampler)
+        from pipeline.engines.vllm_engine import VLLMRolloutEngine
+
+        params = SamplingParams(
+            max_tokens=spec["tokens"], samples_per_prompt=spec["samples"], seed=0, ignore_eos=True
+        )
+        setup["fixtures"]["vllm"] = cached(
+            "fixture-vllm", lambda: VLLMRolloutEngine().rollout(model_dir, prompts, params, {})
+        )
+        setup["replays"]["vllm", "bfloat16"] = cached(
+            "replay-vllm-bfloat16",
+            lambda: HFScoringEngine().score(
+                setup["fixtures"]["vllm"], model_dir, {"dtype": "bfloat16", "device": "cpu"}
             ),
         )
     calibration_path = work / "calibration.json"
@@ -297,8 +313,10 @@ def run_scale(name: str, directions: list[str]) -> dict:
     setup = scale_setup(name, work)
     fp32_model = load_model(setup["model_dir"], "float32")
     for direction in directions:
+        if direction not in setup["fixtures"]:
+            continue  # vllm: the tiny model only
         inject_model = (
-            fp32_model if direction == "float32" else load_model(setup["model_dir"], "bfloat16")
+            load_model(setup["model_dir"], "bfloat16") if direction == "bfloat16" else fp32_model
         )
         rng = np.random.default_rng(0)
         planned = list(cases(setup["fixtures"]["float32"], rng))
@@ -370,7 +388,7 @@ def render(name: str, outcome: dict) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scales", default=",".join(SCALES))
-    parser.add_argument("--directions", default="float32,bfloat16")
+    parser.add_argument("--directions", default="float32,bfloat16,vllm")
     parser.add_argument("--report", action="store_true", help="print the cached results only")
     args = parser.parse_args()
     accuracies = {}

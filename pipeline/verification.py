@@ -33,7 +33,10 @@ EXPLAINED = 0.5  # and removes at least this fraction of the drift it set out to
 MAX_SEQUENCES = 16  # re-scored per hypothesis, spread evenly over the finding's sequences
 OFFSETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # position offsets searched on one sequence
 TEMPERATURE_STEPS = 45  # golden-section steps on log T: to ~1e-9, an fp32 reproduction
-COMPETED = ("stale_weights",)  # tried against reproducible causes of the same shape
+# Weights causes cannot be re-scored; reproducible causes of the same shape are tried instead
+COMPETED = ("stale_weights", "version_change")
+WEIGHT_LIKE_SEQUENCES = 3  # the sign test needs a few sequences to say "weights"
+WEIGHT_SIGN_Z = 8.0  # as the signature rule: standard errors above chance
 NOT_REPRODUCIBLE = {
     "stale_weights": "other weights cannot be re-created from one side's logprobs; give "
     "--weights-store to re-score under the published versions",
@@ -143,11 +146,56 @@ class Verifier:
                 continue
             if cause != "unexplained":
                 out.append(_ruled_out(finding, tried))
+            untestable = self._untestable(finding, runner)
+            if untestable is not None:
+                # every reproducible cause failed; weights (which cannot be re-scored without
+                # the other weights) remain, and the drift has their shape
+                out.append(_not_reproduced(untestable, tried))
+                continue
             leftover += finding["sequences"]
             ruled_out += tried
         if leftover:
             out.append(_unexplained(sorted(set(leftover)), ruled_out))
-        return out
+        return _both_truncations(out)
+
+    def _untestable(self, finding: dict, runner: str | None) -> dict | None:
+        """After every reproduction failed: the runner-up when it is an in-flight update (a
+        position onset's), or stale weights when the drift covers the batch and moves whole
+        sequences one way (the sign test a weight step passes and noise or a prompt change
+        does not); else None."""
+        if runner == "version_change":
+            return {
+                **finding,
+                "cause": runner,
+                "severity": "fault",
+                "status": "plausible",
+                "evidence": f"{finding['cause']} did not reproduce the drift; {runner}, the "
+                "runner-up, fits its shape and needs the other weights to re-score "
+                "(--weights-store)",
+                "details": {"at": (finding.get("first_position") or {}).get("position")},
+            }
+        rows = [
+            self.rows[s] for s in finding["sequences"] if s in self.rows and s in self.replay_rows
+        ]
+        # weights move every sequence: not when other sequences are clean
+        if len(rows) < max(WEIGHT_LIKE_SEQUENCES, 0.9 * self.fixture.num_sequences):
+            return None
+        rollout, replay, _ = self._observed(rows)
+        z2 = np.array([_sign_z(r, p) ** 2 for r, p in zip(rollout, replay, strict=True)])
+        needed = 1.0 + WEIGHT_SIGN_Z * np.sqrt(2.0 / len(z2))
+        if float(np.minimum(z2, 100.0).mean()) <= needed:
+            return None
+        return {
+            **finding,
+            "cause": "stale_weights",
+            "severity": "fault",
+            "status": "plausible",
+            "evidence": f"no reproducible cause reproduces the drift of these {len(rows)} "
+            f"sequences, and it moves each one its own way throughout (sign test: mean z^2 "
+            f"{float(np.minimum(z2, 100.0).mean()):.2f} > {needed:.2f}), as a weight step "
+            "does: the two sides likely hold different weights (give --weights-store to "
+            "re-score under the published versions)",
+        }
 
     def _first_verified(self, finding: dict, candidates: list[Candidate]):
         tried = []
@@ -232,10 +280,18 @@ class Verifier:
         return []
 
     def competitors(self, finding: dict) -> list[Candidate]:
-        """Reproducible causes with the shape of a weight change (drift in every sequence
-        from its first token): a temperature on one side, a BOS added or dropped, positions
-        restarted at the completion, labels off by one, long prompts cut."""
+        """Reproducible causes with the shape of a weight change: for drift from a shared
+        index, positions offset from there; for drift from the first token, a temperature
+        on one side, a BOS added or dropped, positions restarted at the completion, labels
+        off by one, long prompts cut."""
         base = self.base
+        if finding["cause"] == "version_change":
+            at = int((finding.get("details") or {}).get("at") or 0)
+            return (
+                [Candidate("position_ids", "position_ids", replace(base, at=at), {"at": at})]
+                if at > 1
+                else []
+            )
         return [
             Candidate("temperature", "temperature", base, {}),
             Candidate("prompt_mismatch", "bos_extra", base, {"extra_leading": base.bos_id}),
@@ -251,7 +307,11 @@ class Verifier:
         base = self.base
         onset = int((finding.get("first_position") or {}).get("position") or 0)
         size = self._micro_batch()
+        sampling = self.fixture.metadata.get("sampling") or {}
+        truncated = int(sampling.get("top_k") or 0) > 0 or float(sampling.get("top_p") or 1) < 1
         return [
+            # the rollout sampled with truncation: processed logprobs on one side
+            *(self.candidates({**finding, "cause": "top_k", "details": {}}) if truncated else []),
             Candidate("token_shift", "data_shift+1", base, {"shift": 1}),
             Candidate("token_shift", "data_shift-1", base, {"shift": -1}),
             Candidate("mask_padding", "data_fill", base, {"fill_value": 0.0, "side": "rollout"}),
@@ -493,6 +553,26 @@ class Verifier:
     def _micro_batch(self) -> int:
         layout = self.replay.metadata.get("layout") or {}
         return int(layout.get("micro_batch_size") or 8)
+
+
+def _both_truncations(findings: list[dict]) -> list[dict]:
+    """A reproduction by top-k then top-p verifies both causes: name each once."""
+    out = list(findings)
+    for finding in findings:
+        verified = (finding.get("details") or {}).get("verified_by") or {}
+        if finding.get("status") != "verified" or verified.get("kind") != "top_k_top_p":
+            continue
+        for cause in ("top_k", "top_p"):
+            if not any(f["cause"] == cause and f.get("status") == "verified" for f in out):
+                out.append({**finding, "cause": cause})
+    return out
+
+
+def _sign_z(rollout: np.ndarray, replay: np.ndarray) -> float:
+    """A sequence's direction: (tokens up - tokens down) / sqrt(tokens)."""
+    d = np.asarray(replay) - np.asarray(rollout)
+    d = d[np.isfinite(d) & (d != 0)]
+    return float(np.sum(np.sign(d)) / np.sqrt(len(d))) if len(d) else 0.0
 
 
 def _slope_temperature(processed, raw) -> float:

@@ -81,14 +81,16 @@ def test_a_truncation_length_is_recovered(faulted, run_dir, tmp_path):
 
 
 def test_a_signature_the_model_does_not_reproduce_is_ruled_out(run_dir, tmp_path):
-    """|noise| of ~0.3 nats taken off three replay sequences: no bug re-scores into that."""
+    """Noise of 0.3 nats on three replay sequences, both ways: no bug re-scores into that,
+    and nothing biases whole sequences as a weight change would."""
     replay = read_table(run_dir / "replay-float32.parquet")
     replay.channels["replay"] = replay.channels["replay"].copy()
     rng = np.random.default_rng(0)
     for row in (1, 4, 9):
         span = replay.completion_slice(row)
-        noise = np.abs(rng.normal(0, 0.3, span.stop - span.start)).astype(np.float32)
-        replay.channels["replay"][span] -= noise  # logprobs stay <= 0
+        noise = rng.normal(0, 0.3, span.stop - span.start).astype(np.float32)
+        values = replay.channels["replay"][span] + noise
+        replay.channels["replay"][span] = np.minimum(values, 0.0)  # logprobs stay <= 0
     write_table(replay, tmp_path / "noisy.parquet")
     report = diagnose(run_dir / "fixture.parquet", tmp_path / "noisy.parquet", tmp_path / "d")
     unexplained = only(report, "unexplained")

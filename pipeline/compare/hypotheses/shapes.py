@@ -155,7 +155,7 @@ def shared_onset_rule(batch: Batch, open_: np.ndarray):
     # An update reaches every sequence still generating at k; a small one may move some
     # within the noise, but more sequences with no step at all than with one rule it out.
     flat = (sig.tokens > k + ONSET_WINDOW) & (
-        mine_after / n_after <= np.maximum(mine_before / n_before, 1.0)
+        mine_after / n_after <= 1.5 * np.maximum(mine_before / n_before, 1.0)
     )
     if relative > WEIGHT_STEP_RELATIVE or flat.sum() > up.sum():
         return
