@@ -35,6 +35,7 @@ OFFSETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # position offsets searched o
 TEMPERATURE_STEPS = 45  # golden-section steps on log T: to ~1e-9, an fp32 reproduction
 # Weights causes cannot be re-scored; reproducible causes of the same shape are tried instead
 COMPETED = ("stale_weights", "version_change")
+MAX_VERSIONS = 8  # published versions re-scored for a weights finding, newest first
 WEIGHT_LIKE_SEQUENCES = 3  # the sign test needs a few sequences to say "weights"
 WEIGHT_SIGN_Z = 8.0  # as the signature rule: standard errors above chance
 NOT_REPRODUCIBLE = {
@@ -81,6 +82,7 @@ class Verifier:
         device: str = "auto",
         say=lambda line: None,
         model=None,
+        weights_store: Path | None = None,
     ):
         from pipeline.devices import resolve_device, set_tf32
         from pipeline.engines.hf_common import load_model
@@ -96,6 +98,8 @@ class Verifier:
         bos = self.model.config.bos_token_id
         self.base = FaultSettings(bos_id=int(bos) if bos is not None else 1)
         self._clean_scores: dict[int, np.ndarray] = {}
+        self.weights_store = Path(weights_store) if weights_store else None
+        self._version_model = (None, None)  # (name, model): one version held at a time
 
     # --- the whole diagnosis ---------------------------------------------------------------
 
@@ -118,7 +122,10 @@ class Verifier:
             ):
                 out.append(finding)
                 continue
-            own = [] if cause in ("unexplained", *COMPETED) else self.candidates(finding)
+            if cause in COMPETED:  # weights: re-scored under the store's versions, if given
+                own = self.store_candidates(finding)
+            else:
+                own = [] if cause == "unexplained" else self.candidates(finding)
             verified, tried = self._first_verified(finding, own)
             if verified:
                 out.append(_verified(finding, verified))
@@ -130,6 +137,8 @@ class Verifier:
             runner = (finding.get("runner_up") or {}).get("cause")
             others = [
                 *reproduced,
+                # other weights explain any drift when the store holds them
+                *self.store_candidates({**finding, "cause": "stale_weights"}),
                 *(self.candidates({**finding, "cause": runner, "details": {}}) if runner else []),
                 *(self.competitors(finding) if cause in COMPETED else self.any_cause(finding)),
             ]
@@ -301,6 +310,26 @@ class Verifier:
             *self._truncation(finding),
         ]
 
+    def store_candidates(self, finding: dict) -> list[Candidate]:
+        """Each published version of the weight store (newest first, at most MAX_VERSIONS):
+        stale weights re-scored whole under it; a version change under it from the onset."""
+        if self.weights_store is None:
+            return []
+        from pipeline.weights.store import list_versions
+
+        names = [v["name"] for v in reversed(list_versions(self.weights_store))][:MAX_VERSIONS]
+        at = int((finding.get("details") or {}).get("at") or 0)
+        if finding["cause"] == "version_change":
+            return [
+                Candidate(finding["cause"], "store_version_from", replace(self.base, at=at),
+                          {"version": name, "at": at})
+                for name in names
+            ]  # fmt: skip
+        return [
+            Candidate(finding["cause"], "store_version", self.base, {"version": name})
+            for name in names
+        ]
+
     def any_cause(self, finding: dict) -> list[Candidate]:
         """What drift no signature explained is tested against: the data bugs first (free),
         then each reproducible bug with parameters read from the drift."""
@@ -405,6 +434,8 @@ class Verifier:
 
     def _rescore(self, candidate: Candidate, rows: list[int]) -> list[np.ndarray]:
         kind, settings = candidate.kind, candidate.settings
+        if kind.startswith("store_version"):
+            return self._rescore_version(candidate, rows)
         if kind in ("pad_attended", "mask_dropped", "packed_no_reset", "pad_positions"):
             # The micro-batches the engine formed, in fixture order, hold the sequences.
             size = settings.micro_batch
@@ -421,6 +452,27 @@ class Verifier:
             pairs = [(self.fixture.prompt_of(r), self.fixture.completion_of(r)) for r in rows]
             values = rescore(self.model, pairs, kind, settings)
         return [v[self._mask(r)].astype(np.float64) for v, r in zip(values, rows, strict=True)]
+
+    def _rescore_version(self, candidate: Candidate, rows: list[int]) -> list[np.ndarray]:
+        """The rows under a published version: whole, or from completion index ``at`` on
+        (the reference model before it), as a sequence generated across an update."""
+        name = candidate.params["version"]
+        if self._version_model[0] != name:
+            from pipeline.engines.hf_common import load_model
+            from pipeline.weights.store import materialize
+
+            self._version_model = (None, None)  # one version in memory at a time
+            path = materialize(self.weights_store, name)
+            self._version_model = (name, load_model(path, "float32", device=self.device))
+        pairs = [(self.fixture.prompt_of(r), self.fixture.completion_of(r)) for r in rows]
+        versioned = rescore(self._version_model[1], pairs, "clean", self.base)
+        if candidate.kind == "store_version_from":
+            at = candidate.params["at"]
+            before = rescore(self.model, pairs, "clean", self.base)
+            versioned = [
+                np.concatenate([b[:at], v[at:]]) for b, v in zip(before, versioned, strict=True)
+            ]
+        return [v[self._mask(r)].astype(np.float64) for v, r in zip(versioned, rows, strict=True)]
 
     def _search_offset(self, candidate, row: int, observed) -> Candidate:
         """The position offset, then the onset within two tokens, that reproduce one sequence

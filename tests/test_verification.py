@@ -129,3 +129,46 @@ def test_verified_under_bf16_noise_with_a_calibration(faulted, run_dir, tmp_path
     assert finding["floor"] == pytest.approx(floor, rel=1.0)  # the fp32 side's own floor
     assert abs(finding["details"]["verified_by"]["params"]["T"] - 0.7) < 1e-3
     assert report["calibration"]["used"]
+
+
+def test_stale_weights_are_verified_against_the_weight_store(run_dir, tiny_model, tmp_path):
+    """The rollout served one AdamW step later (version 2) than the replay's weights
+    (version 1): re-scored under each published version, version 2 reproduces it."""
+    import shutil
+
+    from pipeline.engines.hf_common import load_model
+    from pipeline.faults import optimiser_step
+    from pipeline.weights.store import publish
+
+    fixture = read_table(run_dir / "fixture.parquet")
+    pairs = [(fixture.prompt_of(i), fixture.completion_of(i)) for i in range(8)]
+    stepped = tmp_path / "v2"
+    shutil.copytree(tiny_model, stepped)
+    for weights in stepped.glob("*.safetensors"):
+        weights.unlink()
+    optimiser_step(load_model(tiny_model), pairs, 1e-3).save_pretrained(stepped)
+    store = tmp_path / "store"
+    publish(tiny_model, store)
+    publish(stepped, store, delta=True)
+    served = tmp_path / "served.parquet"
+    assert (
+        run_lpx(
+            "replay", run_dir / "fixture.parquet", "--model", stepped, "--out", served
+        ).exit_code
+        == 0
+    )
+    fixture.channels = {"rollout": read_table(served).channels["replay"].copy()}
+    write_table(fixture, tmp_path / "stale.parquet")
+
+    without = diagnose(
+        tmp_path / "stale.parquet", run_dir / "replay-float32.parquet", tmp_path / "a"
+    )
+    assert not [f for f in without["diagnosis"] if f["status"] == "verified"]
+    report = diagnose(
+        tmp_path / "stale.parquet", run_dir / "replay-float32.parquet", tmp_path / "b",
+        "--weights-store", store,
+    )  # fmt: skip
+    finding = only(report, "stale_weights")
+    assert finding["status"] == "verified"
+    assert finding["details"]["verified_by"]["params"] == {"version": "2"}
+    assert finding["residual_after"] == pytest.approx(0.0, abs=1e-5)

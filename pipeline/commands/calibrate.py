@@ -70,7 +70,7 @@ def calibrate(
     from pipeline.names import canonical_dtype
     from pipeline.paths import check_output, write_text_atomic
 
-    out_path = out_path or Path(fixture_path).with_name(CALIBRATION_FILE)
+    out_path = out_path or Path(fixture_path).parent / CALIBRATION_FILE
     check_output(out_path, [fixture_path])
     if engine != "hf":
         raise BadInput(

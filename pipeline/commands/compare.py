@@ -61,6 +61,12 @@ def compare_options(function):
             help="Fail on any completion token whose float32 logprobs are not bitwise equal "
             "(for batch-invariant or true-on-policy stacks); the policy's limits still apply.",
         ),
+        click.option(
+            "--weights-store",
+            type=click.Path(file_okay=False, path_type=Path),
+            help="With --model: verify stale weights and version changes by re-scoring under "
+            "this store's published versions (lpx weights publish).",
+        ),
         device_option,
         click.option("--quiet", is_flag=True, help="Print only the verdict line."),
     ]
@@ -149,6 +155,7 @@ def run_compare(
     calibration_path,
     no_calibration,
     exact,
+    weights_store,
     device,
     quiet,
     model_dir=None,
@@ -201,6 +208,7 @@ def run_compare(
                 calibration,
                 device,
                 say=lambda line: click.echo(line, err=True),
+                weights_store=weights_store,
             )
             comparison.report["diagnosis"] = verifier.verify(comparison.report["diagnosis"])
             rejudge(comparison.report, policy)
