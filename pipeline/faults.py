@@ -139,6 +139,35 @@ def _single(
     model, prompt, completion, positions=None, label_shift=False, head_dtype=None, processing=None
 ):
     """One sequence in its own row, no padding: the reference layout, with one thing changed."""
+
+    hidden = _completion_hidden(model, prompt, completion, positions, label_shift)
+    return _selected(model, hidden, completion, head_dtype, processing)
+
+
+def completion_logits(model, prompt, completion):
+    """The fp32 logits that score each completion token in the reference layout: what a
+    temperature or truncation acts on, so a search over those needs one forward only."""
+    import torch
+
+    with torch.no_grad():
+        hidden = _completion_hidden(model, np.asarray(prompt, dtype=np.int64), completion)
+        return model.get_output_embeddings()(hidden).float()
+
+
+def select_processed(logits, completion, processing=None) -> np.ndarray:
+    """Each completion token's logprob under ``logits`` after optional sampling processing."""
+    import torch
+
+    from pipeline.engines.hf_common import process_logits
+
+    if processing:
+        logits = process_logits(logits, **processing)
+    targets = torch.as_tensor(np.asarray(completion, dtype=np.int64), device=logits.device)
+    selected = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    return selected.cpu().numpy().astype(np.float32)
+
+
+def _completion_hidden(model, prompt, completion, positions=None, label_shift=False):
     import torch
 
     ids = np.concatenate([prompt, completion]).astype(np.int64)
@@ -148,8 +177,7 @@ def _single(
     # The hidden state at t predicts token t + 1; label_shift reads the one at t instead.
     columns = np.arange(len(prompt) - 1, len(ids) - 1) + (1 if label_shift else 0)
     hidden = model.base_model(**_on_device(model, inputs)).last_hidden_state[0]
-    hidden = hidden[torch.from_numpy(columns).to(hidden.device)]
-    return _selected(model, hidden, completion, head_dtype, processing)
+    return hidden[torch.from_numpy(columns).to(hidden.device)]
 
 
 def _batched(model, batch, kind: str):
@@ -227,8 +255,6 @@ def optimiser_step(model, pairs, lr: float):
 def _selected(model, hidden_rows, completion, head_dtype=None, processing=None):
     import torch
 
-    from pipeline.engines.hf_common import process_logits
-
     head = model.get_output_embeddings()
     if head_dtype == "bfloat16":
         logits = torch.nn.functional.linear(
@@ -236,11 +262,7 @@ def _selected(model, hidden_rows, completion, head_dtype=None, processing=None):
         ).float()
     else:
         logits = head(hidden_rows).float()
-    if processing:
-        logits = process_logits(logits, **processing)
-    targets = torch.as_tensor(np.asarray(completion, dtype=np.int64), device=logits.device)
-    selected = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
-    return selected.cpu().numpy().astype(np.float32)
+    return select_processed(logits, completion, processing)
 
 
 def _on_device(model, inputs: dict) -> dict:

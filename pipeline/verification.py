@@ -24,7 +24,7 @@ import numpy as np
 
 from pipeline.compare.calibrated import calibrated_judging, pair_key, side_precision
 from pipeline.compare.hypotheses.batch import NUMERIC_CEILING
-from pipeline.faults import FaultSettings, rescore
+from pipeline.faults import FaultSettings, completion_logits, rescore, select_processed
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
 
 VERIFY_MARGIN = 3.0  # a reproduction leaves at most this many times the floor's mean |d|
@@ -33,6 +33,7 @@ EXPLAINED = 0.5  # and removes at least this fraction of the drift it set out to
 MAX_SEQUENCES = 16  # re-scored per hypothesis, spread evenly over the finding's sequences
 OFFSETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # position offsets searched on one sequence
 TEMPERATURE_STEPS = 45  # golden-section steps on log T: to ~1e-9, an fp32 reproduction
+SEARCH_LOGITS = 1 << 26  # fp32 logits (256 MiB) kept for the temperature search
 # Weights causes cannot be re-scored; reproducible causes of the same shape are tried instead
 COMPETED = ("stale_weights", "version_change")
 MAX_VERSIONS = 8  # published versions re-scored for a weights finding, newest first
@@ -516,17 +517,26 @@ class Verifier:
 
     def _search_temperature(self, candidate, row: int, observed, clean) -> Candidate:
         """The temperature that reproduces one sequence best, by golden-section search on
-        log T from the fitted estimate (each try re-scores one sequence): the signatures'
-        linear fit is an estimate, the reproduction must hold to the noise floor."""
+        log T from the fitted estimate (one forward of that sequence; each try re-processes
+        its logits): the signatures' linear fit is an estimate, the reproduction must hold
+        to the noise floor."""
         given = candidate.params.get("T")
         guess = (
             float(given) if given and float(given) != 1.0 else _slope_temperature(observed, clean)
         )
         settings = candidate.settings
+        # one forward: each temperature tried is a log-softmax of the same logits, of as
+        # many leading tokens as SEARCH_LOGITS holds (a temperature scales every token)
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        keep = max(8, SEARCH_LOGITS // vocab)
+        completion = self.fixture.completion_of(row)[:keep]
+        logits = completion_logits(self.model, self.fixture.prompt_of(row), completion)
+        mask = self._mask(row)[:keep]
+        observed = observed[: int(mask.sum())]
 
         def gap(log_t: float) -> float:
-            trial = replace(settings, temperature=float(np.exp(log_t)))
-            (scored,) = self._rescore(replace(candidate, settings=trial), [row])
+            processing = {"temperature": float(np.exp(log_t))}
+            scored = select_processed(logits, completion, processing)[mask].astype(np.float64)
             return _mean_abs([observed], [scored])
 
         low, high = np.log(guess) - 0.7, np.log(guess) + 0.7
