@@ -172,3 +172,15 @@ def test_stale_weights_are_verified_against_the_weight_store(run_dir, tiny_model
     assert finding["status"] == "verified"
     assert finding["details"]["verified_by"]["params"] == {"version": "2"}
     assert finding["residual_after"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_a_weights_store_needs_the_model_and_a_store(run_dir, tmp_path):
+    fixture, replay = run_dir / "fixture.parquet", run_dir / "replay-float32.parquet"
+    result = run_lpx(
+        "compare", fixture, replay, "--weights-store", tmp_path, "--out", tmp_path / "a"
+    )
+    assert result.exit_code == 2 and "add --model DIR" in result.output
+    result = run_lpx("diagnose", fixture, replay, "--weights-store", tmp_path / "none",
+                     "--out", tmp_path / "b")  # fmt: skip
+    assert result.exit_code == 2 and "not a weight store" in result.output
+    assert not (tmp_path / "b" / "report.json").exists()

@@ -176,6 +176,16 @@ def run_compare(
         from pipeline.engines.model_dir import check_model_dir
 
         check_model_dir(model_dir)
+    if weights_store is not None:
+        from pipeline.errors import BadInput
+        from pipeline.weights.layout import check_store
+
+        if model_dir is None:
+            raise BadInput(
+                f"--weights-store {weights_store}: verification re-scores the reference model "
+                "and the store's versions; add --model DIR (or run lpx diagnose)."
+            )
+        check_store(Path(weights_store))
     comparisons = []
     verifier = None
     for replay_path in replay_paths:
