@@ -33,6 +33,7 @@ EXPLAINED = 0.5  # and removes at least this fraction of the drift it set out to
 MAX_SEQUENCES = 16  # re-scored per hypothesis, spread evenly over the finding's sequences
 OFFSETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # position offsets searched on one sequence
 TEMPERATURE_STEPS = 45  # golden-section steps on log T: to ~1e-9, an fp32 reproduction
+FILL_EXACT = 1e-6  # a constant written into logprobs is the constant, to float32 rounding
 SEARCH_LOGITS = 1 << 26  # fp32 logits (256 MiB) kept for the temperature search
 # Weights causes cannot be re-scored; reproducible causes of the same shape are tried instead
 COMPETED = ("stale_weights", "version_change")
@@ -406,6 +407,10 @@ class Verifier:
             )
             after = {side: float(np.mean(np.abs(against - reproduced)[drifting]))}
             floor = float(np.mean(np.concatenate(token_floor)[drifting]))
+            if candidate.kind == "data_fill":
+                # a fill writes its constant after the forward: no noise reaches it, so
+                # logprobs merely near the constant (a confident model's near 0) are not one
+                floor = FILL_EXACT
         else:
             # The side the bug moved is the one farther from the clean reference; every
             # search and the verdict are about reproducing that side.

@@ -102,6 +102,31 @@ def test_a_signature_the_model_does_not_reproduce_is_ruled_out(run_dir, tmp_path
     assert all(f["status"] != "verified" for f in report["diagnosis"])
 
 
+def test_logprobs_near_zero_are_not_a_fill(run_dir, bf16_calibration, tmp_path):
+    """A rollout far more confident than the bf16 replay (logprobs within ~0.01 of 0, as
+    after a step on these very sequences) is not "filled with 0", though that is within
+    bf16's noise floor: a fill writes its constant exactly."""
+    fixture = read_table(run_dir / "fixture.parquet")
+    values = fixture.channels["rollout"].copy()
+    for row in (2, 5, 7):
+        span = fixture.completion_slice(row)
+        values[span] = -np.abs(np.random.default_rng(row).normal(0, 0.01, span.stop - span.start))
+    fixture.channels = {"rollout": values}
+    write_table(fixture, tmp_path / "confident.parquet")
+    report = diagnose(
+        tmp_path / "confident.parquet", run_dir / "replay-bfloat16.parquet", tmp_path / "d",
+        "--calibration", bf16_calibration,
+    )  # fmt: skip
+    fills = [
+        t for f in report["diagnosis"] for t in (f.get("details") or {}).get("ruled_out", [])
+        if t["kind"] == "data_fill" and t["params"]["side"] == "rollout"
+    ]  # fmt: skip
+    assert fills and all(0.002 < t["residual_after"] < 0.02 for t in fills)
+    assert all(t["floor"] == 1e-6 for t in fills)
+    assert not [f for f in report["diagnosis"] if f["status"] == "verified"]
+    assert report["verdict"] == "fail"
+
+
 def test_without_the_model_findings_stay_plausible(faulted, run_dir, tmp_path):
     result = run_lpx(
         "compare",
@@ -115,10 +140,16 @@ def test_without_the_model_findings_stay_plausible(faulted, run_dir, tmp_path):
     assert statuses == {"plausible"}
 
 
-def test_verified_under_bf16_noise_with_a_calibration(faulted, run_dir, tmp_path):
-    calibration = tmp_path / "calibration.json"
+@pytest.fixture(scope="module")
+def bf16_calibration(run_dir, tmp_path_factory):
+    calibration = tmp_path_factory.mktemp("calibration") / "calibration.json"
     assert run_lpx("calibrate", run_dir / "fixture.parquet", "--sequences", 8,
                    "--out", calibration).exit_code == 0  # fmt: skip
+    return calibration
+
+
+def test_verified_under_bf16_noise_with_a_calibration(faulted, run_dir, bf16_calibration, tmp_path):
+    calibration = bf16_calibration
     report = diagnose(
         faulted("temperature"), run_dir / "replay-bfloat16.parquet", tmp_path / "d",
         "--calibration", calibration,
