@@ -245,17 +245,19 @@ class Verifier:
                 )
             ]
         if cause in ("top_k", "top_p", "top_k+top_p"):
+            # the recorded truncation is what is re-scored, and what a reproduction proves:
+            # named by it, whichever truncation the signature guessed
             k, p = int(sampling.get("top_k") or 0), float(sampling.get("top_p") or 1.0)
             if k and p < 1.0:
                 return [
                     Candidate(
-                        cause, "top_k_top_p", replace(base, top_k=k, top_p=p), {"k": k, "p": p}
+                        "top_k", "top_k_top_p", replace(base, top_k=k, top_p=p), {"k": k, "p": p}
                     )
                 ]
             if k:
-                return [Candidate(cause, "top_k", replace(base, top_k=k), {"k": k})]
+                return [Candidate("top_k", "top_k", replace(base, top_k=k), {"k": k})]
             if p < 1.0:
-                return [Candidate(cause, "top_p", replace(base, top_p=p), {"p": p})]
+                return [Candidate("top_p", "top_p", replace(base, top_p=p), {"p": p})]
             return []
         if cause == "token_shift":
             shift = details.get("shift")

@@ -215,3 +215,26 @@ def test_a_weights_store_needs_the_model_and_a_store(run_dir, tmp_path):
                      "--out", tmp_path / "b")  # fmt: skip
     assert result.exit_code == 2 and "not a weight store" in result.output
     assert not (tmp_path / "b" / "report.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("recorded", "guessed", "kind", "named"),
+    [
+        ({"top_p": 0.8}, "top_k", "top_p", "top_p"),
+        ({"top_k": 8}, "top_p", "top_k", "top_k"),
+        ({"top_k": 8, "top_p": 0.8}, "top_p", "top_k_top_p", "top_k"),
+    ],
+)
+def test_a_truncation_is_named_by_what_the_rollout_recorded(
+    run_dir, tiny_model, recorded, guessed, kind, named
+):
+    """The signature guesses top-k or top-p; the re-score uses the fixture's recorded
+    truncation, and a reproduction names that (top-k then top-p: both, by _both_truncations)."""
+    from pipeline.verification import Verifier
+
+    fixture = read_table(run_dir / "fixture.parquet")
+    fixture.metadata = {**fixture.metadata, "sampling": {**recorded}}
+    verifier = Verifier(fixture, read_table(run_dir / "replay-float32.parquet"), tiny_model)
+    (candidate,) = verifier.candidates({"cause": guessed, "details": {}})
+    assert (candidate.kind, candidate.cause) == (kind, named)
+    assert candidate.settings.top_k == recorded.get("top_k", verifier.base.top_k)
