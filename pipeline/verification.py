@@ -130,7 +130,7 @@ class Verifier:
                 own = [] if cause == "unexplained" else self.candidates(finding)
             verified, tried = self._first_verified(finding, own)
             if verified:
-                out.append(_verified(finding, verified))
+                out.append(self._onset_of_shift(_verified(finding, verified), verified))
                 reproduced.append(verified.candidate)
                 continue
             if own and not tried:  # nothing could be re-scored: as the signatures said
@@ -148,7 +148,8 @@ class Verifier:
             if verified:
                 if tried:
                     out.append(_ruled_out(finding, tried))
-                out.append(_verified(finding, verified, renamed_from=cause))
+                renamed = _verified(finding, verified, renamed_from=cause)
+                out.append(self._onset_of_shift(renamed, verified))
                 reproduced.append(verified.candidate)
                 continue
             tried += also
@@ -564,6 +565,22 @@ class Verifier:
             candidate, settings=replace(settings, temperature=t), params={"T": round(t, 5)}
         )
 
+    def _onset_of_shift(self, finding: dict, outcome: Outcome) -> dict:
+        """A verified logprob shift starts where the change point says, not at the first
+        token past tau: under noise, a token whose neighbour scores alike drifts too little
+        to cross it, so the first drifting token can come a few after the shift."""
+        spot = finding.get("first_position") or {}
+        sid = spot.get("sequence_id")
+        if not outcome.candidate.kind.startswith("data_shift") or sid not in self.rows:
+            return finding
+        if sid not in self.replay_rows:
+            return finding
+        (rollout,), (replay,), (positions,) = self._observed([self.rows[sid]])
+        onset = shift_onset(rollout, replay, outcome.candidate.params["shift"])
+        if onset is None:
+            return finding
+        return {**finding, "first_position": {**spot, "position": int(positions[onset])}}
+
     def _clean(self, rows: list[int]) -> list[np.ndarray]:
         """The reference's own scores of the rows (fp32, no bug), computed once per row."""
         missing = [r for r in rows if r not in self._clean_scores]
@@ -680,6 +697,21 @@ def _data_reproduction(candidate: Candidate, rollout, replay, token_floor):
     filled = np.concatenate(rollout if side == "rollout" else replay)
     value = float(candidate.params["fill_value"])
     return side, np.full(len(filled), value), filled, drifting
+
+
+def shift_onset(rollout: np.ndarray, replay: np.ndarray, shift: int) -> int | None:
+    """The first index whose rollout logprob belongs to a neighbour (replay[t] =
+    rollout[t + shift] from there on): the change point that minimises the total |d| of
+    "equal" before it and "shifted" after it."""
+    n = len(rollout)
+    if n < 2:
+        return None
+    plain = np.nan_to_num(np.abs(rollout - replay))
+    moved = np.abs(rollout - np.roll(replay, shift))  # rollout[t] against replay[t - shift]
+    moved[0 if shift > 0 else n - 1] = np.nan  # wrapped around: no neighbour there
+    moved = np.where(np.isfinite(moved), moved, plain)
+    cost = np.cumsum(np.concatenate([[0.0], plain]))[:n] + np.cumsum(moved[::-1])[::-1]
+    return int(np.argmin(cost))
 
 
 def _mean_abs(a: list, b: list) -> float:

@@ -238,3 +238,23 @@ def test_a_truncation_is_named_by_what_the_rollout_recorded(
     (candidate,) = verifier.candidates({"cause": guessed, "details": {}})
     assert (candidate.kind, candidate.cause) == (kind, named)
     assert candidate.settings.top_k == recorded.get("top_k", verifier.base.top_k)
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+@pytest.mark.parametrize("onset", [0, 3, 17, 47])
+def test_a_shift_starts_at_its_change_point_under_noise(shift, onset):
+    """Logprobs moved one token from `onset` on, against a replay with noise of 0.02 nats:
+    the change point finds the onset exactly, also where the first shifted tokens score
+    within 0.1 of their neighbours, too little to drift past a bf16 tau."""
+    from pipeline.verification import shift_onset
+
+    rng = np.random.default_rng(onset)
+    true = -np.abs(rng.normal(0, 2, 48)) - 1.0
+    for t in range(max(onset - 1, 0), min(onset + 4, 47)):  # alike around the onset
+        true[t + 1] = true[t] + 0.1
+    replay = true + rng.normal(0, 0.02, 48)
+    rollout = true.copy()
+    for t in range(onset, 48):
+        if 0 <= t - shift < 48:
+            rollout[t] = true[t - shift]
+    assert shift_onset(rollout, replay, shift) == onset
