@@ -385,11 +385,32 @@ def render(name: str, outcome: dict) -> float:
     return exact / max(len(scored), 1)
 
 
+def markdown(name: str, outcome: dict) -> str:
+    """The scale's confusion matrix (planted causes x named causes) as a markdown table."""
+    scored = [(c, score(c)) for c in outcome["cases"] if "skipped" not in c]
+    matrix = defaultdict(Counter)
+    for case, s in scored:
+        matrix["+".join(case["want"]) or "(precision, or under the floor)"][
+            "+".join(s["named"]) or "-"
+        ] += 1
+    columns = sorted({c for row in matrix.values() for c in row})
+    lines = [
+        f"**{name}**: {sum(s['exact'] for _, s in scored)}/{len(scored)} exact",
+        "",
+        "| planted \\ named | " + " | ".join(columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
+    for row in sorted(matrix):
+        lines.append(f"| {row} | " + " | ".join(str(matrix[row][c] or "") for c in columns) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scales", default=",".join(SCALES))
     parser.add_argument("--directions", default="float32,bfloat16,vllm")
     parser.add_argument("--report", action="store_true", help="print the cached results only")
+    parser.add_argument("--markdown", action="store_true", help="with --report: markdown tables")
     args = parser.parse_args()
     accuracies = {}
     for name in args.scales.split(","):
@@ -404,7 +425,12 @@ def main() -> int:
             }
         else:
             outcome = run_scale(name, args.directions.split(","))
+        if args.markdown:
+            print(markdown(name, outcome) + "\n")
+            continue
         accuracies[name] = render(name, outcome)
+    if args.markdown:
+        return 0
     worst = min(accuracies.values(), default=0.0)
     print(f"\nworst scale accuracy {worst:.1%} (target {TARGET:.0%}): ratio {worst / TARGET:.2f}")
     return 0
