@@ -682,14 +682,19 @@ def _data_reproduction(candidate: Candidate, rollout, replay, token_floor):
     if candidate.kind.startswith("data_shift"):
         shift = candidate.params["shift"]
         # replay[t] = rollout[t + shift]: the rollout's logprobs sit one token off; a
-        # sequence's last (or first) token has no neighbour there and is left out
-        moved, edge = [], []
+        # sequence's last (or first) token has no neighbour there, and its first drifting
+        # token's neighbour lies across the onset, where nothing moved: both left out
+        moved, edge, start = [], [], 0
         for r in rollout:
             moved.append(np.roll(r, -shift))
             inside = np.ones(len(r), dtype=bool)
             if len(r):
                 inside[-1 if shift > 0 else 0] = False
+                first = np.flatnonzero(drifting[start : start + len(r)])
+                if len(first):
+                    inside[first[0]] = False
             edge.append(inside)
+            start += len(r)
         return (
             "rollout",
             np.concatenate(moved),

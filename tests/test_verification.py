@@ -258,3 +258,21 @@ def test_a_shift_starts_at_its_change_point_under_noise(shift, onset):
         if 0 <= t - shift < 48:
             rollout[t] = true[t - shift]
     assert shift_onset(rollout, replay, shift) == onset
+
+
+def test_a_logprob_shift_is_verified_from_its_onset_under_bf16_noise(
+    faulted, run_dir, bf16_calibration, tmp_path
+):
+    """Logprobs moved one token from index 9 in three sequences, against the bf16 replay:
+    the shift reproduces to the floor (the token at the onset, whose neighbour was never
+    moved, is not held against it), and the onset is the change point."""
+    fixture = faulted("token_shift", "1-0", "4-1", "6-0", at=9)
+    report = diagnose(
+        fixture, run_dir / "replay-bfloat16.parquet", tmp_path / "d",
+        "--calibration", bf16_calibration,
+    )  # fmt: skip
+    finding = only(report, "token_shift")
+    assert finding["status"] == "verified", finding["evidence"][-300:]
+    assert sorted(finding["sequences"]) == ["1-0", "4-1", "6-0"]
+    assert abs(finding["first_position"]["position"] - 9) <= 1
+    assert finding["residual_after"] <= 3 * finding["floor"] < finding["residual_before"] / 10
