@@ -304,12 +304,16 @@ class Verifier:
         base = self.base
         if finding["cause"] == "version_change":
             at = int((finding.get("details") or {}).get("at") or 0)
-            return (
-                [Candidate("position_ids", "position_ids", replace(base, at=at), {"at": at})]
-                if at > 1
-                else []
-            )
+            return [
+                *_data_candidates(base),  # a fill from an index moves every token one way too
+                *(
+                    [Candidate("position_ids", "position_ids", replace(base, at=at), {"at": at})]
+                    if at > 1
+                    else []
+                ),
+            ]
         return [
+            *_data_candidates(base),  # a constant fill moves every token one way, as weights do
             Candidate("temperature", "temperature", base, {}),
             Candidate("prompt_mismatch", "bos_extra", base, {"extra_leading": base.bos_id}),
             Candidate("prompt_mismatch", "bos_missing", base, {"missing_leading": 1}),
@@ -349,10 +353,6 @@ class Verifier:
         return [
             # the rollout sampled with truncation: processed logprobs on one side
             *(self.candidates({**finding, "cause": "top_k", "details": {}}) if truncated else []),
-            Candidate("token_shift", "data_shift+1", base, {"shift": 1}),
-            Candidate("token_shift", "data_shift-1", base, {"shift": -1}),
-            Candidate("mask_padding", "data_fill", base, {"fill_value": 0.0, "side": "rollout"}),
-            Candidate("mask_padding", "data_fill", base, {"fill_value": 0.0, "side": "replay"}),
             *self.competitors(finding),
             *(
                 [Candidate("position_ids", "position_ids", replace(base, at=onset), {"at": onset})]
@@ -415,7 +415,9 @@ class Verifier:
             floor = float(np.mean(np.concatenate(token_floor)[drifting]))
             if candidate.kind == "data_fill":
                 # a fill writes its constant after the forward: no noise reaches it, so
-                # logprobs merely near the constant (a confident model's near 0) are not one
+                # logprobs merely near the constant (a confident model's near 0) are not one.
+                # The median: noise tokens before the fill's onset drift too, and are not it.
+                after = {side: float(np.median(np.abs(against - reproduced)[drifting]))}
                 floor = FILL_EXACT
         else:
             # The side the bug moved is the one farther from the clean reference; every
@@ -642,6 +644,16 @@ class Verifier:
     def _micro_batch(self) -> int:
         layout = self.replay.metadata.get("layout") or {}
         return int(layout.get("micro_batch_size") or 8)
+
+
+def _data_candidates(base: FaultSettings) -> list[Candidate]:
+    """The data bugs, tested without the model: logprobs one token off, or filled with 0."""
+    return [
+        Candidate("token_shift", "data_shift+1", base, {"shift": 1}),
+        Candidate("token_shift", "data_shift-1", base, {"shift": -1}),
+        Candidate("mask_padding", "data_fill", base, {"fill_value": 0.0, "side": "rollout"}),
+        Candidate("mask_padding", "data_fill", base, {"fill_value": 0.0, "side": "replay"}),
+    ]
 
 
 def _both_truncations(findings: list[dict]) -> list[dict]:
