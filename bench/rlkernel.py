@@ -56,25 +56,15 @@ def build_tables(data):
     from pipeline.fixture.table import table_from_sequences
 
     ids = data["ids"].tolist()
-    prompts = list(data["prompts"])
-    completions = list(data["completions"])
-    fixture = table_from_sequences(
-        "fixture",
-        ids,
-        prompts,
-        completions,
-        {"rollout": list(data["rollout"])},
-        metadata={"dtype": "float32"},
-    )
-    replay = table_from_sequences(
-        "replay",
-        ids,
-        prompts,
-        completions,
-        {"replay": list(data["train"])},
-        metadata={"dtype": "float32"},
-    )
-    return fixture, replay
+    prompts, completions = list(data["prompts"]), list(data["completions"])
+
+    def table(kind, channel, values):
+        return table_from_sequences(
+            kind, ids, prompts, completions, {channel: list(values)},
+            metadata={"dtype": "float32"},
+        )  # fmt: skip
+
+    return table("fixture", "rollout", data["rollout"]), table("replay", "replay", data["train"])
 
 
 def loadavg() -> str:

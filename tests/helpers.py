@@ -16,3 +16,26 @@ def run_lpx(*args: str):
 
 def read_report(out_dir: Path) -> dict:
     return json.loads((Path(out_dir) / "report.json").read_text())
+
+
+def publish_one_step(tiny_model: Path, fixture_path: Path, root: Path) -> tuple[Path, Path]:
+    """(store, stepped model dir): the tiny model published as version 1 and one AdamW step
+    (lr 1e-3) on the fixture's first 8 sequences as version 2 (a delta)."""
+    import shutil
+
+    from pipeline.engines.hf_common import load_model
+    from pipeline.faults import optimiser_step
+    from pipeline.fixture.io import read_table
+    from pipeline.weights.store import publish
+
+    fixture = read_table(fixture_path)
+    pairs = [(fixture.prompt_of(i), fixture.completion_of(i)) for i in range(8)]
+    stepped = root / "v2"
+    shutil.copytree(tiny_model, stepped)
+    for weights in stepped.glob("*.safetensors"):
+        weights.unlink()
+    optimiser_step(load_model(tiny_model), pairs, 1e-3).save_pretrained(stepped)
+    store = root / "store"
+    publish(tiny_model, store)
+    publish(stepped, store, delta=True)
+    return store, stepped

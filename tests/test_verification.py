@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.fixture.io import read_table, write_table
-from tests.helpers import read_report, run_lpx
+from tests.helpers import publish_one_step, read_report, run_lpx
 
 
 @pytest.fixture(scope="module")
@@ -165,22 +165,8 @@ def test_verified_under_bf16_noise_with_a_calibration(faulted, run_dir, bf16_cal
 def test_stale_weights_are_verified_against_the_weight_store(run_dir, tiny_model, tmp_path):
     """The rollout served one AdamW step later (version 2) than the replay's weights
     (version 1): re-scored under each published version, version 2 reproduces it."""
-    import shutil
-
-    from pipeline.engines.hf_common import load_model
-    from pipeline.faults import optimiser_step
-    from pipeline.weights.store import publish
-
+    store, stepped = publish_one_step(tiny_model, run_dir / "fixture.parquet", tmp_path)
     fixture = read_table(run_dir / "fixture.parquet")
-    pairs = [(fixture.prompt_of(i), fixture.completion_of(i)) for i in range(8)]
-    stepped = tmp_path / "v2"
-    shutil.copytree(tiny_model, stepped)
-    for weights in stepped.glob("*.safetensors"):
-        weights.unlink()
-    optimiser_step(load_model(tiny_model), pairs, 1e-3).save_pretrained(stepped)
-    store = tmp_path / "store"
-    publish(tiny_model, store)
-    publish(stepped, store, delta=True)
     served = tmp_path / "served.parquet"
     assert (
         run_lpx(

@@ -5,19 +5,15 @@ fixtures whose tokens straddle the two versions or claim the wrong one."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 
 from pipeline.compare.claims import misclaimed_versions
-from pipeline.engines.hf_common import load_model
-from pipeline.faults import optimiser_step
 from pipeline.fixture.io import read_table, write_table
 from pipeline.fixture.table import select_sequences
 from pipeline.weights.multi_version import plan_versions
-from pipeline.weights.store import publish
-from tests.helpers import read_report, run_lpx
+from tests.helpers import publish_one_step, read_report, run_lpx
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +21,7 @@ def versions(tiny_model, run_dir, tmp_path_factory):
     """(store, {name: scores}): the tiny model as version 1, one AdamW step (lr 1e-3) on the
     fixture's own sequences as version 2, and each version's HF replay of the fixture."""
     root = tmp_path_factory.mktemp("weights")
-    fixture = read_table(run_dir / "fixture.parquet")
-    pairs = [(fixture.prompt_of(i), fixture.completion_of(i)) for i in range(8)]
-    stepped = root / "v2"
-    shutil.copytree(tiny_model, stepped)
-    for weights in stepped.glob("*.safetensors"):
-        weights.unlink()
-    optimiser_step(load_model(tiny_model), pairs, 1e-3).save_pretrained(stepped)
-    store = root / "store"
-    publish(tiny_model, store)
-    publish(stepped, store, delta=True)
+    store, stepped = publish_one_step(tiny_model, run_dir / "fixture.parquet", root)
     scores = {}
     for name, model in (("1", tiny_model), ("2", stepped)):
         out = root / f"replay-{name}.parquet"
