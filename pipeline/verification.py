@@ -479,14 +479,16 @@ class Verifier:
             path = materialize(self.weights_store, name)
             self._version_model = (name, load_model(path, "float32", device=self.device))
         pairs = [(self.fixture.prompt_of(r), self.fixture.completion_of(r)) for r in rows]
-        versioned = rescore(self._version_model[1], pairs, "clean", self.base)
-        if candidate.kind == "store_version_from":
-            at = candidate.params["at"]
-            before = rescore(self.model, pairs, "clean", self.base)
-            versioned = [
-                np.concatenate([b[:at], v[at:]]) for b, v in zip(before, versioned, strict=True)
-            ]
-        return [v[self._mask(r)].astype(np.float64) for v, r in zip(versioned, rows, strict=True)]
+        scored = rescore(self._version_model[1], pairs, "clean", self.base)
+        versioned = [v[self._mask(r)].astype(np.float64) for v, r in zip(scored, rows, strict=True)]
+        if candidate.kind != "store_version_from":
+            return versioned
+        # before the update: the reference's own scores, already computed for these rows
+        cuts = [int(self._mask(r)[: candidate.params["at"]].sum()) for r in rows]
+        return [
+            np.concatenate([c[:k], v[k:]])
+            for c, v, k in zip(self._clean(rows), versioned, cuts, strict=True)
+        ]
 
     def _search_offset(self, candidate, row: int, observed) -> Candidate:
         """The position offset, then the onset within two tokens, that reproduce one sequence

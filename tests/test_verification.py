@@ -262,3 +262,28 @@ def test_a_logprob_shift_is_verified_from_its_onset_under_bf16_noise(
     assert sorted(finding["sequences"]) == ["1-0", "4-1", "6-0"]
     assert abs(finding["first_position"]["position"] - 9) <= 1
     assert finding["residual_after"] <= 3 * finding["floor"] < finding["residual_before"] / 10
+
+
+def test_an_in_flight_update_is_verified_against_the_weight_store(run_dir, tiny_model, tmp_path):
+    """Every sequence generated under version 1 up to completion index 12 and under version
+    2 after it: re-scored under the store's version 2 from the onset, it reproduces."""
+    store, stepped = publish_one_step(tiny_model, run_dir / "fixture.parquet", tmp_path)
+    served = tmp_path / "served.parquet"
+    assert run_lpx("replay", run_dir / "fixture.parquet", "--model", stepped,
+                   "--out", served).exit_code == 0  # fmt: skip
+    fixture = read_table(run_dir / "fixture.parquet")
+    values = read_table(run_dir / "replay-float32.parquet").channels["replay"].copy()
+    later = read_table(served).channels["replay"]
+    for row in range(fixture.num_sequences):
+        span = fixture.completion_slice(row)
+        values[span.start + 12 : span.stop] = later[span.start + 12 : span.stop]
+    fixture.channels = {"rollout": values}
+    write_table(fixture, tmp_path / "inflight.parquet")
+    report = diagnose(
+        tmp_path / "inflight.parquet", run_dir / "replay-float32.parquet", tmp_path / "d",
+        "--weights-store", store,
+    )  # fmt: skip
+    finding = only(report, "version_change")
+    assert finding["status"] == "verified", finding["evidence"][-300:]
+    assert finding["details"]["verified_by"]["params"] == {"version": "2", "at": 12}
+    assert finding["residual_after"] == pytest.approx(0.0, abs=1e-5)
