@@ -25,7 +25,7 @@ def ack(alert_id, note, silence, db):
     from pipeline.history.database import open_history
     from pipeline.history.people import acknowledge
 
-    history = open_history(db)
+    history = open_history(db, create=False)
     try:
         with history.write() as session:
             for alert in acknowledge(session, alert_id, note, silence):

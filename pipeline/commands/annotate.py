@@ -30,7 +30,7 @@ def annotate(series_ref, change_run, exclude_run, reason, db):
     if bool(change_run) == bool(exclude_run):
         raise BadInput("give exactly one of --change RUN or --exclude RUN.")
     kind, run_ref = (CHANGE, change_run) if change_run else (EXCLUDE, exclude_run)
-    history = open_history(db)
+    history = open_history(db, create=False)
     try:
         with history.write() as session:
             note = add_annotation(session, series_ref, run_ref, kind, reason)

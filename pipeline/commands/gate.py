@@ -37,7 +37,7 @@ def gate(db, fail_on, kind, run_ref):
     from pipeline.history.gate import decide, latest_run, open_alerts_of_run
     from pipeline.history.people import resolve_run
 
-    history = open_history(db)
+    history = open_history(db, create=False)
     try:
         with history.read() as session:
             run = resolve_run(session, run_ref) if run_ref else latest_run(session, kind)

@@ -34,7 +34,7 @@ def history(view, ref, limit, all_alerts, as_json, db):
     from pipeline.history.database import open_history
     from pipeline.history.people import resolve_series
 
-    store = open_history(db)
+    store = open_history(db, create=False)
     try:
         with store.read() as session:
             if view == "series" and ref:

@@ -30,7 +30,7 @@ def report(db, out_dir):
     from pipeline.history.database import open_history
     from pipeline.report.site import build_site
 
-    history = open_history(db)
+    history = open_history(db, create=False)
     try:
         index = build_site(history, out_dir)
     finally:

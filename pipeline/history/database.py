@@ -8,7 +8,9 @@ detection updates, and every write is one transaction that commits whole or not 
 
 from __future__ import annotations
 
+import functools
 import os
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,10 +77,23 @@ class History:
         self.engine.dispose()
 
 
-def open_history(db: str | None = None, migrate: bool = True) -> History:
-    """Connect, check the schema, and bring it to this lpx's head (never dropping anything)."""
+def open_history(db: str | None = None, migrate: bool = True, *, create: bool = True) -> History:
+    """Connect, check the schema, and bring it to this lpx's head (never dropping anything).
+
+    Only commands that record may create the database; the others pass ``create=False``, and
+    for them a database that does not exist, or holds no lpx history yet, is an error naming
+    it (a typo'd --db must not leave an empty database behind). Nothing is written to a database this lpx cannot use: a
+    SQLite file is checked read-only (a SQLite database at all, a schema revision this lpx
+    knows) before the first connection switches it to WAL mode or migrates it.
+    """
     url = resolve_url(db)
-    engine = _create_engine(url)
+    sqlite_path = _sqlite_file(_parse_url(url))
+    if sqlite_path is not None:
+        if sqlite_path.exists():
+            _check_revision(url, _sqlite_revision(sqlite_path), create)
+        elif not create:
+            raise BadInput(_no_history(url))
+    engine = _create_engine(url, create)
     try:
         with engine.connect() as connection:
             current = _current_revision(connection)
@@ -91,13 +106,12 @@ def open_history(db: str | None = None, migrate: bool = True) -> History:
             "check --db / LPX_DB (a SQLite path or a postgresql+psycopg:// URL) and that the "
             "server is up."
         ) from None
-    head, known = _script_revisions()
-    if current is not None and current not in known:
+    try:
+        _check_revision(url, current, create)
+    except BadInput:
         engine.dispose()
-        raise BadInput(
-            f"the history database {describe(url)} is at schema revision {current}, newer than "
-            f"this lpx knows (up to {head}); upgrade lpx to read or write it."
-        )
+        raise
+    head = head_revision()
     if current != head:
         if not migrate:
             engine.dispose()
@@ -115,16 +129,20 @@ def head_revision() -> str:
     return _script_revisions()[0]
 
 
-def _create_engine(url: str) -> Engine:
+def _parse_url(url: str):
     try:
-        parsed = make_url(url)
+        return make_url(url)
     except exc.ArgumentError:
         raise BadInput(
             f"--db {url!r} is not a database URL or path; use e.g. runs/lpx.db or "
             "postgresql+psycopg://user@host/lpx."
         ) from None
+
+
+def _create_engine(url: str, create: bool = True) -> Engine:
+    parsed = _parse_url(url)
     if parsed.get_backend_name() == "sqlite":
-        return _create_sqlite_engine(parsed)
+        return _create_sqlite_engine(parsed, create)
     try:
         return create_engine(parsed, pool_pre_ping=True, **JSON_CODEC)
     except (exc.NoSuchModuleError, ImportError, exc.ArgumentError) as error:
@@ -134,9 +152,86 @@ def _create_engine(url: str) -> Engine:
         ) from None
 
 
-def _create_sqlite_engine(parsed) -> Engine:
+def _sqlite_file(parsed) -> Path | None:
+    """The SQLite database file a URL names; None for PostgreSQL and in-memory databases."""
+    if parsed.get_backend_name() != "sqlite":
+        return None
     database = parsed.database
-    if database and database != ":memory:":
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database).expanduser().resolve()
+
+
+def _sqlite_revision(path: Path) -> str | None:
+    """The schema revision of an existing SQLite file, read so that a file lpx refuses keeps
+    every byte and gains no -wal/-shm/-journal beside it."""
+    try:
+        with path.open("rb") as file:
+            header = file.read(100)
+    except OSError as error:
+        raise BadInput(
+            f"cannot read the history database {path}: {error.strerror}; check --db / LPX_DB."
+        ) from None
+    if not header:
+        return None  # an empty file is an empty SQLite database
+    if len(header) < 100 or not header.startswith(b"SQLite format 3\x00"):
+        raise BadInput(
+            f"{path} is not a SQLite database, so not an lpx history; check --db / LPX_DB "
+            "(a file `lpx record` wrote, or a postgresql+psycopg:// URL)."
+        )
+    uri = f"{path.as_uri()}?mode=ro"
+    # A read-only connection to a WAL database creates -wal and -shm and leaves them behind.
+    # With no -wal file every page is in the main file, so read it as immutable (no lock
+    # files); a -wal that exists is read the normal way, its files being there already.
+    if header[18] == 2 and not Path(f"{path}-wal").exists():
+        uri += "&immutable=1"
+    try:
+        connection = sqlite3.connect(uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S)
+        try:
+            tables = {
+                name
+                for (name,) in connection.execute(
+                    "SELECT name FROM sqlite_master WHERE type='table'"
+                )
+            }
+            if "alembic_version" not in tables:
+                return None
+            row = connection.execute("SELECT version_num FROM alembic_version").fetchone()
+            return row[0] if row else None
+        finally:
+            connection.close()
+    except sqlite3.Error as error:
+        raise BadInput(
+            f"cannot read the history database {path}: {error}; check --db / LPX_DB, it "
+            "should name a file `lpx record` wrote."
+        ) from None
+
+
+def _check_revision(url: str, current: str | None, create: bool) -> None:
+    """Refuse a schema newer than this lpx, and a database without a history unless the
+    command is one that records."""
+    head, known = _script_revisions()
+    if current is not None and current not in known:
+        raise BadInput(
+            f"the history database {describe(url)} is at schema revision {current}, newer than "
+            f"this lpx knows (up to {head}); upgrade lpx to read or write it."
+        )
+    if current is None and not create:
+        raise BadInput(_no_history(url))
+
+
+def _no_history(url: str) -> str:
+    path = _sqlite_file(make_url(url))
+    where = str(path) if path is not None else describe(url)
+    return (
+        f"no lpx history at {where}; check --db / LPX_DB, or record a run first with "
+        f"`lpx record RUN_DIR --db {where}`."
+    )
+
+
+def _create_sqlite_engine(parsed, create: bool) -> Engine:
+    database = parsed.database
+    if create and database and database != ":memory:":
         try:
             Path(database).parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -195,11 +290,12 @@ def _alembic_config(connection=None):
     return config
 
 
-def _script_revisions() -> tuple[str, set[str]]:
+@functools.cache
+def _script_revisions() -> tuple[str, frozenset[str]]:
     from alembic.script import ScriptDirectory
 
     script = ScriptDirectory.from_config(_alembic_config())
-    return script.get_current_head(), {rev.revision for rev in script.walk_revisions()}
+    return script.get_current_head(), frozenset(rev.revision for rev in script.walk_revisions())
 
 
 def _upgrade(engine: Engine, revision: str = "head") -> None:
