@@ -110,6 +110,7 @@ def test_a_missing_image_names_the_stage(docker_host, tmp_path):
             {
                 "version": 1,
                 "name": "t",
+                "model": "tiny",
                 "rollout": {"engine": "hf", "image": "lpx-no-such-image:0"},
                 "replays": [{"name": "a", "engine": "hf", "image": "lpx-no-such-image:0"}],
                 "history": {"db": str(tmp_path / "h.db")},

@@ -198,13 +198,13 @@ def test_plans_take_devices_and_auto_ranks(tmp_path):
     assert megatron[megatron.index("--rank-logs") + 1] == "logs/replay-megatron-bf16"
     bad = tmp_path / "plan.yaml"
     bad.write_text(
-        "version: 1\nname: x\nrollout: {engine: hf}\n"
+        "version: 1\nname: x\nmodel: tiny\nrollout: {engine: hf}\n"
         "replays: [{name: a, engine: hf, device: gpu0}]\n"
     )
     with pytest.raises(BadInput, match=r"replays\.0\.device"):
         load_plan(bad)
     bad.write_text(
-        "version: 1\nname: x\nrollout: {engine: hf, device: cuda:1}\n"
+        "version: 1\nname: x\nmodel: tiny\nrollout: {engine: hf, device: cuda:1}\n"
         "replays: [{name: a, engine: fsdp, device: cpu, nproc: auto}]\n"
     )
     stages = {stage.name: stage for stage in expand(load_plan(bad))}

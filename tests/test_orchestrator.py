@@ -10,10 +10,11 @@ from tests.helpers import run_lpx
 
 
 def write_plan(tmp_path, model, **changes):
+    """PLAN.yaml with ``changes`` over a small HF plan; a change to None leaves the key out."""
     plan = {
         "version": 1,
         "name": "t",
-        "model": str(model),
+        "model": None if model is None else str(model),
         "sampling": {"max_tokens": 8, "samples_per_prompt": 1},
         "rollout": {"engine": "hf", "dtype": "fp32"},
         "replays": [
@@ -23,6 +24,7 @@ def write_plan(tmp_path, model, **changes):
         "history": {"db": str(tmp_path / "h.db"), "report": str(tmp_path / "site")},
     }
     plan.update(changes)
+    plan = {key: value for key, value in plan.items() if value is not None}
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan))
     return path
@@ -52,6 +54,9 @@ def statuses(run_dir):
             {"replays": [{"name": "a", "engine": "hf"}, {"name": "a", "engine": "hf"}]},
             "appears twice",
         ),
+        ({"name": "../../X"}, "name: Value error, plan name '../../X': use letters, digits"),
+        ({"name": "a/b"}, "plan name 'a/b'"),
+        ({"rollout": {"engine": "hf", "memory": "lots"}}, "rollout.memory"),
     ],
 )
 def test_a_bad_plan_is_one_line_naming_the_key(change, expected, tmp_path):
@@ -59,6 +64,28 @@ def test_a_bad_plan_is_one_line_naming_the_key(change, expected, tmp_path):
     result = run_lpx("run", plan, "--out", tmp_path / "run")
     assert result.exit_code == 2 and expected in result.output, result.output
     assert str(plan) in result.output and not (tmp_path / "run").exists()
+
+
+def test_a_plan_without_a_model_is_refused_and_says_how_to_ask_for_the_tiny_one(tmp_path):
+    plan = write_plan(tmp_path, None)
+    result = run_lpx("run", plan, "--out", tmp_path / "run")
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    (line,) = lines
+    assert line.startswith(f"Error: {plan}: model: missing") and "`model: tiny`" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_plan_name_never_becomes_a_path_outside_runs(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    plan = write_plan(tmp_path, "tiny", name="../../escaped")
+    result = run_lpx("run", plan)  # the default run directory: runs/<name>-<UTC time>
+    assert result.exit_code == 2 and "plan name '../../escaped'" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml", "work"]
+    assert list(work.iterdir()) == []
 
 
 def test_a_plan_runs_records_and_reports(tiny_model, tmp_path):
@@ -95,6 +122,14 @@ def test_a_failing_stage_keeps_what_finished_and_resume_reruns_only_it(tiny_mode
     run_dir = tmp_path / "run"
     result = run_lpx("run", plan, "--out", run_dir)
     assert result.exit_code == 2, result.output
+    # the run ends with one Error: line naming the stage, its log and the resume
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert errors == [result.stderr.splitlines()[-1]], result.stderr
+    assert errors[0].startswith("Error: stage replay-broken failed: exit 2: ")
+    assert "padding_side" in errors[0]
+    assert f"log: {run_dir / 'logs' / 'replay-broken.log'}" in errors[0]
+    assert f"`lpx run {plan} --out {run_dir} --resume`" in errors[0]
+    assert "Error:" not in result.stdout, result.stdout
     stages = {s["name"]: s for s in manifest(run_dir)["stages"]}
     assert stages["replay-broken"]["status"] == "error"
     assert "padding_side" in stages["replay-broken"]["message"]
@@ -132,6 +167,9 @@ def test_a_stage_past_its_timeout_is_killed_and_named(tiny_model, tmp_path):
     assert stages["rollout"]["status"] == "error"
     assert "timed out after 0.5 s" in stages["rollout"]["message"]
     assert stages["replay-fp32"]["message"] == "not run: rollout failed"
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("Error: stage rollout failed: timed out after 0.5 s; raise"), last
+    assert "2 later stage(s) did not run" in last
 
 
 @pytest.mark.vllm
@@ -253,15 +291,16 @@ def test_a_full_volume_stops_the_run_names_the_stage_and_resume_finishes(
     run_dir = volume / "run"
     result = run_lpx("run", plan, "--out", run_dir)
     assert result.exit_code == 2, result.output
-    last = result.output.strip().splitlines()[-1]
-    assert last.startswith("run: ERROR in ") and "is full; free space" in last, last
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: stage ") and "is full (log: " in last, last
+    assert "; free space (or move the run), then `lpx run" in last
     assert f"--out {run_dir} --resume" in last
     # Stages before the one that hit the full volume are kept; it and every later one are
     # errors saying the volume is full (the later ones: not run).
     stages = manifest(run_dir)["stages"]
     names = [s["name"] for s in stages]
     assert names == ["rollout", "replay-fp32", "replay-bf16", "compare"]
-    full_at = names.index(last.split()[3].rstrip(":"))
+    full_at = names.index(last.split()[2].rstrip(":"))
     assert full_at >= 1 and all(s["status"] == "ok" for s in stages[:full_at]), stages
     assert "is full" in stages[full_at]["message"] and stages[full_at]["status"] == "error"
     assert all(s["message"].startswith("not run: the volume") for s in stages[full_at + 1 :])

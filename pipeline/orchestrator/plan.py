@@ -19,6 +19,8 @@ from pipeline.paths import safe_name
 Dtype = Literal[DTYPES + tuple(DTYPE_ALIASES)]
 Device = Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")]  # pipeline.devices
 Knobs = dict[str, str | int | float | bool]
+# A container memory limit as Docker takes it (--memory): bytes, or a number with b/k/m/g.
+Memory = Annotated[str, Field(pattern=r"^[1-9][0-9]*[bkmgBKMG]?$")]
 Count = Annotated[int, Field(ge=1, strict=True)]
 
 
@@ -55,6 +57,7 @@ class Rollout(_Strict):
     dtype: Dtype = "float32"
     device: Device = "auto"
     knobs: Knobs = {}
+    memory: Memory | None = None  # container runners: the stage's memory limit (e.g. 8g)
     server: Server | None = None
 
     @field_validator("engine")
@@ -72,6 +75,7 @@ class Replay(_Strict):
     # ranks of a distributed engine: one per GPU on CUDA; auto = every GPU the stage sees
     nproc: Count | Literal["auto"] = 1
     knobs: Knobs = {}
+    memory: Memory | None = None  # container runners: the stage's memory limit (e.g. 8g)
 
     @field_validator("engine")
     @classmethod
@@ -81,10 +85,7 @@ class Replay(_Strict):
     @field_validator("name")
     @classmethod
     def _file_name(cls, name: str) -> str:
-        try:
-            return safe_name(name, "replay name")
-        except BadInput as error:
-            raise ValueError(error.format_message()) from None
+        return _safe(name, "replay name")
 
 
 class Calibrate(_Strict):
@@ -104,8 +105,8 @@ class History(_Strict):
 
 class Plan(_Strict):
     version: Literal[1]
-    name: str
-    model: str = "tiny"  # "tiny": the tiny model lpx builds into the run dir; else a directory
+    name: str  # names the default run directory, runs/<name>-<UTC time>
+    model: str  # "tiny": the tiny model lpx builds into the run dir; else a directory
     prompts: str = "bundled"  # "bundled": the smoke's prompt texts; else a text or JSONL file
     sampling: Sampling = Sampling()
     rollout: Rollout
@@ -118,6 +119,11 @@ class Plan(_Strict):
     stage_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 3600.0
     gpus: bool = False  # container runners give each stage every GPU of the host
 
+    @field_validator("name")
+    @classmethod
+    def _dir_name(cls, name: str) -> str:
+        return _safe(name, "plan name")
+
     @field_validator("replays")
     @classmethod
     def _distinct(cls, replays: list[Replay]) -> list[Replay]:
@@ -126,6 +132,15 @@ class Plan(_Strict):
         if twice:
             raise ValueError(f"replay names must differ; {', '.join(twice)} appears twice")
         return replays
+
+
+def _safe(name: str, what: str) -> str:
+    """A name that becomes part of a path: one safe path component, never a way out of its
+    root (a plan named ../../x must not write outside runs/)."""
+    try:
+        return safe_name(name, what)
+    except BadInput as error:
+        raise ValueError(error.format_message()) from None
 
 
 def _known(name: str, group: str) -> str:
@@ -155,6 +170,11 @@ def load_plan(path: Path) -> Plan:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "the plan"
         reason = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+        if first["loc"] == ("model",) and first["type"] == "missing":
+            reason = (
+                "missing; name the model directory to compare (relative to the plan), or write "
+                "`model: tiny` for lpx's tiny test model"
+            )
         raise BadInput(f"{path}: {where}: {reason} (see docs/orchestrator.md).") from None
     return _resolved(plan, path.parent)
 

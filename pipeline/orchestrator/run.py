@@ -1,9 +1,12 @@
 """`lpx run`: a plan's stages in order, each as its own process, recorded in the run manifest.
 
 A stage that errors or times out keeps what finished: the replays after it still run, the
-compare covers the replays that finished, and the run is recorded as an error run. With
-``resume`` only the stages without their outputs (or not marked ok) run again, under a new
-run id (the history keeps the error run it replaces and says which run it resumed).
+compare covers the replays that finished, and the run is recorded as an error run that ends
+with one `Error:` line naming the stage, its log and the --resume that finishes it. A fault
+every later stage would meet too (a full volume, a Docker daemon that went away) stops the
+run at that stage. With ``resume`` only the stages without their outputs (or not marked ok)
+run again, under a new run id (the history keeps the error run it replaces and says which
+run it resumed).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,9 +23,9 @@ from pathlib import Path
 
 import click
 
-from pipeline.errors import EXIT_BAD_INPUT, EXIT_PASS, EXIT_REGRESSION, BadInput, Interrupted
+from pipeline.errors import EXIT_PASS, EXIT_REGRESSION, BadInput, Interrupted
 from pipeline.orchestrator.plan import Plan
-from pipeline.orchestrator.runners import ServerFailed, make_runner
+from pipeline.orchestrator.runners import DockerLost, StageFailed, make_runner
 from pipeline.orchestrator.stages import LOGS, PROMPTS, URL, Stage, compare_stage, expand
 from pipeline.paths import SpaceReserve, is_disk_full, output_lock, write_text_atomic
 from pipeline.run_manifest import (
@@ -36,12 +40,19 @@ DISK_FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
 NEARLY_FULL_BYTES = 64 << 10
 
 
-class VolumeFull(Exception):
-    """The run directory's volume filled during ``stage``: every later stage would fail too."""
+class RunStopped(Exception):
+    """Something every later stage needs went away during ``stage`` (the run directory's
+    volume filled, the Docker daemon stopped answering): the run stops there."""
 
-    def __init__(self, stage: str):
-        super().__init__(stage)
-        self.stage = stage
+    def __init__(self, stage: str, reason: str, advice: str):
+        super().__init__(stage, reason, advice)
+        self.stage, self.reason, self.advice = stage, reason, advice
+
+
+def _volume_full(stage: str, run_dir: Path) -> RunStopped:
+    return RunStopped(
+        stage, f"the volume holding {run_dir} is full", "free space (or move the run)"
+    )
 
 
 def run_plan(
@@ -74,30 +85,53 @@ def run_plan(
 
             write_text_atomic(run_dir / PROMPTS, "\n".join(smoke_prompt_texts()) + "\n")
         reserve = SpaceReserve(run_dir)  # room to write the manifest if the volume fills
-        full = None
+        stopped = None
         try:
             failed = _run_stages(plan, run_dir, manifest, done, runner)
-        except VolumeFull as error:
-            full, failed = error.stage, False
+        except RunStopped as error:
+            stopped, failed = error, False
             reserve.release()
-            _mark_not_run(plan, manifest, f"not run: the volume holding {run_dir} is full")
+            _mark_not_run(plan, manifest, f"not run: {error.reason}")
         finally:
             reserve.release()
             write_manifest(run_dir, finish(manifest))
-    recorded = _record_and_report(plan, run_dir)
-    if full:
-        click.echo(
-            f"run: ERROR in {full}: the volume holding {run_dir} is full; free space (or move "
-            f"the run), then `lpx run {plan_path} --out {run_dir} --resume`; outputs kept there"
+    not_recorded = _record_and_report(plan, run_dir)
+    resume = f"`lpx run {plan_path} --out {run_dir} --resume`"
+    if stopped:
+        log = run_dir / LOGS / f"{stopped.stage}.log"
+        raise BadInput(
+            f"stage {stopped.stage}: {stopped.reason} (log: {log}); {stopped.advice}, then "
+            f"{resume}; outputs kept in {run_dir}{_also(not_recorded)}."
         )
-        return EXIT_BAD_INPUT
-    statuses = {stage["status"] for stage in manifest["stages"]}
-    if "error" in statuses or not recorded:
-        broken = [s["name"] for s in manifest["stages"] if s["status"] == "error"]
-        click.echo(f"run: ERROR in {', '.join(broken) or 'record'}; outputs kept in {run_dir}")
-        return EXIT_BAD_INPUT
+    broken = [s for s in manifest["stages"] if s["status"] == "error"]
+    if broken:
+        raise BadInput(_stage_error(broken, run_dir, resume) + _also(not_recorded) + ".")
+    if not_recorded:
+        raise BadInput(
+            f"the run finished ({'FAIL' if failed else 'PASS'}, outputs in {run_dir}) but "
+            f"{not_recorded}."
+        )
     click.echo(f"run: {'FAIL' if failed else 'PASS'}; outputs in {run_dir}")
     return EXIT_REGRESSION if failed else EXIT_PASS
+
+
+def _stage_error(broken: list[dict], run_dir: Path, resume: str) -> str:
+    """The first failed stage (the others mostly follow from it), its message and log."""
+    first = broken[0]
+    message = first["message"].replace(": Error: ", ": ").rstrip(".")
+    others = [s["name"] for s in broken[1:] if not s["message"].startswith("not run")]
+    also = f" ({', '.join(others)} failed too)" if others else ""
+    skipped = sum(s["message"].startswith("not run") for s in broken)
+    later = f"; {skipped} later stage(s) did not run" if skipped else ""
+    log = f"; log: {run_dir / first['log']}" if first.get("log") else ""
+    return (
+        f"stage {first['name']} failed{also}: {message}{log}{later}; fix it, then {resume} "
+        "(finished stages are kept)"
+    )
+
+
+def _also(not_recorded: str | None) -> str:
+    return f"; and {not_recorded}" if not_recorded else ""
 
 
 def _run_stages(plan: Plan, run_dir: Path, manifest: dict, done: set[str], runner) -> bool:
@@ -138,12 +172,19 @@ def _execute(stage: Stage, run_dir: Path, timeout_s: float, manifest: dict, runn
             click.echo(f"[{stage.name}] server up at {url}", err=True)
             stage = replace(stage, argv=[a.replace(URL, url) for a in stage.argv])
         code = runner.run(stage, run_dir, log, timeout_s)
+    except DockerLost as error:
+        _note(manifest, run_dir, stage, "error", str(error), time.monotonic() - start, image)
+        raise RunStopped(
+            stage.name,
+            f"the Docker daemon stopped answering during {stage.name}",
+            "start dockerd (or check DOCKER_HOST)",
+        ) from None
     except OSError as error:  # the stage's log could not be written
         if not is_disk_full(error):
             raise
         _note(manifest, run_dir, stage, "error", f"{error.strerror}: {log}", None, image)
-        raise VolumeFull(stage.name) from None
-    except ServerFailed as error:
+        raise _volume_full(stage.name, run_dir) from None
+    except StageFailed as error:  # a server that failed, a container killed for memory
         _note(manifest, run_dir, stage, "error", str(error), time.monotonic() - start, image)
         return "error"
     except Interrupted:
@@ -160,12 +201,12 @@ def _execute(stage: Stage, run_dir: Path, timeout_s: float, manifest: dict, runn
     message = "" if status == "ok" else _last_error(log, code)
     # A full volume also fails a stage that cannot say so (its log is full too): its exit
     # code then means nothing, so it is an error whatever the code.
-    full = code != 0 and _volume_full(run_dir, message)
+    full = code != 0 and _is_volume_full(run_dir, message)
     if full:
         status, message = "error", f"{message}; the volume holding {run_dir} is full"
     _note(manifest, run_dir, stage, status, message, time.monotonic() - start, image)
     if full:
-        raise VolumeFull(stage.name)
+        raise _volume_full(stage.name, run_dir)
     return status
 
 
@@ -179,12 +220,12 @@ def _note(manifest, run_dir, stage: Stage, status, message="", seconds=None, ima
     except OSError as error:
         if not is_disk_full(error):
             raise
-        raise VolumeFull(stage.name) from None
+        raise _volume_full(stage.name, run_dir) from None
     took = f" in {seconds:.1f} s" if seconds is not None else ""
     click.echo(f"[{stage.name}] {status}{took}{': ' + message if message else ''}", err=True)
 
 
-def _volume_full(run_dir: Path, message: str) -> bool:
+def _is_volume_full(run_dir: Path, message: str) -> bool:
     """Whether a stage failed for want of space: its error says so, or, when it could not
     even write its log, the volume has next to nothing left."""
     said = any(text in message for text in DISK_FULL)
@@ -199,11 +240,22 @@ def _mark_not_run(plan: Plan, manifest: dict, message: str) -> None:
 
 
 def _last_error(log: Path, code: int) -> str:
-    """The stage's own one-line error (lpx prints `Error: ...` last), else its exit code."""
+    """The stage's own one-line error (lpx prints `Error: ...` last), else its exit code and
+    last line; a stage killed by a signal says so."""
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("Error:")]
     text = errors[-1] if errors else (lines[-1] if lines else "")
+    killed = _signal_of(code)
+    if killed and not errors:
+        last = f"; its last output: {text}" if text else ""
+        text = f"killed by {killed} from outside (an OOM killer, a stop, a restart){last}"
     return f"exit {code}: {text[:300]}" if text else f"exit {code}"
+
+
+def _signal_of(code: int) -> str | None:
+    """The signal that ended a stage: a process's -N, or a container's 128 + N."""
+    number = -code if code < 0 else code - 128 if code in (128 + 9, 128 + 15) else None
+    return signal.Signals(number).name if number else None
 
 
 def _model_of(stage: Stage, run_dir: Path) -> Path:
@@ -220,8 +272,9 @@ def _has_outputs(run_dir: Path, stage: Stage) -> bool:
     return all((run_dir / output).exists() for output in stage.outputs)
 
 
-def _record_and_report(plan: Plan, run_dir: Path) -> bool:
-    """Record the run (error runs included) and render the report, as their own processes."""
+def _record_and_report(plan: Plan, run_dir: Path) -> str | None:
+    """Record the run (error runs included) and render the report, as their own processes;
+    None when both went well, else what failed and how to redo it."""
     db = ["--db", plan.history.db] if plan.history.db else []
     steps = [["record", str(run_dir), "--kind", plan.history.kind, *db]]
     if plan.history.report:
@@ -230,10 +283,12 @@ def _record_and_report(plan: Plan, run_dir: Path) -> bool:
         result = subprocess.run(
             [sys.executable, "-m", "pipeline", *argv], capture_output=True, text=True
         )
-        output = (result.stdout + result.stderr).strip()
-        if output:
-            click.echo(output)
+        if result.stdout.strip():
+            click.echo(result.stdout.strip())
         if result.returncode != 0:
-            click.echo(f"run: `lpx {' '.join(argv)}` failed (exit {result.returncode})", err=True)
-            return False
-    return True
+            # its own Error: line becomes part of ours: the run ends with one
+            lines = [line for line in result.stderr.splitlines() if line.strip()]
+            said = [line.removeprefix("Error: ") for line in lines if line.startswith("Error:")]
+            why = said[-1] if said else (lines[-1] if lines else f"exit {result.returncode}")
+            return f"`lpx {' '.join(argv)}` failed ({why.rstrip('.')}); run it again once fixed"
+    return None

@@ -13,14 +13,25 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.errors import BadInput, Interrupted
 from pipeline.orchestrator.stages import Stage
 
 
-class ServerFailed(Exception):
+class StageFailed(Exception):
+    """The stage could not run, or was stopped from outside; the message says why and what
+    to do (its exit code alone would not)."""
+
+
+class ServerFailed(StageFailed):
     """The stage's server exited or never answered its health check."""
+
+
+class DockerLost(Exception):
+    """The Docker daemon stopped answering during a stage: every later stage would fail too."""
 
 
 def server_argv(stage: Stage, model: Path) -> list[str]:
@@ -119,6 +130,10 @@ class DockerRunner:
         """The server in its own container on a network of its own; the stage's container
         joins that network and reaches it by name. Health is polled inside the server's
         container, so it works whether lpx runs on the host or in a container itself."""
+        with self.answering():
+            return self._start_server(stage, run_dir, model, log)
+
+    def _start_server(self, stage: Stage, run_dir: Path, model: Path, log: Path):
         import docker
 
         argv = server_argv(stage, model)
@@ -166,9 +181,9 @@ class DockerRunner:
         try:
             log.write_bytes(container.logs(stdout=True, stderr=True))
             container.remove(force=True)
-        except docker.errors.APIError:
-            pass
-        network.remove()
+            network.remove()
+        except (docker.errors.APIError, _connection_errors()):
+            pass  # a daemon that went away has failed the stage already; nothing left to stop
 
     def _common(self, run_dir: Path) -> dict:
         return dict(
@@ -208,34 +223,96 @@ class DockerRunner:
         import docker
 
         self.image(stage)
-        container = self.client.containers.run(
-            stage.image,
-            stage.argv,
-            labels={"ai.lpx.stage": stage.name},
-            **({"network": self._network} if self._network else {}),
-            **self._common(run_dir),
-        )
+        labels = {"ai.lpx.stage": stage.name, "ai.lpx.run": str(run_dir)}
+        with self.answering():
+            self._remove_leftovers(labels)
+            try:
+                container = self.client.containers.run(
+                    stage.image,
+                    stage.argv,
+                    labels=labels,
+                    # the limit is the whole limit: no swap beyond it
+                    mem_limit=stage.memory,
+                    memswap_limit=stage.memory,
+                    **({"network": self._network} if self._network else {}),
+                    **self._common(run_dir),
+                )
+            except docker.errors.APIError as error:
+                raise StageFailed(
+                    f"Docker did not start its container ({_explain(error)}); check the "
+                    "stage's image and memory: in the plan"
+                ) from None
+            try:
+                code = self._wait(container, timeout_s)
+                log.write_bytes(container.logs(stdout=True, stderr=True))
+                if code != 0:
+                    _raise_if_killed(container, stage)
+                return code
+            finally:
+                try:
+                    container.remove(force=True)
+                except (docker.errors.APIError, _connection_errors()):
+                    pass  # gone with the daemon; removed as a leftover on --resume
+
+    @contextmanager
+    def answering(self) -> Iterator[None]:
+        """Turn a daemon that stops answering (stopped, restarted, its socket gone) into
+        DockerLost: the run stops there, and --resume finishes it once Docker is back."""
         try:
-            try:
-                code = int(container.wait(timeout=timeout_s)["StatusCode"])
-            except Exception as error:  # requests' ReadTimeout: the stage ran past its time
-                if (
-                    "timed out" not in str(error).lower()
-                    and "timeout" not in type(error).__name__.lower()
-                ):
-                    raise
-                container.kill()
-                code = None
-            except Interrupted:
-                container.stop(timeout=10)
+            yield
+        except _connection_errors() as error:
+            first = (str(error).splitlines() or [type(error).__name__])[0][:200]
+            raise DockerLost(
+                f"the Docker daemon stopped answering during the stage ({first})"
+            ) from None
+
+    def _wait(self, container, timeout_s: float) -> int | None:
+        try:
+            return int(container.wait(timeout=timeout_s)["StatusCode"])
+        except Exception as error:  # requests' ReadTimeout: the stage ran past its time
+            if (
+                "timed out" not in str(error).lower()
+                and "timeout" not in type(error).__name__.lower()
+            ):
                 raise
-            log.write_bytes(container.logs(stdout=True, stderr=True))
-            return code
-        finally:
-            try:
-                container.remove(force=True)
-            except docker.errors.APIError:
-                pass
+            container.kill()
+            return None
+        except Interrupted:
+            container.stop(timeout=10)
+            raise
+
+    def _remove_leftovers(self, labels: dict) -> None:
+        """A container of this stage and run left behind by a daemon that went away."""
+        filters = {"label": [f"{key}={value}" for key, value in labels.items()]}
+        for container in self.client.containers.list(all=True, filters=filters):
+            container.remove(force=True)
+
+
+def _raise_if_killed(container, stage: Stage) -> None:
+    """A container the kernel killed for memory fails with that reason, not an exit code."""
+    container.reload()
+    if not container.attrs.get("State", {}).get("OOMKilled"):
+        return
+    if stage.memory:
+        raise StageFailed(
+            f"killed for memory: its container reached its limit of {stage.memory}; raise the "
+            "stage's memory: in the plan (or give it fewer sequences)"
+        )
+    raise StageFailed(
+        "killed for memory: the host ran out of memory; set a memory: limit on the stage, or "
+        "run fewer stages on this host at once"
+    )
+
+
+def _explain(error) -> str:
+    return str(getattr(error, "explanation", None) or error).splitlines()[0][:200]
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """What the Docker SDK raises when the daemon does not answer (requests, underneath)."""
+    import requests
+
+    return (requests.exceptions.ConnectionError,)
 
 
 def _volumes(run_dir: Path) -> dict:

@@ -32,6 +32,7 @@ class Stage:
     exit_1: str = "error"
     # A server the stage talks to; URL in argv is replaced by its address once it is up.
     server: Server | None = None
+    memory: str | None = None  # container runners: the memory limit (Docker's --memory)
 
 
 URL = "{server_url}"
@@ -87,6 +88,7 @@ def expand(plan: Plan) -> list[Stage]:
             needs_model,
             plan.rollout.image,
             server=plan.rollout.server,
+            memory=plan.rollout.memory,
         )
     )
     if plan.calibrate is not None:
@@ -118,6 +120,7 @@ def expand(plan: Plan) -> list[Stage]:
                 ["rollout"],
                 replay.image,
                 replay.nproc,
+                memory=replay.memory,
             )
         )
     return stages
