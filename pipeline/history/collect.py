@@ -18,6 +18,13 @@ from pathlib import Path
 import orjson
 
 from pipeline.errors import BadInput
+from pipeline.history.schema import (
+    INT64_MAX,
+    contradictions,
+    describe_problems,
+    manifest_problems,
+    report_problems,
+)
 from pipeline.run_manifest import MANIFEST, RUN_KINDS, read_manifest
 from pipeline.testbed import describe_testbed
 
@@ -66,6 +73,11 @@ def collect_run(
     if not run_dir.is_dir():
         raise BadInput(f"{run_dir}: no such run directory; pass the --out of lpx smoke/compare.")
     manifest = read_manifest(run_dir)
+    if manifest is not None and (problems := manifest_problems(manifest)):
+        raise BadInput(
+            f"{run_dir / MANIFEST}: {describe_problems(problems)}; fix or delete it to record "
+            "the run from its reports alone. Nothing was recorded."
+        )
     pairs, unfinished = _find_reports(run_dir)
     errors = [
         {"stage": stage.get("name", "?"), "message": stage.get("message", "")}
@@ -75,6 +87,15 @@ def collect_run(
     errors += [
         {"stage": "compare", "message": f"{path}: compare did not finish (no report.json)"}
         for path in unfinished
+    ]
+    errors += [
+        {
+            "stage": "compare",
+            "message": f"{p.report_path}: says pass, but {'; '.join(found)}; a report that "
+            "contradicts itself is an error run, never a pass (rerun `lpx compare`)",
+        }
+        for p in pairs
+        if (found := contradictions(p.report))
     ]
     if manifest is not None and manifest.get("status") == "running":
         errors.append({"stage": "run", "message": "the run never finished (manifest says running)"})
@@ -188,36 +209,30 @@ def _load_report(path: Path) -> dict:
         raise BadInput(f"{path}: a report must be a JSON object; nothing was recorded.")
     if "pairs" in report:
         return report
-    problems = []
-    if report.get("verdict") not in ("pass", "fail"):
-        problems.append("`verdict` pass|fail")
-    if not isinstance(report.get("metrics"), dict):
-        problems.append("`metrics` object")
-    meta = report.get("metadata")
-    if not isinstance(meta, dict) or not all(
-        isinstance(meta.get(side), dict) for side in ("fixture", "replay")
-    ):
-        problems.append("`metadata.fixture` and `metadata.replay` objects")
-    if not isinstance(report.get("policy"), dict):
-        problems.append("`policy` object")
-    for name in ("diagnosis", "worst", "sequences"):
-        if not isinstance(report.get(name, []), list):
-            problems.append(f"`{name}` list")
+    problems = report_problems(report)
     if problems:
         raise BadInput(
-            f"{path}: not an lpx compare report (needs {', '.join(problems)}); rerun "
-            "`lpx compare` for this directory. Nothing was recorded."
+            f"{path}: not an lpx compare report as `lpx record` reads it: "
+            f"{describe_problems(problems)}. Rerun `lpx compare` for this directory (or fix "
+            "the file); nothing was recorded."
         )
     return report
 
 
 def _parse_json(data: bytes):
     """orjson (several times faster over a year of reports); the standard parser for JSON
-    that writes NaN/Infinity literals, which orjson refuses."""
+    that writes NaN/Infinity literals, which orjson refuses. Integers past 64 bits become
+    floats either way, so an id or count that large fails its integer check instead of
+    overflowing the database."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
-        return json.loads(data.decode(), parse_constant=_constant)
+        return json.loads(data.decode(), parse_constant=_constant, parse_int=_integer)
+
+
+def _integer(digits: str) -> int | float:
+    value = int(digits)
+    return value if -INT64_MAX - 1 <= value <= INT64_MAX else float(value)
 
 
 def _constant(name: str) -> float:
