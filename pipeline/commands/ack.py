@@ -24,13 +24,13 @@ def ack(alert_id, note, silence, db):
     """
     from pipeline.history.database import open_history
     from pipeline.history.people import acknowledge
+    from pipeline.text import for_terminal
 
     history = open_history(db, create=False)
     try:
         with history.write() as session:
             for alert in acknowledge(session, alert_id, note, silence):
-                click.echo(
-                    f"alert {alert.id} {alert.status}: {alert.kind} {alert.metric}: {alert.note}"
-                )
+                line = f"alert {alert.id} {alert.status}: {alert.kind} {alert.metric}: {alert.note}"
+                click.echo(for_terminal(line))
     finally:
         history.dispose()

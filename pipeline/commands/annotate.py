@@ -26,6 +26,7 @@ def annotate(series_ref, change_run, exclude_run, reason, db):
     from pipeline.history.database import open_history
     from pipeline.history.evaluate import CHANGE, EXCLUDE
     from pipeline.history.people import annotate as add_annotation
+    from pipeline.text import for_terminal
 
     if bool(change_run) == bool(exclude_run):
         raise BadInput("give exactly one of --change RUN or --exclude RUN.")
@@ -34,8 +35,7 @@ def annotate(series_ref, change_run, exclude_run, reason, db):
     try:
         with history.write() as session:
             note = add_annotation(session, series_ref, run_ref, kind, reason)
-            click.echo(
-                f"annotated series {note.series_id} at run {note.run_id}: {kind}: {note.reason}"
-            )
+            line = f"annotated series {note.series_id} at run {note.run_id}: {kind}: {note.reason}"
+            click.echo(for_terminal(line))
     finally:
         history.dispose()

@@ -32,8 +32,8 @@ def gate(db, fail_on, kind, run_ref):
     Example:
       lpx gate --fail-on regression --fail-on policy --kind nightly
     """
-    from pipeline.errors import BadInput
-    from pipeline.history.database import open_history
+    from pipeline.errors import EXIT_BAD_INPUT, BadInput
+    from pipeline.history.database import describe, open_history
     from pipeline.history.gate import decide, latest_run, open_alerts_of_run
     from pipeline.history.people import resolve_run
 
@@ -43,15 +43,28 @@ def gate(db, fail_on, kind, run_ref):
             run = resolve_run(session, run_ref) if run_ref else latest_run(session, kind)
             if run is None:
                 raise BadInput(
-                    f"the history has no {kind + ' ' if kind else ''}runs; record one with "
-                    "`lpx record RUN_DIR` first."
+                    f"the history at {describe(history.url)} has no {kind + ' ' if kind else ''}"
+                    "runs; record one with `lpx record RUN_DIR` first (or check --db)."
                 )
             decision = decide(run.status, run.errors, open_alerts_of_run(session, run.id), fail_on)
             header = f"run {run.id} ({run.kind}, {run.started_at:%Y-%m-%d %H:%M}, {run.status})"
     finally:
         history.dispose()
-    for reason in decision.reasons:
-        click.echo(reason)
+    from pipeline.text import for_terminal
+
     word = {0: "PASS", 1: "FAIL", 2: "ERROR"}[decision.exit_code]
-    click.echo(f"gate: {word} {header} --fail-on {','.join(fail_on)}")
+    verdict = f"gate: {word} {header} --fail-on {','.join(fail_on)}"
+    if decision.exit_code == EXIT_BAD_INPUT:
+        # An error run judged nothing: its stage errors are the one Error line, on stderr.
+        click.echo(verdict)
+        raise BadInput(
+            for_terminal(
+                f"{header} is an error run ({'; '.join(decision.reasons)}). Nothing was "
+                "judged; fix the failing stage and rerun the night (lpx run --resume), or gate "
+                "an earlier run with --run ID."
+            )
+        )
+    for reason in decision.reasons:
+        click.echo(for_terminal(reason))
+    click.echo(for_terminal(verdict))
     click.get_current_context().exit(decision.exit_code)

@@ -53,9 +53,12 @@ def history(view, ref, limit, all_alerts, as_json, db):
     if as_json:
         click.echo(json.dumps(rows, indent=1, default=str))
         return
-    click.echo(f"{title} ({len(rows)})")
+    from pipeline.text import for_terminal
+
+    # Notes, reasons, labels and stage messages are other people's text: never raw escapes.
+    click.echo(for_terminal(f"{title} ({len(rows)})"))
     for row in rows:
-        click.echo(_line(view, ref, row))
+        click.echo(for_terminal(_line(view, ref, row)))
 
 
 def _line(view: str, ref, row: dict) -> str:

@@ -42,7 +42,7 @@ class Decision:
 def decide(run_status: str, run_errors: list[dict], alerts: list[OpenAlert], fail_on) -> Decision:
     if run_status == "error":
         stages = "; ".join(f"{e.get('stage')}: {e.get('message')}" for e in run_errors)
-        return Decision(EXIT_BAD_INPUT, [f"error run ({stages or 'stages failed'})"])
+        return Decision(EXIT_BAD_INPUT, [stages or "its stages failed"])
     caught = set().union(*(CATCHES[level] for level in fail_on)) if fail_on else set()
     hits = [a for a in alerts if a.kind in caught]
     reasons = [f"alert {a.id} {a.kind}: {a.series}: {a.rule}" for a in hits]
