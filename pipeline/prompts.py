@@ -6,6 +6,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from pipeline.engines.model_dir import check_model_dir
 from pipeline.errors import BadInput
 
 
@@ -21,6 +22,7 @@ def load_prompts(path: Path, model_dir: Path) -> list[list[int]]:
     except (OSError, UnicodeDecodeError) as error:
         raise BadInput(f"{path}: cannot read prompts ({error}).") from None
     prompts: list = []  # token-id lists, or text to tokenize in one go below
+    vocab_size = check_model_dir(model_dir).get("vocab_size")
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -37,6 +39,12 @@ def load_prompts(path: Path, model_dir: Path) -> list[list[int]]:
                 raise BadInput(
                     f"{path} line {number}: prompt_ids must be a non-empty list of token ids."
                 )
+            if vocab_size and max(ids) >= vocab_size:
+                raise BadInput(
+                    f"{path} line {number}: prompt token id {max(ids)} is outside the model's "
+                    f"vocabulary [0, {vocab_size}) ({model_dir}); these ids were made with "
+                    "another tokenizer, or give the prompts as text."
+                )
             prompts.append(list(ids))
         elif "text" in record:
             prompts.append(str(record["text"]))
@@ -52,8 +60,6 @@ def load_prompts(path: Path, model_dir: Path) -> list[list[int]]:
 def tokenize(model_dir: Path, texts: list[str]) -> list[list[int]]:
     """Token ids with the model's own tokenizer, BOS first when the tokenizer has one."""
     from transformers import AutoTokenizer
-
-    from pipeline.engines.model_dir import check_model_dir
 
     check_model_dir(model_dir, need_tokenizer=True)
     try:
