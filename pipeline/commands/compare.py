@@ -165,11 +165,12 @@ def run_compare(
     for name in ("report.json", "tokens.parquet", "summary.md"):
         check_output(out_dir / name, [fixture_path, *replay_paths])
     from pipeline.compare.matrix import render_matrix, write_matrix
-    from pipeline.compare.outputs import render_summary, write_outputs
+    from pipeline.compare.outputs import render_summary, retract_verdicts, write_outputs
     from pipeline.compare.policy import load_policy
     from pipeline.compare.run import compare_tables, rejudge
     from pipeline.fixture.io import read_table
 
+    retract_verdicts(out_dir)
     fixture = read_table(fixture_path, expect_kind="fixture")  # once, however many replays
     policy = load_policy(policy_path)
     if model_dir is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.compare.run import Comparison
-from pipeline.paths import output_lock, replacing, write_text_atomic
+from pipeline.paths import LOCK, output_lock, replacing, write_text_atomic
 from pipeline.text import for_markdown as _md
 
 REPORT = "report.json"
@@ -51,6 +51,21 @@ def write_outputs(comparison: Comparison, out_dir: Path) -> dict[str, Path]:
         # The report goes last: its presence means the comparison finished.
         write_text_atomic(paths["report"], report_json(comparison.report))
     return paths
+
+
+def retract_verdicts(out_dir: Path) -> None:
+    """Remove the verdicts an earlier compare left in ``out_dir`` (and in a matrix's pair
+    directories), before this one reads its inputs: a rerun that fails on bad input or is
+    interrupted must not leave the old PASS to be recorded as if it were this run's. The
+    token tables stay, so `lpx record` sees a compare that did not finish (an error run)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return
+    folders = [out_dir] + [p.parent for p in out_dir.glob(f"*/{TOKENS}")]
+    for folder in folders:
+        if (folder / TOKENS).is_file() or (folder / LOCK).is_file():  # written by compare
+            for name in (REPORT, SUMMARY):
+                (folder / name).unlink(missing_ok=True)
 
 
 def render_summary(report: dict) -> str:
