@@ -124,28 +124,32 @@ def ls(store: Path, as_json: bool) -> None:
       lpx weights ls /shared/policy-weights
       lpx weights ls /shared/policy-weights --json
     """
+    from pipeline.text import for_terminal
     from pipeline.weights.store import damaged_versions, list_versions
 
     versions = list_versions(store)
+    # A damaged version is never left out in silence, in either format: stdout stays the
+    # listing (valid JSON with --json), stderr names what is missing from it.
+    for name, problem in damaged_versions(store).items():
+        click.echo(for_terminal(f"warning: versions/{name} is not listed: {problem}"), err=True)
     if as_json:
         click.echo(json.dumps(versions, indent=1))
         return
-    click.echo(f"{store}: {len(versions)} versions")
+    click.echo(for_terminal(f"{store}: {len(versions)} versions"))
     if versions:
         click.echo(
             f"  {'name':<12} {'kind':<5} {'parent':<12} {'stored':>10} {'weights':>10} "
             f"{'tensors':>9}  {'created':<25} fingerprint"
         )
     for row in versions:
-        click.echo(
+        line = (
             f"{'*' if row['is_latest'] else ' '} {row['name']:<12} {row['kind']:<5} "
             f"{row['parent'] or '-':<12} {_size(row['stored_bytes']):>10} "
             f"{_size(row['tensor_bytes']):>10} "
             f"{row['tensors_stored']:>4}/{row['tensors_total']:<4}  {row['created']:<25} "
             f"{row['fingerprint'][:19]}"
         )
-    for name, problem in damaged_versions(store).items():
-        click.echo(f"warning: versions/{name} is not listed: {problem}", err=True)
+        click.echo(for_terminal(line))
 
 
 @weights.command("hot-load")
