@@ -1,0 +1,242 @@
+"""Issue 22's contract on the history commands and the inputs around them: reports are inputs
+too (types, ranges, contradictions), other people's text never reaches the terminal raw, an
+error run says so on stderr, and a rerun never leaves an earlier verdict standing."""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import cli
+from pipeline.history.schema import contradictions, report_problems
+from tests.synthetic_runs import nightly_history, pair_report, write_run
+
+START = datetime(2026, 3, 1, 3, 0)
+
+
+def lpx(*args):
+    """The CLI in-process with stdout and stderr apart (the contract puts errors on stderr)."""
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def one_error_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.stderr
+    assert "Traceback" not in result.output and "engine or library failed" not in result.output
+    return errors[0]
+
+
+def a_run(root: Path, edit=None, name="night") -> Path:
+    report = pair_report()
+    if edit:
+        edit(report)
+    return write_run(root / name, {"compare": report}, started_at=START)
+
+
+def runs_in(db: Path) -> list[dict]:
+    result = lpx("history", "runs", "--json", "--db", db)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+# -- reports are inputs too ----------------------------------------------------------------
+
+
+def _set(path: str, value):
+    def edit(report):
+        *parents, leaf = path.split(".")
+        node = report
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[leaf] = value
+
+    return edit
+
+
+WRONG_TYPES = {
+    "metrics.max_abs_diff": "0.1",  # a number written as a string would go unjudged
+    "metrics.tokens": 2**70,  # past int64: overflowed SQLite's INTEGER
+    "metrics.k3": -0.5,  # a squared quantity below zero
+    "metrics.ess": 1.5,  # a fraction past 1
+    "metrics.token_mult_prob_error": 0.5,  # a mean of exp(|d|) is never below 1
+    "metrics.some_future_metric": "fast",  # a metric lpx does not know still has to be a number
+    "verdict": "PASS",
+    "policy.limits.max_abs_diff": "1",
+    "policy.violations": "none",
+    "metadata.replay.engine": "vllm",  # keys.py reads engine.name: a string crashed it
+    "metadata.fixture.sampling.seed": 2**64 + 1,
+    "sequences": {"0-0": {}},
+}
+
+
+@pytest.mark.parametrize("field", sorted(WRONG_TYPES), ids=str)
+def test_record_refuses_a_report_field_of_the_wrong_type_or_range(tmp_path, field):
+    run = a_run(tmp_path, _set(field, WRONG_TYPES[field]))
+    db = tmp_path / "h.db"
+    error = one_error_line(lpx("record", run, "--db", db))
+    assert str(run / "compare" / "report.json") in error and f"`{field}" in error, error
+    assert "nothing was recorded" in error
+    assert not db.exists() or runs_in(db) == []
+
+
+def test_a_token_id_past_int32_in_the_worst_tokens_is_refused(tmp_path):
+    def edit(report):
+        report["worst"] = [{"sequence_id": "0-0", "position": 3, "token_id": 2**70}]
+
+    run = a_run(tmp_path, edit)
+    error = one_error_line(lpx("record", run, "--db", tmp_path / "h.db"))
+    assert "`worst[0].token_id` must be an integer in [0, 2147483647]" in error
+
+
+def test_a_manifest_of_the_wrong_shape_is_refused(tmp_path):
+    run = a_run(tmp_path)
+    manifest = json.loads((run / "lpx-run.json").read_text())
+    manifest["testbed"]["gpu_count"] = "eight"
+    manifest["stages"][0]["name"] = ["compare"]
+    (run / "lpx-run.json").write_text(json.dumps(manifest))
+    error = one_error_line(lpx("record", run, "--db", tmp_path / "h.db"))
+    assert "lpx-run.json" in error and "`stages[0].name`" in error
+    assert "`testbed.gpu_count`" in error
+
+
+def test_unknown_future_fields_are_kept_and_recorded(tmp_path):
+    def edit(report):
+        report["a_section_from_lpx_2"] = {"anything": [1, "x"]}
+        report["metrics"]["frac_over_2tau"] = 0.25
+        report["metadata"]["replay"]["engine"]["build_flags"] = ["-O3"]
+
+    db = tmp_path / "h.db"
+    assert lpx("record", a_run(tmp_path, edit), "--db", db).exit_code == 0
+    series = json.loads(lpx("history", "series", "1", "--json", "--db", db).stdout)
+    assert series[-1]["metrics"]["frac_over_2tau"]["value"] == 0.25
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (_set("metrics.max_abs_diff", "nan"), "metrics.max_abs_diff is nan"),
+        (_set("metrics.mean_abs_diff", "inf"), "metrics.mean_abs_diff is inf"),
+        (_set("metrics.k3", 0.5), "metrics.k3 = 0.5 is over its limit"),
+        (
+            _set("policy.violations", [{"metric": "k3", "value": 0.5, "limit": 0.001}]),
+            "policy.violations lists 1",
+        ),
+        (_set("policy.verdict", "fail"), "policy.verdict is fail"),
+    ],
+    ids=["nan-max", "inf-mean", "over-limit", "violations", "policy-fail"],
+)
+def test_a_pass_that_contradicts_itself_is_an_error_run_and_fails_the_gate(tmp_path, edit, named):
+    def with_limits(report):
+        report["policy"]["limits"] = {"max_abs_diff": 1.0, "k3": 0.001}
+        edit(report)
+
+    db = tmp_path / "h.db"
+    result = lpx("record", a_run(tmp_path, with_limits), "--db", db)
+    assert result.exit_code == 0 and "(error, 1 comparisons)" in result.stdout, result.output
+    [run] = runs_in(db)
+    assert run["status"] == "error" and named in run["errors"][0]["message"]
+    gate = lpx("gate", "--db", db)
+    error = one_error_line(gate)
+    assert "is an error run" in error and named in error
+    assert "gate: ERROR" in gate.stdout and "PASS" not in gate.stdout
+
+
+def test_what_compare_writes_is_valid_and_consistent(run_dir, tmp_path):
+    """The schema describes compare's own reports: every real one passes it, bf16 and fp32."""
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / dtype
+        lpx("compare", run_dir / "fixture.parquet", run_dir / f"replay-{dtype}.parquet",
+            "--out", out, "--quiet")  # fmt: skip
+        report = json.loads((out / "report.json").read_text())
+        assert report_problems(report) == []
+        assert contradictions(report) == []
+
+
+def test_every_synthetic_nightly_report_is_valid(tmp_path):
+    """The year bench and the history tests record these: the schema must not refuse them."""
+    for run in nightly_history(tmp_path, 3, step_at=1):
+        for path in run.rglob("report.json"):
+            assert report_problems(json.loads(path.read_text())) == [], path
+
+
+# -- other people's text in the terminal ---------------------------------------------------
+
+OSC_TITLE = "\x1b]0;owned\x07"
+
+
+def test_notes_and_reasons_never_reach_the_terminal_raw(tmp_path):
+    db = tmp_path / "h.db"
+    runs = nightly_history(tmp_path, 14, step_at=10, upgrade_at=10)
+    assert lpx("record", *runs, "--db", db).exit_code == 0
+    alerts = json.loads(lpx("history", "alerts", "--json", "--db", db).stdout)
+    acked = lpx("ack", alerts[0]["id"], "--note", f"bell\x07 {OSC_TITLE}", "--db", db)
+    noted = lpx("annotate", "1", "--exclude", "3", "--reason", f"why{OSC_TITLE}", "--db", db)
+    assert acked.exit_code == 0 and noted.exit_code == 0, acked.output + noted.output
+    shown = "".join(
+        lpx("history", *view, "--all" if view == ("alerts",) else "--limit=30", "--db", db).output
+        for view in (("runs",), ("series",), ("series", "1"), ("alerts",))
+    )
+    for output in (acked.output, noted.output, shown):
+        assert "\x1b" not in output and "\x07" not in output
+    assert "bell\\x07 \\x1b]0;owned\\x07" in acked.output + shown
+
+
+# -- gate, rollout, compare, weights --------------------------------------------------------
+
+
+def test_a_gate_on_an_error_run_says_why_on_stderr(tmp_path):
+    db = tmp_path / "h.db"
+    run = write_run(
+        tmp_path / "n", {"compare": pair_report()}, started_at=START, stage_errors=["OOM"]
+    )
+    assert lpx("record", run, "--db", db).exit_code == 0
+    error = one_error_line(lpx("gate", "--db", db))
+    assert "replay-0: OOM" in error and "--resume" in error
+
+
+def test_a_prompt_id_outside_the_vocabulary_names_its_line(tmp_path, tiny_model):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 99999]}\n')
+    out = tmp_path / "f.parquet"
+    result = lpx("rollout", "--model", tiny_model, "--prompts", prompts, "--out", out)
+    error = one_error_line(result)
+    assert f"{prompts} line 2" in error and "99999" in error and "[0, 512)" in error
+    assert not out.exists()
+
+
+def test_a_failed_compare_rerun_leaves_no_earlier_pass_behind(run_dir, tmp_path):
+    out = tmp_path / "cmp"
+    fixture, replay = run_dir / "fixture.parquet", run_dir / "replay-float32.parquet"
+    assert lpx("compare", fixture, replay, "--out", out, "--quiet").exit_code == 0
+    assert (out / "report.json").exists()
+    one_error_line(lpx("compare", fixture, tmp_path / "missing.parquet", "--out", out))
+    assert not (out / "report.json").exists() and not (out / "summary.md").exists()
+    recorded = lpx("record", out, "--db", tmp_path / "h.db")
+    assert "(error, 0 comparisons)" in recorded.stdout, recorded.output
+
+
+def test_a_damaged_version_is_named_in_json_listings_too(tmp_path, tiny_model):
+    store = tmp_path / "store"
+    for _ in range(3):
+        assert lpx("weights", "publish", tiny_model, "--to", store).exit_code == 0
+    manifest = store / "versions" / "2" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+    result = lpx("weights", "ls", store, "--json")
+    assert result.exit_code == 0
+    assert [v["name"] for v in json.loads(result.stdout)] == ["1", "3"]
+    assert "warning: versions/2 is not listed" in result.stderr
+
+
+def test_a_contradiction_needs_a_number_to_contradict():
+    """No limit, no metric: nothing to contradict (compare lists it as not measured)."""
+    report = pair_report()
+    report["policy"]["limits"] = {"topk_kl_forward_mean": 0.1}
+    assert contradictions(report) == []
+    report["metrics"]["topk_kl_forward_mean"] = math.inf
+    assert contradictions(report) == ["metrics.topk_kl_forward_mean = inf is over its limit 0.1"]
