@@ -66,12 +66,24 @@ class History:
     @contextmanager
     def write(self) -> Iterator[Session]:
         """One serialised write transaction: committed when the block ends, rolled back on
-        any error, so a failed record leaves the database as it was."""
-        with self.engine.connect() as connection:
-            connection = connection.execution_options(lpx_write=True)
-            with Session(bind=connection) as session, session.begin():
-                _take_write_lock(session)
-                yield session
+        any error, so a failed record leaves the database as it was. A server that goes
+        away mid-write (killed, restarted) is one error naming the database."""
+        try:
+            with self.engine.connect() as connection:
+                connection = connection.execution_options(lpx_write=True)
+                with Session(bind=connection) as session, session.begin():
+                    _take_write_lock(session)
+                    yield session
+        except exc.DBAPIError as error:
+            if not error.connection_invalidated:
+                raise
+            reason = str(error.orig or error).strip().splitlines() or [type(error).__name__]
+            raise BadInput(
+                f"lost the history database {describe(self.url)} during the write "
+                f"({reason[0]}); the write is one transaction, so none of it is kept (or, lost "
+                "at its very commit, all of it): once the server is up, run the same command "
+                "again; runs already recorded are skipped."
+            ) from None
 
     def dispose(self) -> None:
         self.engine.dispose()
