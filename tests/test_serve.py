@@ -2,18 +2,26 @@
 scored through the `logprob-server` engine and raw HTTP. Logprobs against the in-process HF
 replay; weight updates under concurrent load, re-scored to prove each answer's version;
 backpressure, timeouts, disconnects and malformed requests answered with a clear 4xx/5xx
-while the server keeps serving."""
+while the server keeps serving; bad requests mixed into a load, and a replica killed under
+load behind nginx, with no good answer lost or wrong. Port and bind errors exit 2 before the
+model loads. The HTTP API's fuzz is tests/test_serve_fuzz.py."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import http.client
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -53,6 +61,79 @@ def call(url, method, path, body=None, timeout=60):
         return status, json.loads(raw), headers
     except json.JSONDecodeError:
         return status, raw.decode(), headers
+
+
+def post(url, path, data: bytes, headers=None, timeout=60):
+    """(status, decoded JSON or text) of a POST of any bytes with exactly these headers."""
+    where = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=timeout)
+    try:
+        connection.request("POST", path, body=data, headers=headers or {})
+        response = connection.getresponse()
+        status, raw = response.status, response.read()
+    finally:
+        connection.close()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+JSON = {"Content-Type": "application/json"}
+VOCAB = 512  # the tiny model's
+MAX_POSITIONS = 1024  # its max_position_embeddings
+
+
+def _body(*sequences, **fields) -> bytes:
+    return json.dumps({"sequences": list(sequences), **fields}).encode()
+
+
+def _sequence(prompt=None, completion=None, **fields) -> dict:
+    prompt = [1, 5, 9] if prompt is None else prompt
+    completion = [7, 8] if completion is None else completion
+    return {"prompt_ids": prompt, "completion_ids": completion, **fields}
+
+
+# (name, body, headers, status, the field the answer names): every field and every way in
+BAD_REQUESTS = [
+    ("id 2**70", _body(_sequence(completion=[7, 2**70])), JSON, 400, "sequences[0].completion_ids[1]"),
+    ("id 2**63", _body(_sequence(prompt=[2**63])), JSON, 400, "sequences[0].prompt_ids[0]"),
+    ("id 2**31", _body(_sequence(), _sequence(prompt=[1, 2**31])), JSON, 400, "sequences[1].prompt_ids[1]"),
+    ("id -1", _body(_sequence(prompt=[3, -1])), JSON, 400, "sequences[0].prompt_ids[1]"),
+    ("id = vocab", _body(_sequence(completion=[VOCAB])), JSON, 400, "sequences[0].completion_ids[0]"),
+    ("id 1.0", _body(_sequence(prompt=[1.0])), JSON, 422, "sequences[0].prompt_ids[0]"),
+    ("id true", _body(_sequence(completion=[2, True])), JSON, 422, "sequences[0].completion_ids[1]"),
+    ("id '5'", _body(_sequence(prompt=["5"])), JSON, 422, "sequences[0].prompt_ids[0]"),
+    ("ids null", _body({"prompt_ids": None, "completion_ids": [1]}), JSON, 422, "sequences[0].prompt_ids"),
+    ("ids empty", _body(_sequence(completion=[])), JSON, 422, "sequences[0].completion_ids"),
+    ("ids missing", _body({"prompt_ids": [1]}), JSON, 422, "sequences[0].completion_ids"),
+    ("sequences empty", _body(), JSON, 422, "sequences"),
+    ("sequences object", b'{"sequences": {"a": 1}}', JSON, 422, "sequences"),
+    ("sequences missing", b'{"prompt_logprobs": true}', JSON, 422, "sequences"),
+    ("unknown field", _body(_sequence(), temperature=0.7), JSON, 422, "temperature"),
+    ("unknown sequence field", _body(_sequence(mask=[1])), JSON, 422, "sequences[0].mask"),
+    ("id a number", _body(_sequence(id=5)), JSON, 422, "sequences[0].id"),
+    ("id too long", _body(_sequence(id="x" * 1025)), JSON, 422, "sequences[0].id"),
+    ("prompt_logprobs 'yes'", _body(_sequence(), prompt_logprobs="yes"), JSON, 422, "prompt_logprobs"),
+    ("timeout_s 0", _body(_sequence(), timeout_s=0), JSON, 422, "timeout_s"),
+    ("timeout_s -1", _body(_sequence(), timeout_s=-1), JSON, 422, "timeout_s"),
+    ("timeout_s a year", _body(_sequence(), timeout_s=3.2e7), JSON, 422, "timeout_s"),
+    ("timeout_s '30'", _body(_sequence(), timeout_s="30"), JSON, 422, "timeout_s"),
+    ("timeout_s NaN", b'{"sequences": [{"prompt_ids": [1], "completion_ids": [2]}], "timeout_s": NaN}', JSON, 400, "body"),
+    ("timeout_s 1e999", b'{"sequences": [{"prompt_ids": [1], "completion_ids": [2]}], "timeout_s": 1e999}', JSON, 400, "body"),
+    ("a list", b"[1, 2]", JSON, 422, "body"),
+    ("a number", b"17", JSON, 422, "body"),
+    ("not JSON", b"sequences=1", JSON, 400, "body"),
+    ("empty", b"", JSON, 400, "body"),
+    ("truncated", _body(_sequence())[:-9], JSON, 400, "body"),
+    ("nested 100000 deep", b"[" * 100000 + b"]" * 100000, JSON, 400, "body"),
+    ("5000 digits", b'{"sequences": [{"prompt_ids": [' + b"7" * 5000 + b'], "completion_ids": [1]}]}', JSON, 400, "body"),
+    ("not UTF-8", b'{"sequences": [{"id": "\xff\xfe", "prompt_ids": [1]}]}', JSON, 400, "body"),
+    ("form content type", _body(_sequence()), {"Content-Type": "application/x-www-form-urlencoded"}, 415, "Content-Type"),
+    ("text content type", _body(_sequence()), {"Content-Type": "text/plain"}, 415, "Content-Type"),
+    ("1025 sequences", _body(*[_sequence()] * 1025), JSON, 413, "sequences"),
+    ("over max positions", _body(_sequence(), _sequence(prompt=[1] * 1000, completion=[2] * 25)), JSON, 413, "sequences[1]"),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +191,84 @@ def test_malformed_requests_get_a_clear_4xx_and_the_server_keeps_serving(server)
     got, answer, _ = call(server, "POST", "/score", good)
     assert got == 200 and len(answer["results"][0]["logprobs"]) == 2
     assert call(server, "GET", "/health")[1]["status"] == "ok"
+
+
+def test_every_bad_field_is_a_4xx_naming_it_and_health_answers_after_each(server):
+    """Each way a request can be wrong (BAD_REQUESTS) is refused with its 4xx and a JSON
+    error whose `field` names the field and the index of the bad item, never a 500 (a token
+    id of 2**70 was one); /health answers after every one."""
+    wrong = []
+    for name, body, headers, status, field in BAD_REQUESTS:
+        got, answer = post(server, "/score", body, headers)
+        if got != status or not isinstance(answer, dict) or answer.get("field") != field:
+            wrong.append((name, got, answer))
+        elif field != "body" and field not in answer["error"]:
+            wrong.append((name, "the message does not name the field", answer))
+        health = call(server, "GET", "/health")
+        assert health[0] == 200 and health[1]["status"] == "ok", (name, health)
+    assert not wrong, wrong
+    status, answer = post(server, "/score", _body(_sequence(id="s7", completion=[7, 2**70])), JSON)
+    assert "sequence s7" in answer["error"] and "2**70" not in answer["error"]
+    assert "[0, 512)" in answer["error"]  # the model's vocabulary, and what to send instead
+
+
+def test_update_weights_fields_and_unknown_endpoints_answer_json_errors(server):
+    for body, field in [
+        (b'{"path": "a\\u0000b"}', "path"),
+        (b'{"path": ""}', "path"),
+        (b'{"path": 7}', "path"),
+        (b'{"path": "/tmp", "version": ""}', "version"),
+        (b'{"path": "/tmp", "colour": 1}', "colour"),
+        (b"{", "body"),
+    ]:
+        status, answer = post(server, "/update_weights", body, JSON)
+        assert 400 <= status < 500 and answer["field"] == field, (body, status, answer)
+    assert call(server, "GET", "/nowhere")[:2] == (404, {"error": ANY_ENDPOINTS_404})
+    status, answer, _ = call(server, "GET", "/score")
+    assert status == 405 and "POST /score" in answer["error"]
+    assert call(server, "GET", "/health")[1]["status"] == "ok"
+
+
+ANY_ENDPOINTS_404 = (
+    "Not Found: the endpoints are POST /score, /pause, /resume, /update_weights and GET "
+    "/health, /metrics"
+)
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server):
+    """Content-Length over --max-body-bytes (128 MiB by default) is refused on the headers:
+    the body is never sent, let alone parsed."""
+    where = urllib.parse.urlsplit(server)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+    connection.putrequest("POST", "/score")
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(200 * 2**20))
+    connection.endheaders()
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    connection.close()
+    assert response.status == 413 and answer["field"] == "body"
+    assert str(128 * 2**20) in answer["error"] and "--max-body-bytes" in answer["error"]
+    assert call(server, "GET", "/health")[1]["status"] == "ok"
+
+
+def test_prompt_logprobs_only_for_the_requests_that_ask(server):
+    """Requests batched together: only the one that asked gets prompt logprobs."""
+    plain = _body(_sequence(prompt=[4, 4, 4]))
+    asking = _body(_sequence(prompt=[4, 4, 5]), prompt_logprobs=True)
+    answers = [None] * 8
+
+    def send(k):
+        answers[k] = post(server, "/score", asking if k % 2 else plain, JSON)
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for k, (status, answer) in enumerate(answers):
+        assert status == 200
+        assert ("prompt_logprobs" in answer["results"][0]) == bool(k % 2), (k, answer)
 
 
 def test_prompt_logprobs_on_request(server, tiny_model):
@@ -423,6 +582,75 @@ def test_serve_refuses_a_directory_that_is_no_model(tmp_path):
     assert result.exit_code == 2 and "no config.json" in result.output
     result = run_lpx("serve", "--model", tmp_path / "missing")
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def _serve_command(*options) -> list[str]:
+    return [sys.executable, "-m", "pipeline", "serve", *(str(o) for o in options)]
+
+
+def test_port_and_bind_errors_exit_2_with_one_line_before_the_model_loads(tiny_model):
+    """A port in use exited 3 with uvicorn's line after the model had loaded; --port 70000
+    served on 4464. Now each is one `Error:` line naming --host/--port, exit 2, before the
+    model loads (no start-up line)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        cases = [
+            (["--port", taken], f"--host 127.0.0.1 --port {taken}: the address is already in use"),
+            (["--port", 70000], "'--port': 70000 is not in the range 0<=x<=65535"),
+            (["--port", -1], "'--port': -1 is not in the range 0<=x<=65535"),
+            (["--host", "192.0.2.1"], "--host 192.0.2.1 --port 8400: no interface of this machine"),
+            (["--host", "no-such-host.invalid"], "cannot resolve host 'no-such-host.invalid'"),
+        ]  # fmt: skip
+        for options, message in cases:
+            done = subprocess.run(
+                _serve_command("--model", tiny_model, *options),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+            assert done.returncode == 2 and len(errors) == 1, (options, done.stderr)
+            assert message in errors[0], (options, errors)
+            assert "lpx serve:" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_privileged_port_says_to_use_1024_or_above(monkeypatch):
+    from pipeline.errors import BadInput
+    from pipeline.serve.bind import bind_listener
+
+    def refuse(_sock, _address):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(socket.socket, "bind", refuse)
+    with pytest.raises(
+        BadInput,
+        match=r"--port 80: permission denied: port 80 is privileged; use a --port of 1024 or above",
+    ):
+        bind_listener("0.0.0.0", 80)  # fmt: skip
+
+
+def test_port_0_serves_on_a_free_port_named_in_the_start_up_line(tiny_model, tmp_path):
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            _serve_command("--model", tiny_model, "--port", 0), stdout=log, stderr=log
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not re.search(r"on http://127\.0\.0\.1:(\d+)\n", log_path.read_text()):
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        port = int(re.search(r"on http://127\.0\.0\.1:(\d+)\n", log_path.read_text())[1])
+        assert port != 0
+        deadline = time.monotonic() + 30
+        while not _answers(f"http://127.0.0.1:{port}/health"):
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
 def _unused_port() -> int:

@@ -23,8 +23,11 @@ ENGINES = ("hf", "fsdp", "megatron")
               help="Ranks of a distributed engine (fsdp, megatron), behind one endpoint; one "
               "per GPU on CUDA, auto = every visible GPU.")  # fmt: skip
 @device_option
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8400, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; 0.0.0.0 for every interface.")  # fmt: skip
+@click.option("--port", type=click.IntRange(0, 65535), default=8400, show_default=True,
+              help="TCP port, 1-65535; 0 takes a free one, named in the start-up line. "
+              "Bound before the model loads: a port in use fails at once.")  # fmt: skip
 @click.option("--weight-version", help="Name of the weights loaded first [default: the "
               "directory's WEIGHT_VERSION file, else the weights fingerprint].")  # fmt: skip
 @click.option("--token-budget", type=click.IntRange(1), default=16384, show_default=True,
@@ -35,11 +38,13 @@ ENGINES = ("hf", "fsdp", "megatron")
               help="How long a batch waits to fill.")  # fmt: skip
 @click.option("--max-queue", type=click.IntRange(1), default=4096, show_default=True,
               help="Queued sequences before 429.")  # fmt: skip
+@click.option("--max-body-bytes", type=click.IntRange(1), default=128 * 2**20,
+              show_default=True, help="Largest request body; a larger one is answered 413.")  # fmt: skip
 @click.option("--reject-when-paused", is_flag=True,
               help="Answer 503 + Retry-After while paused or updating, instead of holding requests.")  # fmt: skip
 @knob_options
 def serve(engine, model_dir, nproc, device, host, port, weight_version, token_budget, max_batch, max_wait_ms,
-          max_queue, reject_when_paused, knob_pairs):  # fmt: skip
+          max_queue, max_body_bytes, reject_when_paused, knob_pairs):  # fmt: skip
     """Serve selected-token logprobs over HTTP: teacher-forced scoring of (prompt ids,
     completion ids) beside a rollout (the old_log_prob server of an async RL pipeline).
 
@@ -53,13 +58,22 @@ def serve(engine, model_dir, nproc, device, host, port, weight_version, token_bu
       lpx serve --model models/tiny --port 8400 --set dtype=float32
       lpx serve --engine fsdp --nproc 2 --model models/tiny --port 8401
       lpx serve --model models/policy --device cuda:0 --set dtype=bf16 --port 8402
-      curl -s localhost:8400/score -d '{"sequences": [{"prompt_ids": [1, 5], "completion_ids": [7, 9]}]}'
+      curl -s localhost:8400/score -H 'Content-Type: application/json' \\
+        -d '{"sequences": [{"prompt_ids": [1, 5], "completion_ids": [7, 9]}]}'
     """
     import uvicorn
 
+    from pipeline.errors import BadInput
     from pipeline.serve.app import ServeSettings, create_app
+    from pipeline.serve.bind import bind_listener, bound_port, url_host
     from pipeline.serve.model_slot import ModelSlot, resolve_model_dir
 
+    if engine == "hf" and nproc != 1:
+        raise BadInput(f"--nproc {nproc}: the hf engine serves from one process; use "
+                       "--engine fsdp or megatron for ranks.")  # fmt: skip
+    # before the model loads (seconds to minutes): a port in use fails at once
+    listener = bind_listener(host, port)
+    port = bound_port(listener)
     resolved = resolve_model_dir(model_dir)
     knobs = {"device": device, **parse_knobs(knob_pairs)}
     knobs.setdefault("micro_batch_size", str(max_batch))
@@ -68,25 +82,24 @@ def serve(engine, model_dir, nproc, device, host, port, weight_version, token_bu
         max_batch=max_batch,
         max_wait_s=max_wait_ms / 1000,
         max_queue=max_queue,
+        max_body_bytes=max_body_bytes,
         reject_when_paused=reject_when_paused,
     )
-    if engine == "hf" and nproc != 1:
-        from pipeline.errors import BadInput
-
-        raise BadInput(f"--nproc {nproc}: the hf engine serves from one process; use "
-                       "--engine fsdp or megatron for ranks.")  # fmt: skip
     if engine != "hf":
         from dataclasses import asdict
 
         from pipeline.serve.distributed import launch
 
+        # rank 0 binds the port itself: release it (a free port taken by 0 stays this one)
+        listener.close()
         options = {"model": str(resolved), "knobs": knobs, "version": weight_version,
                    "host": host, "port": port, "settings": asdict(settings)}  # fmt: skip
         raise SystemExit(launch(engine, nproc, options))
     slot = ModelSlot(resolved, knobs, weight_version)
     click.echo(
         f"lpx serve: {engine} {slot.settings.dtype} on {slot.settings.device}, {resolved} (version "
-        f"{slot.version.weight_version}) on http://{host}:{port}",
+        f"{slot.version.weight_version}) on http://{url_host(host)}:{port}",
         err=True,
     )
-    uvicorn.run(create_app(slot, settings), host=host, port=port, log_level="warning")
+    config = uvicorn.Config(create_app(slot, settings), host=host, port=port, log_level="warning")
+    uvicorn.Server(config).run(sockets=[listener])

@@ -9,15 +9,21 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from pipeline.errors import BadInput, DeviceOutOfMemory
 from pipeline.serve.metrics import ServerMetrics
 from pipeline.serve.model_slot import resolve_model_dir
+from pipeline.serve.requests import (
+    Refusal,
+    ScoreRequest,
+    UpdateRequest,
+    check_score_request,
+    read_request,
+)
 from pipeline.serve.scheduler import BatchScheduler, Paused, QueueFull
 
 DISCONNECT_POLL_S = 0.05
@@ -31,29 +37,10 @@ class ServeSettings:
     max_queue: int = 4096  # sequences queued before 429
     max_request_sequences: int = 1024  # sequences in one request before 413
     max_sequence_tokens: int = 8192  # prompt + completion tokens of one sequence before 413
+    max_body_bytes: int = 128 * 2**20  # a request body before 413
     timeout_s: float = 600.0  # a request's default deadline (504 after it)
     reject_when_paused: bool = False  # 503 + Retry-After instead of waiting
     retry_after_s: int = 1
-
-
-class Sequence(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    id: str | None = None
-    prompt_ids: list[int] = Field(min_length=1)
-    completion_ids: list[int] = Field(min_length=1)
-
-
-class ScoreRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    sequences: list[Sequence] = Field(min_length=1)
-    prompt_logprobs: bool = False
-    timeout_s: float | None = Field(default=None, gt=0)
-
-
-class UpdateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    path: str
-    version: str | None = None
 
 
 def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
@@ -82,21 +69,35 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
         metrics.count_request(status)
         return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
+    def refused(refusal: Refusal) -> JSONResponse:
+        metrics.count_request(refusal.status)
+        return JSONResponse(refusal.body(), status_code=refusal.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, failure: HTTPException):  # 404, 405: the same JSON shape
+        return JSONResponse(
+            {"error": f"{failure.detail}: the endpoints are POST /score, /pause, /resume, "
+             "/update_weights and GET /health, /metrics"},
+            status_code=failure.status_code,
+            headers=failure.headers,
+        )  # fmt: skip
+
     @app.post("/score")
-    async def score(body: ScoreRequest, request: Request):
+    async def score(request: Request):
         started = time.perf_counter()
         scheduler: BatchScheduler = state["scheduler"]
-        problem = _check(body, slot.vocab_size, settings)
-        if problem:
-            return error(*problem)
-        pairs = [
-            (
-                np.asarray(s.prompt_ids, dtype=np.int64),
-                np.asarray(s.completion_ids, dtype=np.int64),
-                body.prompt_logprobs,
+        try:
+            body = await read_request(request, ScoreRequest, settings.max_body_bytes)
+            checked = check_score_request(
+                body,
+                slot.vocab_size,
+                settings.max_request_sequences,
+                settings.max_sequence_tokens,
+                getattr(slot, "max_positions", None),
             )
-            for s in body.sequences
-        ]
+        except Refusal as refusal:
+            return refused(refusal)
+        pairs = [(prompt, completion, body.prompt_logprobs) for prompt, completion in checked]
         try:
             items = scheduler.submit(pairs)
         except QueueFull as full:
@@ -129,7 +130,7 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
         metrics.count_request(200)
         metrics.observe_latency(time.perf_counter() - started)
         results = [
-            {"id": s.id if s.id is not None else str(i), **answer[0]}
+            {"id": s.id if s.id is not None else str(i), **_asked(answer[0], body.prompt_logprobs)}
             for i, (s, answer) in enumerate(zip(body.sequences, answers, strict=True))
         ]
         # orjson straight to bytes: FastAPI's default encoder walks every float in Python
@@ -155,7 +156,11 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
         return {"paused": state["scheduler"].paused, **_version(slot)}
 
     @app.post("/update_weights")
-    async def update_weights(body: UpdateRequest):
+    async def update_weights(request: Request):
+        try:
+            body = await read_request(request, UpdateRequest, settings.max_body_bytes)
+        except Refusal as refusal:
+            return refused(refusal)
         try:
             # a store's version is pulled and verified before pausing: scoring goes on meanwhile
             path = await asyncio.to_thread(resolve_model_dir, Path(body.path), body.version)
@@ -218,32 +223,11 @@ async def _wait(items, request: Request, timeout_s: float) -> str:
             return "gone"
 
 
-def _check(body: ScoreRequest, vocab_size: int, settings: ServeSettings):
-    """(status, message) for a request the server will not score, else None."""
-    if len(body.sequences) > settings.max_request_sequences:
-        return (
-            413,
-            f"{len(body.sequences)} sequences in one request; the limit is "
-            f"{settings.max_request_sequences}: split the batch",
-        )
-    for i, s in enumerate(body.sequences):
-        name = s.id if s.id is not None else f"#{i}"
-        if len(s.prompt_ids) + len(s.completion_ids) > settings.max_sequence_tokens:
-            return (
-                413,
-                f"sequence {name}: {len(s.prompt_ids) + len(s.completion_ids)} tokens; the limit "
-                f"is {settings.max_sequence_tokens}",
-            )
-        for field, ids in (("prompt_ids", s.prompt_ids), ("completion_ids", s.completion_ids)):
-            values = np.asarray(ids, dtype=np.int64)
-            outside = (values < 0) | (values >= vocab_size)
-            if outside.any():
-                return (
-                    400,
-                    f"sequence {name}: {field} holds {int(values[outside][0])}, outside the "
-                    f"model's vocabulary [0, {vocab_size}); send token ids of this model's tokenizer",
-                )
-    return None
+def _asked(result: dict, prompt_logprobs: bool) -> dict:
+    """A batch scores prompt logprobs when any of its requests asks; only those get them."""
+    return (
+        result if prompt_logprobs else {k: v for k, v in result.items() if k != "prompt_logprobs"}
+    )
 
 
 def _version(slot) -> dict:

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from pipeline import devices
-from pipeline.serve.model_slot import Version, as_result, version_name
+from pipeline.serve.bind import url_host
+from pipeline.serve.model_slot import Version, as_result, max_positions, version_name
 
 
 def launch(engine: str, nproc, serve_args: dict) -> int:
@@ -52,8 +53,14 @@ class RankZeroSlot:
 
     @property
     def vocab_size(self) -> int:
-        config = Path(self.version.model_dir) / "config.json"
-        return int(json.loads(config.read_text())["vocab_size"])
+        return int(self._config()["vocab_size"])
+
+    @property
+    def max_positions(self) -> int | None:
+        return max_positions(self._config())
+
+    def _config(self) -> dict:
+        return json.loads((Path(self.version.model_dir) / "config.json").read_text())
 
     def score(self, pairs, want_prompt: bool):
         _broadcast(("score", pairs))
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     slot = RankZeroSlot(args.engine, model_dir, knobs, version)
     print(
         f"lpx serve: {args.engine} on {slot.world_size} ranks, {model_dir} (version "
-        f"{slot.version.weight_version}) on http://{options['host']}:{options['port']}",
+        f"{slot.version.weight_version}) on http://{url_host(options['host'])}:{options['port']}",
         file=sys.stderr,
     )
     try:

@@ -60,6 +60,11 @@ class ModelSlot:
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model was built for (None: the config does not say)."""
+        return max_positions(self.model.config.to_dict())
+
     def score(self, pairs, want_prompt: bool):
         """Selected-token logprobs for each pair, and the version that scored them."""
         with self._lock:
@@ -90,6 +95,15 @@ def as_result(scored) -> dict:
         prompt = scored.prompt.astype(float)
         result["prompt_logprobs"] = [None if np.isnan(v) else v for v in prompt.tolist()]
     return result
+
+
+def max_positions(config: dict) -> int | None:
+    """A model config's position limit (max_position_embeddings; GPT-2's n_positions)."""
+    for key in ("max_position_embeddings", "n_positions"):
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def resolve_model_dir(path: Path, store_version: str | None = None) -> Path:

@@ -25,6 +25,13 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serving(model_dir: Path, *options: str, log_path: Path, startup_s: float = 120.0):
     """Yield the base URL of a running `lpx serve --model model_dir *options`; stop it after."""
+    with server_process(model_dir, *options, log_path=log_path, startup_s=startup_s) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(model_dir: Path, *options: str, log_path: Path, startup_s: float = 120.0):
+    """Yield (base URL, Popen) of a running `lpx serve`: for tests that kill it themselves."""
     port = free_port()
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -48,7 +55,7 @@ def serving(model_dir: Path, *options: str, log_path: Path, startup_s: float = 1
                             f"no /health in {startup_s:g} s: {_tail(log_path)}"
                         ) from None
                     time.sleep(0.1)
-            yield url
+            yield url, process
         finally:
             process.terminate()
             process.wait(30)
