@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from pipeline.engines.hf_replay import HFScoringEngine, ReplayKnobs, score_batch
 from pipeline.engines.logprob_server import LogprobServerEngine
 from pipeline.fingerprint import tensor_fingerprint
 from pipeline.fixture.io import read_table
-from pipeline.serve.process import ServerFailed, serving
+from pipeline.serve.process import ServerFailed, server_process, serving
 from pipeline.tinymodel.build import build_tiny_model
 
 
@@ -287,6 +288,110 @@ def _local_scores(model, pairs):
     return [s.completion for s in scored]
 
 
+def _good_requests(count: int, seed: int) -> list[list[tuple[list[int], list[int]]]]:
+    """``count`` requests of 1-4 (prompt, completion) pairs of 1-40 tokens each."""
+    rng = np.random.default_rng(seed)
+    return [
+        [
+            (rng.integers(0, VOCAB, rng.integers(1, 41)).tolist(),
+             rng.integers(0, VOCAB, rng.integers(1, 41)).tolist())
+            for _ in range(rng.integers(1, 5))
+        ]
+        for _ in range(count)
+    ]  # fmt: skip
+
+
+def _score_body(pairs) -> bytes:
+    return _body(*(_sequence(prompt=p, completion=c, id=f"s{j}") for j, (p, c) in enumerate(pairs)))
+
+
+def _run_load(url, plan, clients: int) -> list:
+    """Send each (kind, index, body, headers) of ``plan`` from ``clients`` threads; the
+    answers as (kind, index, status, answer, upstream header), in completion order."""
+    todo = list(enumerate(plan))
+    answers, lock = [], threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                _, (kind, index, body, headers) = todo.pop()
+            where = urllib.parse.urlsplit(url)
+            connection = http.client.HTTPConnection(where.hostname, where.port, timeout=120)
+            try:
+                connection.request("POST", "/score", body=body, headers=headers)
+                response = connection.getresponse()
+                raw, status = response.read(), response.status
+                upstream = response.getheader("X-Lpx-Upstream", "")
+            except OSError as failure:  # a lost answer: counted, never raised here
+                raw, status, upstream = str(failure).encode(), None, ""
+            finally:
+                connection.close()
+            try:
+                answer = json.loads(raw)
+            except ValueError:
+                answer = raw.decode(errors="replace")
+            with lock:
+                answers.append((kind, index, status, answer, upstream))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
+    return answers
+
+
+def test_bad_requests_mixed_into_a_load_lose_no_good_answer(server, tiny_model):
+    """8 clients send 240 good requests and 120 bad ones (BAD_REQUESTS, each several
+    times) in a shuffled order: every good one is answered 200 with the logprobs of the
+    in-process HF replay of its sequences, every bad one with its own 4xx."""
+    goods = _good_requests(24, seed=22)
+    model = load_model(tiny_model)
+    reference = [_local_scores(model, pairs) for pairs in goods]
+    plan = [("good", k % len(goods), _score_body(goods[k % len(goods)]), JSON) for k in range(240)]
+    plan += [("bad", k % len(BAD_REQUESTS), *BAD_REQUESTS[k % len(BAD_REQUESTS)][1:3])
+             for k in range(120)]  # fmt: skip
+    np.random.default_rng(5).shuffle(plan)
+    before = _requests_total(server)
+    answers = _run_load(server, plan, clients=8)
+    assert len(answers) == len(plan)
+    wrong, worst = [], 0.0
+    for kind, index, status, answer, _ in answers:
+        if kind == "bad":
+            name, _, _, want_status, field = BAD_REQUESTS[index]
+            if status != want_status or answer.get("field") != field:
+                wrong.append((name, status, answer))
+            continue
+        if status != 200:
+            wrong.append(("good", index, status, answer))
+            continue
+        results = answer["results"]
+        assert [r["id"] for r in results] == [f"s{j}" for j in range(len(goods[index]))]
+        for result, want in zip(results, reference[index], strict=True):
+            worst = max(worst, float(np.abs(np.asarray(result["logprobs"]) - want).max()))
+    print(f"{len(plan)} requests: 240 good, 120 bad; {len(wrong)} wrong; max |d| {worst:.2g}")
+    assert not wrong, wrong[:5]
+    # other batch compositions than the replay's (padding, batch size): fp32 on CPU moves
+    # a logprob of ~-10 by a few ulps, 3.8e-6 measured
+    assert worst <= 1e-5, worst
+    after = _requests_total(server)
+    assert after.get("200", 0) - before.get("200", 0) == 240
+    assert sum(after.values()) - sum(before.values()) == len(plan)
+    assert call(server, "GET", "/health")[1] == {
+        **call(server, "GET", "/health")[1],
+        "status": "ok",
+        "queue_depth": 0,
+    }
+
+
+def _requests_total(url) -> dict[str, float]:
+    metrics = call(url, "GET", "/metrics")[1]
+    found = re.findall(r'^lpx_requests_total\{code="(\d+)"\} (\S+)$', metrics, re.MULTILINE)
+    return {code: float(value) for code, value in found}
+
+
 def test_updates_under_concurrent_load_never_mix_versions(server, tiny_model, run_dir, tmp_path):
     """Clients score while the weights change twice (v1 -> v2 -> v1): every answer's version
     is the one whose weights reproduce its logprobs; no request lost or answered twice."""
@@ -490,6 +595,70 @@ def test_replicas_behind_nginx_answer_as_one_server(
         # the paused replica answered 503 and nginx went on to the other one
         assert any("," in headers["X-Lpx-Upstream"] for _, _, headers in answers)
         call(second, "POST", "/resume")
+
+
+def test_a_replica_killed_under_load_behind_nginx_loses_no_answer(
+    tiny_model, tmp_path, nginx_binary
+):
+    """Two replicas behind the example nginx config; 6 clients send 400 requests through it.
+    Replica A is paused first, so that requests are certainly held in it, then SIGKILLed.
+    nginx (`proxy_next_upstream error ... non_idempotent`) sends those and every later
+    request to B: each of the 400 is answered 200, equal to a single healthy server's answer
+    for its body, and the held ones name both replicas in X-Lpx-Upstream."""
+    goods = _good_requests(12, seed=11)
+    bodies = [_score_body(pairs) for pairs in goods]
+    with (
+        server_process(tiny_model, log_path=tmp_path / "a.log") as (first, first_process),
+        served(tiny_model, tmp_path=tmp_path) as second,
+        behind_nginx(nginx_binary, [first, second], tmp_path) as lb,
+    ):
+        reference = [post(second, "/score", body, JSON) for body in bodies]
+        assert all(status == 200 for status, _ in reference)
+        plan = [("good", k % len(bodies), bodies[k % len(bodies)], JSON) for k in range(400)]
+        answers: list = []
+        load = threading.Thread(target=lambda: answers.extend(_run_load(lb, plan, clients=6)))
+        killed_at = {}
+
+        def kill_first():
+            deadline = time.monotonic() + 60
+            while _requests_total(first).get("200", 0) < 10:  # the load reaches A
+                assert time.monotonic() < deadline, "replica A answered nothing"
+                time.sleep(0.01)
+            assert call(first, "POST", "/pause")[0] == 200
+            while call(first, "GET", "/health")[1]["queue_depth"] < 2:
+                assert time.monotonic() < deadline, "no request reached the paused replica"
+                time.sleep(0.01)
+            killed_at["held"] = call(first, "GET", "/health")[1]["queue_depth"]
+            first_process.send_signal(signal.SIGKILL)
+            first_process.wait(30)
+
+        load.start()
+        kill_first()
+        load.join(600)
+    first_address, second_address = first.removeprefix("http://"), second.removeprefix("http://")
+    assert len(answers) == len(plan)
+    lost = [(i, status, answer) for _, i, status, answer, _ in answers if status != 200]
+    assert not lost, lost[:5]
+    worst = 0.0
+    for _, i, _, answer, _ in answers:
+        want = reference[i][1]
+        assert answer["weights_fingerprint"] == want["weights_fingerprint"]
+        assert [r["id"] for r in answer["results"]] == [r["id"] for r in want["results"]]
+        for got, expected in zip(answer["results"], want["results"], strict=True):
+            worst = max(
+                worst, float(np.abs(np.subtract(got["logprobs"], expected["logprobs"])).max())
+            )
+    assert worst <= 1e-5, worst  # the same weights; batch compositions differ (fp32, CPU)
+    upstreams = [upstream for *_, upstream in answers]
+    retried = [u for u in upstreams if u == f"{first_address}, {second_address}"]
+    print(
+        f"{len(answers)} requests, {len(lost)} lost, {killed_at['held']} sequences held in A at "
+        f"the kill, "
+        f"{len(retried)} retried on B, {upstreams.count(first_address)} answered by A, "
+        f"max |d| {worst:.2g}"
+    )
+    assert retried, set(upstreams)  # the held requests (queue_depth counts sequences)
+    assert {first_address, second_address} <= set(upstreams)
 
 
 def _scored_tokens(url) -> float:
