@@ -71,8 +71,13 @@ def record_runs(
     results = []
     with history.write() as session:
         recorder = _Recorder(session, config)
-        for run in sorted(runs, key=lambda r: r.started_at):
-            results.append(recorder.record(run))
+        # No flush between runs: the series states and alerts the runs change are written
+        # once, when the transaction commits. Flushing them after every run made PostgreSQL
+        # keep a version of each series row per run, and every foreign-key check on it walk
+        # them all (a year's import went quadratic: bench/history.py).
+        with session.no_autoflush:
+            for run in sorted(runs, key=lambda r: r.started_at):
+                results.append(recorder.record(run))
         recorder.finish()
     return results
 
@@ -123,30 +128,31 @@ class _Recorder:
         if existing is not None:
             return Recorded(str(run.run_dir), existing, run.status, 0, new=False)
         testbed = self._testbed(run.testbed)
-        row = Run(
-            key=run.key,
-            kind=run.kind,
-            status=run.status,
-            started_at=run.started_at,
-            ended_at=run.ended_at,
-            recorded_at=utc_now(),
-            trigger=run.trigger,
-            command_line=run.command_line,
-            lpx_version=run.lpx_version,
-            lpx_revision=run.lpx_revision,
-            run_dir=str(run.run_dir),
-            testbed_id=testbed.id,
-            errors=run.errors,
-            manifest={**run.manifest, "testbed": run.testbed},
-        )
-        session.add(row)
+        run_id = session.execute(
+            insert(Run.__table__).returning(Run.__table__.c.id),
+            dict(
+                key=run.key,
+                kind=run.kind,
+                status=run.status,
+                started_at=run.started_at,
+                ended_at=run.ended_at,
+                recorded_at=utc_now(),
+                trigger=run.trigger,
+                command_line=run.command_line,
+                lpx_version=run.lpx_version,
+                lpx_revision=run.lpx_revision,
+                run_dir=str(run.run_dir),
+                testbed_id=testbed.id,
+                errors=run.errors,
+                manifest={**run.manifest, "testbed": run.testbed},
+            ),
+        ).scalar_one()
         if run.calibration is not None:
-            session.flush()  # the run's id, which the calibration points at
-            store_calibration(session, run.calibration, row.id)
+            session.flush()  # a calibration an earlier run of this import stored is seen
+            store_calibration(session, run.calibration, run_id)
         pairs = self._describe(run, testbed)
         self._resolve(pairs, testbed)
-        session.flush()  # the run's id, and the series states judged at the previous run
-        comparisons = [self._comparison(row, run, p) for p in pairs]
+        comparisons = [self._comparison(run_id, run, p) for p in pairs]
         if comparisons:
             # Core, not the unit of work: one batched INSERT ... RETURNING, ids in order.
             ids = session.execute(
@@ -157,7 +163,7 @@ class _Recorder:
             ).scalars()
             for comparison, comparison_id in zip(comparisons, ids, strict=True):
                 comparison["id"] = comparison_id
-        points = [self._point(row, run, p, c) for p, c in zip(pairs, comparisons, strict=True)]
+        points = [self._point(run_id, run, p, c) for p, c in zip(pairs, comparisons, strict=True)]
         # Boundaries in one batch for each series' first point of the run (a second point
         # of the same series is bounded after the first has moved its state).
         in_order, batched = [], set()
@@ -181,7 +187,7 @@ class _Recorder:
             metric_rows += self._judge(run, series, point, bound, started_at)
         if metric_rows:
             self._insert_plain_rows(MetricValue.__table__, METRIC_COLUMNS, metric_rows)
-        return Recorded(str(run.run_dir), row.id, run.status, len(run.pairs), new=True)
+        return Recorded(str(run.run_dir), run_id, run.status, len(run.pairs), new=True)
 
     def finish(self) -> None:
         """Series that got a point older than their newest are replayed whole."""
@@ -257,12 +263,12 @@ class _Recorder:
             detection_state={},
         )
 
-    def _comparison(self, run_row: Run, run: RunInput, p: _Pair) -> dict:
+    def _comparison(self, run_id: int, run: RunInput, p: _Pair) -> dict:
         report = p.pair.report
         fixture = report["metadata"]["fixture"]
         policy = report.get("policy") or {}
         return dict(
-            run_id=run_row.id,
+            run_id=run_id,
             series_id=self.cache[(Series, p.series_key)].id,
             started_at=run.started_at,
             pair=p.pair.pair,
@@ -279,11 +285,11 @@ class _Recorder:
             details=comparison_details(report, p.pair.tokens_path, self.tokenizers),
         )
 
-    def _point(self, run_row: Run, run: RunInput, p: _Pair, comparison: dict):
+    def _point(self, run_id: int, run: RunInput, p: _Pair, comparison: dict):
         series = self.cache[(Series, p.series_key)]
         point = Point(
             comparison["id"],
-            run_row.id,
+            run_id,
             comparison["verdict"],
             comparison["tau"],
             run.status == "error",
