@@ -39,6 +39,7 @@ NIGHTLY_SAMPLES = 5  # the last nights, each recorded by its own `lpx record`
 ENGINES = ("hf", "fsdp", "deepspeed", "megatron", "vllm")
 DTYPES = ("bfloat16", "float32")
 TENSOR_PARALLEL = (1, 2, 4, 8, 16)
+AT_ONE = ("ess", "is_ratio_mean", "token_mult_prob_error")
 
 
 def make_year(root: Path, nights: int, series: int) -> list[Path]:
@@ -58,7 +59,7 @@ def make_year(root: Path, nights: int, series: int) -> list[Path]:
             step = 3.0 if index % 17 == 0 and night >= 2 * nights // 3 else 1.0
             noise = np.exp(rng.normal(0, 0.05, len(BASE_METRICS)))
             metrics = {
-                name: value * scale * step * float(n)
+                name: _moved(name, value, scale * step * float(n))
                 for (name, value), n in zip(BASE_METRICS.items(), noise, strict=True)
             }
             pairs[f"{index:02d}-{engine}-tp{tp}-{dtype}"] = pair_report(
@@ -79,6 +80,15 @@ def make_year(root: Path, nights: int, series: int) -> list[Path]:
             )
         )
     return dirs
+
+
+def _moved(name: str, value: float, factor: float) -> float:
+    """``value`` drifted by ``factor``: ratios that are 1 when nothing drifts (ESS, IS ratio
+    mean, multiplicative probability error) move their distance from 1, so every value stays
+    in the range `lpx record` accepts."""
+    if name in AT_ONE:
+        return 1.0 + (value - 1.0) * factor
+    return value * factor
 
 
 def lpx(*args) -> tuple[float, subprocess.CompletedProcess]:
