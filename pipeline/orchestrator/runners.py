@@ -182,7 +182,7 @@ class DockerRunner:
             log.write_bytes(container.logs(stdout=True, stderr=True))
             container.remove(force=True)
             network.remove()
-        except (docker.errors.APIError, _connection_errors()):
+        except (docker.errors.APIError, *_connection_errors()):
             pass  # a daemon that went away has failed the stage already; nothing left to stop
 
     def _common(self, run_dir: Path) -> dict:
@@ -251,7 +251,7 @@ class DockerRunner:
             finally:
                 try:
                     container.remove(force=True)
-                except (docker.errors.APIError, _connection_errors()):
+                except (docker.errors.APIError, *_connection_errors()):
                     pass  # gone with the daemon; removed as a leftover on --resume
 
     @contextmanager
@@ -261,9 +261,8 @@ class DockerRunner:
         try:
             yield
         except _connection_errors() as error:
-            first = (str(error).splitlines() or [type(error).__name__])[0][:200]
             raise DockerLost(
-                f"the Docker daemon stopped answering during the stage ({first})"
+                f"the Docker daemon stopped answering during the stage ({_why(error)})"
             ) from None
 
     def _wait(self, container, timeout_s: float) -> int | None:
@@ -302,6 +301,16 @@ def _raise_if_killed(container, stage: Stage) -> None:
         "killed for memory: the host ran out of memory; set a memory: limit on the stage, or "
         "run fewer stages on this host at once"
     )
+
+
+def _why(error: BaseException) -> str:
+    """requests' ('Connection aborted.', FileNotFoundError(...)) as words."""
+    parts = [
+        arg.rstrip(".") if isinstance(arg, str) else getattr(arg, "strerror", None) or str(arg)
+        for arg in error.args
+    ]
+    text = ": ".join(part for part in parts if part) or type(error).__name__
+    return text.splitlines()[0][:200]
 
 
 def _explain(error) -> str:

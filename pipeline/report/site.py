@@ -2,19 +2,28 @@
 
 index.html, one page per series and per run, and one CSS + one JS asset; all data is
 inlined (JSON in <script type="application/json">), nothing is fetched. The site is built
-in a staging directory and swapped in whole, so a reader never sees half a report, and an
+in a staging directory from one snapshot of the history (a record committing meanwhile is
+in the next report, never half in this one) and swapped in whole, in one atomic exchange
+where the file system has one, so a reader never sees half a report, nor no report. An
 existing directory is replaced only if lpx wrote it (it holds the .lpx-report marker).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import os
 import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup
+from sqlalchemy.orm import Session
 
 from pipeline.errors import BadInput
 from pipeline.history.database import History, describe
@@ -52,7 +61,7 @@ def build_site(history: History, out_dir: Path) -> Path:
     (staging / "runs").mkdir()
     (staging / "assets").mkdir()
     try:
-        with history.read() as session:
+        with snapshot(history) as session:
             data = load_history(session)
             _render(
                 env, "index.html", staging / "index.html", {**common, "root": ""}, index_page(data)
@@ -83,6 +92,18 @@ def build_site(history: History, out_dir: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir / "index.html"
+
+
+@contextmanager
+def snapshot(history: History) -> Iterator[Session]:
+    """A read session in which every query sees the same committed history. SQLite's read
+    transaction is one snapshot already; PostgreSQL's default (read committed) takes a new
+    one per statement, so a record committing between two queries would give a render runs
+    without their comparisons, or comparisons of series it never loaded."""
+    with history.read() as session:
+        if session.get_bind().dialect.name == "postgresql":
+            session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+        yield session
 
 
 def format_number(value) -> str:
@@ -117,9 +138,40 @@ def _check_replaceable(out_dir: Path) -> None:
 
 
 def _swap_in(staging: Path, out_dir: Path) -> None:
+    """Put the new site where the old one was in one step: a reader that opens --out at any
+    moment finds the whole old site or the whole new one (never none, never a mix)."""
+    try:
+        staging.rename(out_dir)  # the first report (or an empty directory): atomic as is
+        return
+    except OSError as error:
+        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    if _exchange(staging, out_dir):
+        shutil.rmtree(staging)  # the old site, now under the staging name
+        return
+    # No atomic exchange here (an old kernel, a network file system): two renames, with a
+    # moment between them when --out is missing.
     old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    if out_dir.exists():
-        out_dir.rename(old)
+    out_dir.rename(old)
     staging.rename(out_dir)
-    if old.exists():
-        shutil.rmtree(old)
+    shutil.rmtree(old)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two directories atomically (Linux renameat2 RENAME_EXCHANGE, macOS renamex_np
+    RENAME_SWAP); False where the system or file system cannot."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    paths = (os.fsencode(first), os.fsencode(second))
+    if sys.platform == "linux" and hasattr(libc, "renameat2"):
+        at_cwd, rename_exchange = -100, 2
+        done = libc.renameat2(at_cwd, paths[0], at_cwd, paths[1], rename_exchange)
+    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
+        done = libc.renamex_np(paths[0], paths[1], 2)  # RENAME_SWAP
+    else:
+        return False
+    if done == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
