@@ -220,6 +220,8 @@ def test_update_weights_fields_and_unknown_endpoints_answer_json_errors(server):
         (b'{"path": 7}', "path"),
         (b'{"path": "/tmp", "version": ""}', "version"),
         (b'{"path": "/tmp", "colour": 1}', "colour"),
+        (json.dumps({"path": "a" * 300}).encode(), "path"),  # was a 500: File name too long
+        (b'{"path": "/nonexistent/model"}', "path"),
         (b"{", "body"),
     ]:
         status, answer = post(server, "/update_weights", body, JSON)

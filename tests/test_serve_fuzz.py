@@ -87,6 +87,8 @@ NOT_INTEGERS = st.one_of(
     st.lists(st.integers(0, 3), max_size=2),
     st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
 )
+NOT_STRINGS = st.one_of(st.integers(), st.floats(allow_nan=False, allow_infinity=False),
+                       st.booleans(), st.lists(st.text(max_size=2), max_size=2))  # fmt: skip
 NOT_LISTS = st.one_of(st.integers(), st.text(max_size=4), st.none(), st.booleans(),
                       st.dictionaries(st.text(max_size=2), st.integers(), max_size=1))  # fmt: skip
 OUT_OF_VOCABULARY = st.one_of(st.integers(VOCAB, 2**80), st.integers(-(2**80), -1))
@@ -132,9 +134,7 @@ def broken_requests(draw, how: str):
             return request, 400, "body"
         return request, 422, key if where == "top" else f"sequences[{i}].{key}"
     if how == "sequence id wrong":
-        sequences[i]["id"] = draw(st.one_of(NOT_INTEGERS.filter(lambda v: v is not None
-                                                                and not isinstance(v, str)),
-                                            st.text(min_size=1025, max_size=1030)))  # fmt: skip
+        sequences[i]["id"] = draw(st.one_of(NOT_STRINGS, st.text(min_size=1025, max_size=1030)))
         return request, 422, f"sequences[{i}].id"
     if how == "prompt_logprobs wrong":
         request["prompt_logprobs"] = draw(st.one_of(st.integers(), st.text(max_size=4), st.none(),
@@ -260,6 +260,26 @@ def test_raw_bodies_and_headers(fuzz_server, direct, how, data):
         if status is not None:
             assert (got, answer.get("field")) == (status, field), answer
     _check_health(fuzz_server)
+
+
+@settings(max_examples=EXAMPLES["good"])
+@given(
+    path=st.one_of(
+        st.text(alphabet=st.sampled_from(list("/.a~-\x00\n")), max_size=600),
+        st.text(max_size=20),
+    ),
+    version=st.one_of(st.none(), st.text(max_size=300)),
+)
+def test_update_weights_with_any_path_keeps_the_old_weights(fuzz_server, path, version):
+    """A path that holds no model: 400 or 422 naming `path` or `version`, and the server
+    goes on serving the weights it had."""
+    before = call(fuzz_server, "GET", "/health")[1]["weights_fingerprint"]
+    body = {"path": path} if version is None else {"path": path, "version": version}
+    status, answer = post(fuzz_server, "/update_weights", json.dumps(body).encode(), JSON)
+    event(f"status {status}")
+    assert status in (400, 422) and answer.get("field") in ("path", "version"), answer
+    _check_health(fuzz_server)
+    assert call(fuzz_server, "GET", "/health")[1]["weights_fingerprint"] == before
 
 
 def _check_scored(request: dict, answer: dict, direct) -> None:

@@ -165,7 +165,11 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
             # a store's version is pulled and verified before pausing: scoring goes on meanwhile
             path = await asyncio.to_thread(resolve_model_dir, Path(body.path), body.version)
         except BadInput as bad:
-            return error(400, str(bad))
+            return refused(Refusal(400, str(bad), "path"))
+        except OSError as failure:  # a name too long, a directory it may not read, ...
+            return refused(
+                Refusal(400, f"path {body.path[:200]!r}: {failure.strerror or failure}", "path")
+            )
         scheduler: BatchScheduler = state["scheduler"]
         async with state["update_lock"]:
             await scheduler.pause("update")
