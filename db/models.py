@@ -150,11 +150,14 @@ class MetricValue(Base):
     __tablename__ = "metric_values"
     __table_args__ = (
         UniqueConstraint("comparison_id", "name"),
-        Index("ix_metric_values_series_name_time", "series_id", "name", "started_at"),
+        # Series pages and re-evaluation read a whole series; nothing filters on the name.
+        Index("ix_metric_values_series", "series_id"),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     comparison_id: Mapped[int] = mapped_column(ForeignKey("comparisons.id", ondelete="CASCADE"))
-    series_id: Mapped[int] = mapped_column(ForeignKey("series.id"))
+    # The comparison's series, copied for the index; not a foreign key of its own, since the
+    # comparison's reference is checked already and a year's import would check 365,000 more.
+    series_id: Mapped[int] = mapped_column(Integer)
     started_at: Mapped[datetime]
     name: Mapped[str] = mapped_column(String(128))
     value: Mapped[float | None] = mapped_column(Float)  # NULL: not finite

@@ -69,7 +69,7 @@ def alerts(url, statuses=("active",)):
 
 def test_a_fresh_database_is_migrated_to_head_on_first_use(history_url):
     history = open_history(history_url)
-    assert schema_revision(history) == head_revision() == "0003"
+    assert schema_revision(history) == head_revision() == "0004"
     history.dispose()
     assert count(history_url, Run) == 0
 
@@ -382,7 +382,7 @@ def test_upgrade_from_the_previous_revision_keeps_data_and_judges_it(history_url
             )
     engine.dispose()
     history = open_history(history_url)
-    assert schema_revision(history) == "0003"
+    assert schema_revision(history) == "0004"
     with history.read() as session:
         rows = session.execute(
             select(MetricValue.value, MetricValue.status, MetricValue.upper).order_by(
@@ -466,3 +466,38 @@ def test_report_replaces_only_a_directory_it_wrote(tmp_path):
     assert run_lpx("report", "--db", url, "--out", site).exit_code == 0  # replaced whole
     assert not (site / "stale.html").exists() and (site / "runs" / "2.html").is_file()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
+
+
+def test_upgrade_to_0004_keeps_every_metric_row_and_swaps_the_series_index(history_url, tmp_path):
+    """A history recorded at 0003 keeps its points; metric values lose only the name-keyed
+    series index and their own series foreign key."""
+    from sqlalchemy import inspect
+
+    from pipeline.history.database import History
+
+    engine = _create_engine(history_url)
+    _upgrade(engine, "0003")
+    runs = nightly_history(tmp_path, 3)
+    # Recorded at 0003 by this recorder: the two revisions' columns are the same.
+    record_runs(History(history_url, engine), [collect_run(d) for d in runs])
+    with engine.connect() as connection:
+        before = connection.execute(
+            text("SELECT comparison_id, name, value, status FROM metric_values ORDER BY id")
+        ).all()
+    engine.dispose()
+    history = open_history(history_url)
+    assert schema_revision(history) == "0004"
+    with history.engine.connect() as connection:
+        after = connection.execute(
+            text("SELECT comparison_id, name, value, status FROM metric_values ORDER BY id")
+        ).all()
+        inspector = inspect(connection)
+        indexes = {ix["name"]: ix["column_names"] for ix in inspector.get_indexes("metric_values")}
+        referred = {fk["referred_table"] for fk in inspector.get_foreign_keys("metric_values")}
+    history.dispose()
+    assert after == before and len(after) == 3 * len(BASE_METRICS)
+    assert indexes.get("ix_metric_values_series") == ["series_id"]
+    assert "ix_metric_values_series_name_time" not in indexes
+    assert referred == {"comparisons"}
+    record(history_url, *runs)  # idempotent across the upgrade
+    assert count(history_url, MetricValue) == len(after)
