@@ -570,7 +570,7 @@ def test_replicas_behind_nginx_answer_as_one_server(
     server, tiny_model, run_dir, tmp_path, nginx_binary
 ):
     """Scale-out with an existing load balancer: two replicas behind the example nginx
-    config equal the in-process replay bit for bit, both take work, and a replica that
+    config equal the in-process replay (1e-6), both take work, and a replica that
     rejects while paused (503) is skipped without the client seeing it."""
     fixture = read_table(run_dir / "fixture.parquet")
     replay = read_table(run_dir / "replay-float32.parquet")
@@ -586,7 +586,9 @@ def test_replicas_behind_nginx_answer_as_one_server(
         gained = [a - b for a, b in zip(after, before, strict=True)]
         assert all(g > 0 for g in gained), gained  # least_conn under 4 requests in flight
         assert sum(gained) == len(fixture.completion_ids)
-        assert float(np.abs(table.channels["replay"] - replay.channels["replay"]).max()) == 0.0
+        # 4 requests in flight: the replicas may batch two together, and another batch
+        # composition moves a logprob by a few fp32 ulps (1.1e-7 seen here once)
+        assert float(np.abs(table.channels["replay"] - replay.channels["replay"]).max()) <= 1e-6
 
         body = {"sequences": [{"prompt_ids": [1, 5, 9], "completion_ids": [7, 8]}]}
         answered_by = {call(lb, "POST", "/score", body)[2]["X-Lpx-Upstream"] for _ in range(8)}
