@@ -60,6 +60,13 @@ def one_error_line(stderr: str) -> str:
     return errors[0]
 
 
+def history_of(url: str) -> list[dict]:
+    """`lpx history --json`: the runs the history holds."""
+    result = run_lpx("history", "--db", url, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
 def count(url: str, model, *where) -> int:
     history = open_history(url)
     try:
@@ -189,9 +196,13 @@ def test_a_render_reads_one_snapshot_while_a_record_commits(history_url, tmp_pat
     assert count(history_url, Run) == 4
 
 
-def test_the_site_rendered_while_records_commit_is_always_the_old_or_the_new(history_url, tmp_path):
+def test_the_site_rendered_while_records_commit_is_always_the_old_or_the_new(
+    own_postgres, tmp_path
+):
     """Batches of runs recorded one commit each, `lpx report` rendering over and over into
-    one site, and a reader going through that site the whole time."""
+    one site, and a reader going through that site the whole time (on PostgreSQL, the
+    team's backend; the snapshot test above holds on both)."""
+    history_url = new_database(own_postgres, "site")
     seed = nightly_history(tmp_path / "seed", 6, pairs=PAIRS[:6])
     assert finish(lpx("record", *seed, "--db", history_url))[0] == 0
     site = tmp_path / "site"
@@ -294,7 +305,7 @@ def test_two_nightlies_recording_into_one_history_at_once_are_both_kept_once(
     code, out, err = ended[failing]
     assert code == 1 and out.strip().endswith(f"run: FAIL; outputs in {runs[failing]}"), err
     assert not [e for _, _, e in ended.values() if "Error:" in e]
-    history = json.loads(run_lpx("history", "--db", url, "--json").output)
+    history = history_of(url)
     assert sorted((r["run_dir"], r["status"], r["comparisons"]) for r in history) == [
         (str(runs[passing]), "pass", 1),
         (str(runs[failing]), "fail", 1),
@@ -398,7 +409,7 @@ def test_the_docker_daemon_restarted_mid_run_is_a_stage_error_and_resume_finishe
     stages = {s["name"]: s for s in json.loads((run_dir / "lpx-run.json").read_text())["stages"]}
     assert stages["model"]["message"] == "kept from the resumed run"
     assert {s["status"] for s in stages.values()} == {"ok"}
-    history = json.loads(run_lpx("history", "--db", db, "--json").output)
+    history = history_of(db)
     assert sorted(r["status"] for r in history) == ["error", "pass"]
     leftovers = subprocess.run(
         ["docker", "ps", "-aq", "--filter", f"label=ai.lpx.run={run_dir}"],
@@ -425,6 +436,6 @@ def test_a_stage_container_killed_for_memory_is_an_error_naming_the_stage_and_li
     stages = {s["name"]: s for s in json.loads((run_dir / "lpx-run.json").read_text())["stages"]}
     assert stages["rollout"]["status"] == "error" and "limit of 64m" in stages["rollout"]["message"]
     assert stages["replay-fp32"]["message"] == "not run: rollout failed"
-    (recorded,) = json.loads(run_lpx("history", "--db", db, "--json").output)
+    (recorded,) = history_of(db)
     assert recorded["status"] == "error"
     assert any("limit of 64m" in str(error) for error in recorded["errors"]), recorded["errors"]
