@@ -42,7 +42,9 @@ def run(
 
     Each stage is one `lpx` command in its own process, logged to RUN/logs/STAGE.log and
     noted in RUN/lpx-run.json as it ends. A stage that fails or times out keeps what
-    finished; the run is recorded as an error run (exit 2). Plan format: docs/orchestrator.md.
+    finished; the run is recorded as an error run and ends with one Error: line naming the
+    stage, its log and the --resume that finishes it (exit 2). Plan format and what each
+    fault does: docs/orchestrator.md.
 
     \b
     Example:
