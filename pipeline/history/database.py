@@ -27,12 +27,12 @@ SQLITE_BUSY_TIMEOUT_S = 120
 DETECTION_REVISION = "0002"  # points recorded before it are re-evaluated after upgrading
 
 
-def _json_dumps(value) -> str:
+def json_dumps(value) -> str:
     return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
 # orjson for the JSON columns: series detection states are rewritten on every point.
-JSON_CODEC = {"json_serializer": _json_dumps, "json_deserializer": orjson.loads}
+JSON_CODEC = {"json_serializer": json_dumps, "json_deserializer": orjson.loads}
 
 
 def resolve_url(db: str | None) -> str:

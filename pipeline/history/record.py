@@ -27,7 +27,7 @@ from pipeline.db.models import (
 from pipeline.history import keys
 from pipeline.history.calibrations import store_calibration
 from pipeline.history.collect import PairInput, RunInput
-from pipeline.history.database import History
+from pipeline.history.database import History, json_dumps
 from pipeline.history.details import comparison_details
 from pipeline.history.detection import DetectionConfig, metric_spec
 from pipeline.history.evaluate import (
@@ -50,6 +50,25 @@ METRIC_COLUMNS = (
     "better",
     *BOUNDARY_COLUMNS,
 )
+COMPARISON_COLUMNS = (
+    "id",
+    "run_id",
+    "series_id",
+    "started_at",
+    "pair",
+    "rollout_build_id",
+    "replay_build_id",
+    "verdict",
+    "profile",
+    "tau",
+    "tokens",
+    "sequences",
+    "seed",
+    "findings",
+    "violations",
+    "details",
+)
+COMPARISON_JSON = ("findings", "violations", "details")  # sent as JSON text
 NOT_METRICS = ("tokens", "tau")  # context, not drift: stored on the comparison instead
 NON_FINITE = ("nan", "inf", "-inf")  # how report.json writes non-finite metrics
 
@@ -154,15 +173,7 @@ class _Recorder:
         self._resolve(pairs, testbed)
         comparisons = [self._comparison(run_id, run, p) for p in pairs]
         if comparisons:
-            # Core, not the unit of work: one batched INSERT ... RETURNING, ids in order.
-            ids = session.execute(
-                insert(Comparison.__table__).returning(
-                    Comparison.__table__.c.id, sort_by_parameter_order=True
-                ),
-                comparisons,
-            ).scalars()
-            for comparison, comparison_id in zip(comparisons, ids, strict=True):
-                comparison["id"] = comparison_id
+            self._insert_comparisons(comparisons)
         points = [self._point(run_id, run, p, c) for p, c in zip(pairs, comparisons, strict=True)]
         # Boundaries in one batch for each series' first point of the run (a second point
         # of the same series is bounded after the first has moved its state).
@@ -330,6 +341,39 @@ class _Recorder:
             )
         return rows
 
+    def _insert_comparisons(self, comparisons: list[dict]) -> None:
+        """Give the comparisons their ids first, then insert them as plain rows (COPY on
+        PostgreSQL): a batched INSERT ... RETURNING was one long statement per run that
+        psycopg re-parsed every time."""
+        table = Comparison.__table__
+        for comparison, comparison_id in zip(
+            comparisons, self._new_ids(table, len(comparisons)), strict=True
+        ):
+            comparison["id"] = comparison_id
+        started_at = _bound(self.session, table.c.started_at, comparisons[0]["started_at"])
+        rows = []
+        for comparison in comparisons:
+            values = comparison | {"started_at": started_at}
+            values |= {name: json_dumps(comparison[name]) for name in COMPARISON_JSON}
+            rows.append(tuple(values[name] for name in COMPARISON_COLUMNS))
+        self._insert_plain_rows(table, COMPARISON_COLUMNS, rows)
+
+    def _new_ids(self, table, count: int) -> list[int]:
+        """``count`` primary keys for ``table``: PostgreSQL takes them from the column's
+        sequence; SQLite's next rowids are safe to take since this transaction holds the
+        write lock (BEGIN IMMEDIATE) from its start."""
+        connection = self.session.connection()
+        if connection.dialect.name == "postgresql":
+            return list(
+                connection.exec_driver_sql(
+                    f"SELECT nextval(pg_get_serial_sequence('{table.name}', 'id')) "
+                    "FROM generate_series(1, %(count)s)",
+                    {"count": count},
+                ).scalars()
+            )
+        (last,) = connection.exec_driver_sql(f"SELECT coalesce(max(id), 0) FROM {table.name}").one()
+        return list(range(last + 1, last + 1 + count))
+
     def _insert_plain_rows(self, table, columns: tuple[str, ...], rows: list[tuple]) -> None:
         """executemany straight to the driver. Metric rows are plain numbers and strings
         (the one datetime is bound by the caller), and SQLAlchemy's per-row parameter
@@ -384,7 +428,14 @@ def _new_case(p: _Pair) -> Case:
     return Case(key=p.case_key, label=label, **fields)
 
 
-_PG_TYPES = {"Integer": "int4", "Float": "float8", "String": "varchar", "DateTime": "timestamp"}
+# Binary COPY types by column type; a JSON column's binary form is its text.
+_PG_TYPES = {
+    "Integer": "int4",
+    "Float": "float8",
+    "String": "varchar",
+    "DateTime": "timestamp",
+    "JSON": "text",
+}
 
 
 def _bound(session: Session, column, value):
