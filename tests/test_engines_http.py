@@ -76,3 +76,40 @@ def test_timeouts_and_dead_servers_are_clear(tiny_model, prompts):
         rollout("http://127.0.0.1:9", prompts[:1], tiny_model, retries=0)
     with pytest.raises(BadInput, match="needs --set url="):
         HTTPRolloutEngine().rollout(tiny_model, prompts[:1], SAMPLING, {"api": "sglang"})
+
+
+def test_an_answer_cut_off_mid_body_is_retried_then_named():
+    """A replica killed after its headers went out leaves a truncated body (IncompleteRead):
+    retried like a refused connection, and when it never completes, one line naming the URL
+    (it was the generic "an engine or library failed")."""
+    import http.server
+    import threading
+
+    from pipeline.engines.http_json import json_request
+
+    calls = []
+
+    class CutsOffTheFirstAnswer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            calls.append(self.path)
+            body = b'{"ok": true}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body) + (100 if self.path == "/cut" else 0)))
+            self.end_headers()
+            self.wfile.write(body if len(calls) > 1 and self.path != "/cut" else body[:5])
+            self.wfile.flush()
+            self.connection.shutdown(2)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), CutsOffTheFirstAnswer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert json_request("GET", url + "/once", backoff_s=0.01) == {"ok": True}
+        assert calls == ["/once", "/once"]
+        with pytest.raises(BadInput, match=f"{url}/cut: .* after 3 attempt"):
+            json_request("GET", url + "/cut", backoff_s=0.01)
+    finally:
+        server.shutdown()

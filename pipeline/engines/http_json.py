@@ -3,6 +3,7 @@ backoff on transient statuses, and errors that name the URL."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -39,7 +40,14 @@ def json_request(
             retry_after = error.headers.get("Retry-After")
             if retry_after and retry_after.isdigit():
                 wait = max(wait, float(retry_after))
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+        # A server that dies mid-answer (a replica killed after its headers went out) leaves
+        # a truncated body: http.client's IncompleteRead, transient like a refused connect.
+        except (
+            urllib.error.URLError,
+            TimeoutError,
+            ConnectionError,
+            http.client.HTTPException,
+        ) as error:
             if attempt == retries:
                 reason = getattr(error, "reason", error)
                 raise BadInput(
