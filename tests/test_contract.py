@@ -240,3 +240,15 @@ def test_a_contradiction_needs_a_number_to_contradict():
     assert contradictions(report) == []
     report["metrics"]["topk_kl_forward_mean"] = math.inf
     assert contradictions(report) == ["metrics.topk_kl_forward_mean = inf is over its limit 0.1"]
+
+
+@pytest.mark.parametrize("command", [["gate"], ["history", "runs"], ["record", "RUN"]])
+def test_a_db_path_that_is_a_fifo_is_refused_not_waited_on(tmp_path, command):
+    """Found by the fuzz: opening a FIFO to read its header blocked `lpx gate` forever."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    argv = [a.replace("RUN", str(a_run(tmp_path))) for a in command]
+    error = one_error_line(lpx(*argv, "--db", fifo))
+    assert f"{fifo} is not a regular file" in error
