@@ -197,10 +197,17 @@ SIDE_FIELDS: dict[str, Check] = {
     "engine.name": optional(text),
     "engine.versions": optional(obj),
     "model": optional(obj),
+    "model.path": optional(text),
+    "model.architecture": optional(text),
+    "model.weights_fingerprint": optional(text),
+    "model.tokenizer_fingerprint": optional(text),
+    "prompt_set_fingerprint": optional(text),
     "sampling": optional(obj),
     "sampling.seed": optional(integer(-INT64_MAX, INT64_MAX)),
     "knobs": optional(obj),
     "layout": optional(obj),
+    "layout.world_size": optional(integer(0, INT32_MAX)),
+    "layout.tensor_parallel_size": optional(integer(0, INT32_MAX)),
     "hardware": optional(obj),
 }
 TESTBED_FIELDS: dict[str, Check] = {
@@ -229,6 +236,8 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "stages[].message": optional(text),
     "stages[].outputs": optional(array),
     "stages[].image": optional(obj),
+    "stages[].image.ref": optional(text),
+    "stages[].image.digest": optional(text),
 }
 
 
