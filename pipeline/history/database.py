@@ -178,9 +178,7 @@ def _sqlite_revision(path: Path) -> str | None:
     """The schema revision of an existing SQLite file, read so that a file lpx refuses keeps
     every byte and gains no -wal/-shm/-journal beside it."""
     if not path.is_file():  # a FIFO would block the read forever, a directory fail later
-        raise BadInput(
-            f"{path} is not a regular file, so not an lpx history; check --db / LPX_DB."
-        )
+        raise BadInput(f"{path} is not a regular file, so not an lpx history; check --db / LPX_DB.")
     try:
         with path.open("rb") as file:
             header = file.read(100)
