@@ -1,9 +1,10 @@
-"""The fuzz suite's profiles, the contract every command keeps, and the input generators.
+r"""The fuzz suite's profiles, the contract every command keeps, and the input generators.
 
 Profiles (env LPX_FUZZ): `fast` (default) is derandomized, so the README test command runs
 the same examples on every machine; `long` draws many more, fresh each run:
 
-    LPX_FUZZ=long .venv/bin/python -m pytest tests/test_fuzz.py tests/test_interrupts.py
+    LPX_FUZZ=long .venv/bin/python -m pytest tests/test_fuzz.py tests/test_serve_fuzz.py \
+        tests/test_interrupts.py
 
 No example database is kept: tests never write into the checkout.
 """

@@ -10,6 +10,7 @@ import json
 import math
 import re
 import tempfile
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,8 @@ from tests.fuzzing import (
     run_under_contract,
     token_tables,
 )
+
+START = datetime(2026, 3, 1, 3, 0)
 
 # -- compare on generated fixture/replay pairs ---------------------------------------------
 
@@ -361,6 +364,164 @@ def test_ingest_accepts_only_what_compare_accepts(records, mutation, garbage):
             assert not out.exists()
 
 
+# -- reports and run manifests (lpx record, then lpx gate) ---------------------------------
+
+
+def _leaves(value, path=()):
+    """Every (path, value) in a JSON document, containers included."""
+    yield path, value
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value[:3]):
+            yield from _leaves(item, (*path, index))
+
+
+def _replace(document, path, value):
+    node = document
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+
+
+def _number(value) -> float | None:
+    if finite_number(value):
+        return float(value)
+    return None
+
+
+def an_honest_pass(report) -> bool:
+    """The oracle, written apart from lpx's schema: a gate may pass a report only when it
+    says pass, its mean and max |d| are finite numbers, and every limited metric it measured
+    is a finite number within its limit."""
+    if not isinstance(report, dict) or report.get("verdict") != "pass":
+        return False
+    metrics, policy = report.get("metrics"), report.get("policy")
+    if not isinstance(metrics, dict) or not isinstance(policy, dict):
+        return False
+    if any(_number(metrics.get(m)) is None for m in ("max_abs_diff", "mean_abs_diff")):
+        return False
+    if policy.get("violations") or policy.get("verdict") == "fail":
+        return False
+    for metric, limit in (policy.get("limits") or {}).items():
+        if metric in metrics and not (
+            _number(metrics[metric]) is not None
+            and _number(limit) is not None
+            and metrics[metric] <= limit
+        ):
+            return False
+    return True
+
+
+@st.composite
+def damaged_documents(draw, document: dict):
+    """``document`` with one field (anywhere, containers too) replaced by any JSON value,
+    or deleted, or left alone."""
+    document = copy.deepcopy(document)
+    paths = [path for path, _ in _leaves(document) if path]
+    action = draw(st.sampled_from(["replace"] * 6 + ["delete", "none"]))
+    if action == "none":
+        return document
+    path = draw(st.sampled_from(paths))
+    if action == "delete":
+        parent = document
+        for key in path[:-1]:
+            parent = parent[key]
+        parent.pop(path[-1]) if isinstance(parent, dict) else parent.pop(path[-1])
+    else:
+        _replace(document, path, draw(JSON_VALUES))
+    event(f"{action} {'.'.join(map(str, path[:2]))}")
+    return document
+
+
+def _gate_after_record(root: Path, run: Path, db: Path):
+    recorded = run_under_contract(root, ["record", run, "--db", db], [db])
+    if recorded.exit_code != 0:
+        # refused: nothing of it reached the history
+        assert (
+            not db.exists()
+            or "no runs" in run_under_contract(root, ["gate", "--db", db], [db]).output
+        )
+        return recorded, None
+    return recorded, run_under_contract(root, ["gate", "--db", db], [db])
+
+
+@given(data=st.data())
+def test_a_damaged_report_is_refused_or_never_passes_the_gate(data):
+    from tests.synthetic_runs import pair_report, write_run
+
+    honest = pair_report(metrics={"max_abs_diff": 0.02})
+    honest["policy"]["limits"] = {"max_abs_diff": 1.0, "k3": 0.001}
+    report = data.draw(damaged_documents(honest))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        run = write_run(root / "night", {"compare": {"verdict": "pass"}}, started_at=START)
+        (run / "compare" / "report.json").write_text(dumps_line(report))
+        recorded, gate = _gate_after_record(root, run, root / "h.db")
+        if gate is not None and gate.exit_code == 0:
+            assert an_honest_pass(report), (report, gate.output)
+
+
+@given(data=st.data())
+def test_a_damaged_run_manifest_is_refused_or_recorded_as_it_says(data):
+    from tests.synthetic_runs import pair_report, write_run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        run = write_run(root / "night", {"compare": pair_report()}, started_at=START)
+        manifest = json.loads((run / "lpx-run.json").read_text())
+        damaged = data.draw(damaged_documents(manifest))
+        (run / "lpx-run.json").write_text(dumps_line(damaged))
+        recorded, gate = _gate_after_record(root, run, root / "h.db")
+        if gate is not None and any(
+            isinstance(s, dict) and s.get("status") == "error" for s in damaged.get("stages", [])
+        ):
+            assert gate.exit_code == 2, gate.output  # a failed stage is never a pass
+
+
+HOSTILE_TEXT = st.text(
+    alphabet=st.sampled_from(list("ab #*<>&`|\n\r\t\x1b\x07\x9b[]();") + ["\u202e", "\x00"]),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples={"fast": 6, "long": 200}[PROFILE])  # six commands an example
+@given(note=HOSTILE_TEXT, reason=HOSTILE_TEXT)
+def test_notes_and_reasons_are_inert_wherever_they_are_shown(history_with_alerts, note, reason):
+    import shutil
+
+    from pipeline.text import for_terminal
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        db = root / "h.db"
+        shutil.copy(history_with_alerts, db)
+        listed = run_under_contract(root, ["history", "alerts", "--json", "--db", db], [db])
+        alert = json.loads(listed.output)[0]
+        acked = run_under_contract(root, ["ack", alert["id"], "--note", note, "--db", db], [db])
+        annotate = ["annotate", "1", "--exclude", "2", "--reason", reason, "--db", db]
+        shown = acked.output + run_under_contract(root, annotate, [db]).output
+        for view in (["runs"], ["series"], ["series", "1"], ["alerts", "--all"]):
+            shown += run_under_contract(root, ["history", *view, "--db", db], [db]).output
+        # no control or format character reaches the terminal (newlines end lines)
+        assert not re.search("[\\x00-\\x09\\x0b-\\x1f\\x7f-\\x9f\\u202a-\\u202e]", shown), shown
+        if acked.exit_code == 0:  # (a blank note is refused: it must say why)
+            assert for_terminal(note.strip()) in shown
+
+
+@pytest.fixture(scope="module")
+def history_with_alerts(tmp_path_factory) -> Path:
+    from tests.synthetic_runs import nightly_history
+
+    root = tmp_path_factory.mktemp("alerts")
+    db = root / "h.db"
+    runs = nightly_history(root / "runs", 14, step_at=10, upgrade_at=10)
+    assert run_under_contract(root, ["record", *runs, "--db", db], [db]).exit_code == 0
+    return db
+
+
 # -- option values -------------------------------------------------------------------------
 
 OPTION_VALUES = st.one_of(
@@ -419,13 +580,37 @@ INPUT_PATHS = [
     "",
     "../outside",
     "garbage.bin",
+    "night",  # a run directory with a report and lpx-run.json
+    "history.db",  # a history with runs and alerts
+    "plan.yaml",
+    "plan-escape.yaml",
+    "plan-no-model.yaml",
 ]
-OUTPUT_PATHS = ["out", "out/x.parquet", "fixture.parquet", "../outside", "indir", "", "fifo"]
+OUTPUT_PATHS = [
+    "out",
+    "out/x.parquet",
+    "fixture.parquet",
+    "../outside",
+    "indir",
+    "",
+    "fifo",
+    "history.db",
+    "typo.db",
+]
 WORDS = ["", "x", "a=b", "=", "../x", "\x1b[2J", "hf", "vllm", "float32", "bf16", "1", "-1", "nan"]
 NUMERIC = ("IntRange", "IntParamType", "FiniteFloat", "FloatParamType", "FloatRange")
 OUTPUT_NAMES = ("out", "out_dir", "out_path", "report_dir", "db")
 # Commands that load a model when their arguments are valid: fewer examples in `fast`.
-ENGINE_COMMANDS = {"rollout", "replay", "sweep", "smoke", "make-model", "inject"}
+ENGINE_COMMANDS = {"rollout", "replay", "sweep", "smoke", "make-model", "inject", "run"}
+# Commands that only read the history: their --db is never created or changed.
+READS_HISTORY = {"gate", "history", "report"}
+PLAN = """version: 1
+name: {name}
+{model}prompts: bundled
+sampling: {{max_tokens: 4, seed: 0}}
+rollout: {{engine: hf, dtype: fp32}}
+replays: [{{name: hf-fp32, engine: hf, dtype: fp32}}]
+"""
 
 
 def _leaf_commands():
@@ -477,7 +662,7 @@ def command_lines(draw, params, model):
     return argv
 
 
-def _workspace(root: Path, run_dir: Path) -> Path:
+def _workspace(root: Path, run_dir: Path, history: Path) -> Path:
     """Inputs of every kind in ROOT/work (the cwd), a FIFO where an output might go."""
     import os
     import shutil
@@ -493,13 +678,22 @@ def _workspace(root: Path, run_dir: Path) -> Path:
     (work / "policy.yaml").write_text("version: 1\nprofiles: {float32: {tau: 1.0e-4}}\n")
     (work / "garbage.bin").write_bytes(bytes(range(256)))
     os.mkfifo(work / "fifo")
+    from tests.synthetic_runs import pair_report, write_run
+
+    write_run(work / "night", {"compare": pair_report()}, started_at=START)
+    shutil.copy(history, work / "history.db")
+    (work / "plan.yaml").write_text(PLAN.format(name="fuzz", model="model: tiny\n"))
+    (work / "plan-escape.yaml").write_text(PLAN.format(name="../../X", model="model: tiny\n"))
+    (work / "plan-no-model.yaml").write_text(PLAN.format(name="fuzz", model=""))
     return work
 
 
 @pytest.mark.parametrize(
     "path, command", _leaf_commands(), ids=lambda v: " ".join(v) if isinstance(v, list) else ""
 )
-def test_every_command_keeps_the_contract_on_random_arguments(path, command, run_dir, tiny_model):
+def test_every_command_keeps_the_contract_on_random_arguments(
+    path, command, run_dir, tiny_model, history_with_alerts
+):
     import contextlib
     import os
 
@@ -511,13 +705,16 @@ def test_every_command_keeps_the_contract_on_random_arguments(path, command, run
     def check(argv):
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
-            work = _workspace(root, run_dir)
+            work = _workspace(root, run_dir, history_with_alerts)
             inputs = {
                 p.name: p.read_bytes() for p in work.iterdir() if p.is_file() and p.name != "fifo"
             }
             # The contract: writes only at paths named on the command line, the default
             # history and report under ./runs, and lpx's own cache.
             allowed = [*(work / a for a in argv if a), work / "runs", root / "cache"]
+            db = dict(zip(argv, argv[1:], strict=False)).get("--db")
+            if path[0] in READS_HISTORY and db:  # read-only: --db is not an output
+                allowed = [a for a in allowed if a != work / db]
             saved = os.environ.get("LPX_CACHE")
             os.environ["LPX_CACHE"] = str(root / "cache")
             try:
@@ -532,6 +729,7 @@ def test_every_command_keeps_the_contract_on_random_arguments(path, command, run
                 value
                 for option, value in zip(argv, argv[1:], strict=False)
                 if option in ("--out", "--report-out", "--db")
+                and not (option == "--db" and path[0] in READS_HISTORY)
             }
             for name, data in inputs.items():
                 if name in named_outputs:
