@@ -252,3 +252,19 @@ def test_a_db_path_that_is_a_fifo_is_refused_not_waited_on(tmp_path, command):
     argv = [a.replace("RUN", str(a_run(tmp_path))) for a in command]
     error = one_error_line(lpx(*argv, "--db", fifo))
     assert f"{fifo} is not a regular file" in error
+
+
+def test_notes_and_reasons_are_inert_in_the_report_site(tmp_path):
+    db, site = tmp_path / "h.db", tmp_path / "site"
+    assert lpx("record", *nightly_history(tmp_path, 14, step_at=10), "--db", db).exit_code == 0
+    note = "<script>alert(1)</script> **bold** | `code`"
+    assert lpx("ack", "1", "--note", note, "--db", db).exit_code == 0
+    reason = "<img src=x onerror=alert(2)>"
+    assert lpx("annotate", "1", "--exclude", "3", "--reason", reason, "--db", db).exit_code == 0
+    assert lpx("report", "--db", db, "--out", site).exit_code == 0
+    pages = {p: p.read_text() for p in site.rglob("*.html")}
+    for page, html in pages.items():
+        assert "<script>alert(1)" not in html and "<img src=x" not in html, page
+    shown = "".join(pages.values())
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in shown
+    assert "&lt;img src=x onerror=alert(2)&gt;" in shown
