@@ -63,6 +63,7 @@ WRONG_TYPES = {
     "metrics.max_abs_diff": "0.1",  # a number written as a string would go unjudged
     "metrics.tokens": 2**70,  # past int64: overflowed SQLite's INTEGER
     "metrics.k3": -0.5,  # a squared quantity below zero
+    "metrics.k2": [],  # a known metric as a list went unjudged (found by the long fuzz)
     "metrics.ess": 1.5,  # a fraction past 1
     "metrics.token_mult_prob_error": 0.5,  # a mean of exp(|d|) is never below 1
     "metrics.some_future_metric": "fast",  # a metric lpx does not know still has to be a number

@@ -298,9 +298,11 @@ def contradictions(report: dict) -> list[str]:
             found.append(f"metrics.{name} is {metrics[name]}")
     for metric, limit in (policy.get("limits") or {}).items():
         value, bound = as_float(metrics.get(metric)), as_float(limit)
-        if value is None or bound is None or f"metrics.{metric} is" in " ".join(found):
+        if metric not in metrics or bound is None or f"metrics.{metric} is" in " ".join(found):
             continue  # not measured (compare lists it as such), or a NaN already named
-        if not value <= bound:  # NaN is over every limit, as compare's judge() has it
+        if value is None:
+            found.append(f"metrics.{metric}, which its policy limits, is not a number")
+        elif not value <= bound:  # NaN is over every limit, as compare's judge() has it
             found.append(f"metrics.{metric} = {value:.4g} is over its limit {bound:.4g}")
     return found
 
@@ -347,7 +349,7 @@ def _values_at(node, parts: list[str], where: str):
 def _check_metrics(metrics: dict, where: str) -> list[str]:
     problems = []
     for name, value in metrics.items():
-        if isinstance(value, (dict, list)):
+        if isinstance(value, (dict, list)) and name not in METRICS:
             continue  # a group of metrics (by_region, kl_input_drift): not a point value
         check = METRICS.get(name, ANY_NUMBER)
         if value is None and name not in METRICS:
