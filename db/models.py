@@ -13,7 +13,17 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Plain JSON on both backends: these columns are written on every point (series detection
@@ -137,7 +147,7 @@ class Comparison(Base):
     tau: Mapped[float] = mapped_column(Float)
     tokens: Mapped[int] = mapped_column(Integer)
     sequences: Mapped[int] = mapped_column(Integer)
-    seed: Mapped[int | None]
+    seed: Mapped[int | None] = mapped_column(BigInteger)  # sampling seeds are 64-bit
     findings: Mapped[list] = mapped_column(Json, default=list)  # [{cause, severity, ...}]
     violations: Mapped[list] = mapped_column(Json, default=list)
     # What the run page shows: worst tokens (decoded), diagnosis, heatmap, reproduce.

@@ -469,21 +469,24 @@ def test_report_replaces_only_a_directory_it_wrote(tmp_path):
 
 
 def test_upgrade_to_0004_keeps_every_metric_row_and_swaps_the_series_index(history_url, tmp_path):
-    """A history recorded at 0003 keeps its points; metric values lose only the name-keyed
-    series index and their own series foreign key."""
+    """A history at 0003 keeps its points through the upgrade; metric values lose only the
+    name-keyed series index and their own series foreign key."""
+    from alembic import command
     from sqlalchemy import inspect
 
-    from pipeline.history.database import History
+    from pipeline.history.database import _alembic_config
 
-    engine = _create_engine(history_url)
-    _upgrade(engine, "0003")
     runs = nightly_history(tmp_path, 3)
-    # Recorded at 0003 by this recorder: the two revisions' columns are the same.
-    record_runs(History(history_url, engine), [collect_run(d) for d in runs])
-    with engine.connect() as connection:
+    record(history_url, *runs)
+    engine = _create_engine(history_url)
+    with engine.begin() as connection:  # the same rows as a 0003 lpx wrote them
+        command.downgrade(_alembic_config(connection), "0003")
         before = connection.execute(
             text("SELECT comparison_id, name, value, status FROM metric_values ORDER BY id")
         ).all()
+        assert "ix_metric_values_series_name_time" in {
+            ix["name"] for ix in inspect(connection).get_indexes("metric_values")
+        }
     engine.dispose()
     history = open_history(history_url)
     assert schema_revision(history) == "0004"
@@ -501,3 +504,23 @@ def test_upgrade_to_0004_keeps_every_metric_row_and_swaps_the_series_index(histo
     assert referred == {"comparisons"}
     record(history_url, *runs)  # idempotent across the upgrade
     assert count(history_url, MetricValue) == len(after)
+
+
+def test_a_64_bit_seed_is_stored_whole_and_an_oversized_count_is_refused(history_url, tmp_path):
+    """PostgreSQL's binary COPY wraps an integer too large for its column without a word:
+    seeds are 64-bit columns, and a token count beyond INTEGER is refused, naming its report."""
+    seeded = pair_report()
+    seeded["metadata"]["fixture"]["sampling"]["seed"] = 2**40 + 7
+    run = write_run(tmp_path / "seeded", {"c": seeded}, started_at=START)
+    assert run_lpx("record", run, "--db", history_url).exit_code == 0
+    history = open_history(history_url)
+    with history.read() as session:
+        assert session.scalar(select(Comparison.seed)) == 2**40 + 7
+    history.dispose()
+    huge = pair_report()
+    huge["metrics"]["tokens"] = 2**40
+    broken = write_run(tmp_path / "huge", {"c": huge}, started_at=START + timedelta(days=1))
+    result = run_lpx("record", broken, "--db", history_url)
+    assert result.exit_code == 2 and "metrics.tokens" in result.output
+    assert str(broken / "c" / "report.json") in result.output
+    assert count(history_url, Run) == 1

@@ -27,6 +27,7 @@ from pipeline.db.models import (
     Series,
     Testbed,
 )
+from pipeline.errors import BadInput
 from pipeline.history import keys
 from pipeline.history.calibrations import store_calibration
 from pipeline.history.collect import PairInput, RunInput
@@ -304,7 +305,9 @@ class _Recorder:
             verdict=report["verdict"],
             profile=str(policy.get("profile", "")),
             tau=_finite(policy.get("tau")) or 0.0,
-            tokens=int((report.get("metrics") or {}).get("tokens") or 0),
+            tokens=_int32(
+                (report.get("metrics") or {}).get("tokens") or 0, "metrics.tokens", p.pair
+            ),
             sequences=len(report.get("sequences") or []),
             seed=(fixture.get("sampling") or {}).get("seed"),
             findings=report.get("diagnosis") or [],
@@ -449,6 +452,7 @@ _PG_TYPES = {
     "Integer": "int4",
     "Float": "float8",
     "String": "varchar",
+    "BigInteger": "int8",
     "DateTime": "timestamp",
     "JSON": "text",
 }
@@ -475,6 +479,22 @@ def _stage_images(manifest: dict) -> dict:
 def _image(images: dict, side: dict) -> dict | None:
     path = str(side.get("path") or "")
     return images.get(path) or images.get(path.rstrip("/").rsplit("/", 1)[-1])
+
+
+INT32_MAX = 2**31 - 1
+
+
+def _int32(value, field: str, pair: PairInput) -> int:
+    """An integer for an INTEGER column: PostgreSQL's binary COPY would wrap a larger one
+    silently, so it is refused here, naming the report."""
+    value = int(value)
+    if not -INT32_MAX <= value <= INT32_MAX:
+        raise BadInput(
+            f"{pair.report_path}: `{field}` is {value}, beyond what the history stores "
+            f"(|n| <= {INT32_MAX}); rerun `lpx compare` for this directory or fix the file; "
+            "nothing was recorded."
+        )
+    return value
 
 
 def _is_number(value) -> bool:
