@@ -72,6 +72,7 @@ WRONG_TYPES = {
     "policy.violations": "none",
     "metadata.replay.engine": "vllm",  # keys.py reads engine.name: a string crashed it
     "metadata.fixture.sampling.seed": 2**64 + 1,
+    "metadata.replay.engine.versions.torch": [],  # reached SQLite as a list (long fuzz)
     "sequences": {"0-0": {}},
 }
 

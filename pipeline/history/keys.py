@@ -43,11 +43,15 @@ def build_description(side: dict, image: dict | None = None) -> dict:
         "version": engine_version(side),
         "image_ref": image.get("ref"),
         "image_digest": image.get("digest"),
-        "torch": versions.get("torch"),
-        "cuda": versions.get("cuda"),
-        "driver": versions.get("driver"),
+        "torch": _version(versions.get("torch")),
+        "cuda": _version(versions.get("cuda")),
+        "driver": _version(versions.get("driver")),
         "versions": {str(k): str(v) for k, v in versions.items()},
     }
+
+
+def _version(value) -> str | None:
+    return None if value is None else str(value)
 
 
 def case_description(report: dict, label: str | None = None) -> dict:

@@ -78,6 +78,11 @@ def text(value) -> str | None:
     return None if isinstance(value, str) else "a string"
 
 
+def scalar(value) -> str | None:
+    ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+    return None if ok else "a version string"
+
+
 def obj(value) -> str | None:
     return None if isinstance(value, dict) else "an object"
 
@@ -250,6 +255,10 @@ def report_problems(report: dict) -> list[str]:
         for side in ("fixture", "replay"):
             fields = {f"{side}.{k}" if k else side: c for k, c in SIDE_FIELDS.items()}
             problems += _check_fields(meta, fields, "metadata")
+            for name, version in _engine_versions(meta.get(side)).items():
+                if (expected := optional(scalar)(version)) is not None:
+                    where = f"metadata.{side}.engine.versions.{name}"
+                    problems.append(_problem(where, expected, version))
         problems += _check_testbed(meta.get("testbed"), "metadata.testbed")
     metrics = report.get("metrics")
     if isinstance(metrics, dict):
@@ -344,6 +353,12 @@ def _values_at(node, parts: list[str], where: str):
     elif isinstance(node[key], list):
         for i, item in enumerate(node[key]):
             yield from _values_at(item, parts[1:], f"{here}[{i}]")
+
+
+def _engine_versions(side) -> dict:
+    engine = side.get("engine") if isinstance(side, dict) else None
+    versions = engine.get("versions") if isinstance(engine, dict) else None
+    return versions if isinstance(versions, dict) else {}
 
 
 def _check_metrics(metrics: dict, where: str) -> list[str]:
