@@ -139,4 +139,6 @@ def test_a_smoke_whose_stage_fails_is_recorded_as_an_error_run(tiny_model, tmp_p
     assert run["status"] == "error" and run["kind"] == "smoke" and run["comparisons"] == 0
     assert run["errors"][0]["stage"] == "smoke" and "nosuch" in run["errors"][0]["message"]
     gate = lpx("gate", "--db", db, cwd=tmp_path)
-    assert gate.returncode == 2 and "error run" in gate.stdout
+    assert gate.returncode == 2 and "gate: ERROR" in gate.stdout
+    errors = [line for line in gate.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "is an error run" in errors[0] and "nosuch" in errors[0]
