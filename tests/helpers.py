@@ -14,6 +14,20 @@ def run_lpx(*args: str):
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
 
+def count(url: str, model, *where) -> int:
+    """Rows of ``model`` (a pipeline.db.models class) in the history at ``url``."""
+    from sqlalchemy import func, select
+
+    from pipeline.history.database import open_history
+
+    history = open_history(url)
+    try:
+        with history.read() as session:
+            return session.scalar(select(func.count()).select_from(model).where(*where))
+    finally:
+        history.dispose()
+
+
 def read_report(out_dir: Path) -> dict:
     return json.loads((Path(out_dir) / "report.json").read_text())
 

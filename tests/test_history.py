@@ -21,7 +21,7 @@ from pipeline.history.database import (
     schema_revision,
 )
 from pipeline.history.record import record_runs
-from tests.helpers import run_lpx
+from tests.helpers import count, run_lpx
 from tests.synthetic_runs import BASE_METRICS, nightly_history, pair_report, write_run
 
 START = datetime(2026, 1, 1, 3, 0)
@@ -31,15 +31,6 @@ def record(url, *dirs):
     history = open_history(url)
     try:
         return record_runs(history, [collect_run(d) for d in dirs])
-    finally:
-        history.dispose()
-
-
-def count(url, model, *where):
-    history = open_history(url)
-    try:
-        with history.read() as session:
-            return session.scalar(select(func.count()).select_from(model).where(*where))
     finally:
         history.dispose()
 

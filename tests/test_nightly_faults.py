@@ -28,7 +28,7 @@ from pipeline.db.models import Comparison, Run
 from sqlalchemy import func, select
 
 from pipeline.history.database import WRITE_LOCK_ID, open_history
-from tests.helpers import run_lpx
+from tests.helpers import count, run_lpx
 from tests.synthetic_runs import nightly_history
 from tests.test_containers import cpu_images, docker_host  # noqa: F401 (fixtures)
 
@@ -65,15 +65,6 @@ def history_of(url: str) -> list[dict]:
     result = run_lpx("history", "--db", url, "--json")
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
-
-
-def count(url: str, model, *where) -> int:
-    history = open_history(url)
-    try:
-        with history.read() as session:
-            return session.scalar(select(func.count()).select_from(model).where(*where))
-    finally:
-        history.dispose()
 
 
 # --- PostgreSQL killed or restarted while `lpx record` writes --------------------------------

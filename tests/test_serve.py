@@ -64,12 +64,14 @@ def call(url, method, path, body=None, timeout=60):
         return status, raw.decode(), headers
 
 
-def post(url, path, data: bytes, headers=None, timeout=60):
-    """(status, decoded JSON or text) of a POST of any bytes with exactly these headers."""
+def post(url, path, data: bytes, headers=None, timeout=60, chunked: bool = False):
+    """(status, decoded JSON or text) of a POST of any bytes with exactly these headers;
+    ``chunked``: sent as Transfer-Encoding chunked, without a Content-Length."""
     where = urllib.parse.urlsplit(url)
     connection = http.client.HTTPConnection(where.hostname, where.port, timeout=timeout)
+    body = (data[k : k + 8192] for k in range(0, len(data), 8192)) if chunked else data
     try:
-        connection.request("POST", path, body=data, headers=headers or {})
+        connection.request("POST", path, body=body, headers=headers or {}, encode_chunked=chunked)
         response = connection.getresponse()
         status, raw = response.status, response.read()
     finally:

@@ -16,10 +16,8 @@ Profiles as tests/fuzzing.py: `fast` (default, derandomized, in CI) and
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
-import urllib.parse
 
 import numpy as np
 import pytest
@@ -308,18 +306,4 @@ def _check_health(url: str) -> None:
 
 def _send(url: str, body: bytes, headers: dict, chunked: bool):
     """(status, JSON or text); ``chunked``: Transfer-Encoding chunked, no Content-Length."""
-    if not chunked:
-        return post(url, "/score", body, headers)
-    where = urllib.parse.urlsplit(url)
-    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
-    try:
-        parts = (body[k : k + 8192] for k in range(0, len(body), 8192))
-        connection.request("POST", "/score", body=parts, headers=headers, encode_chunked=True)
-        response = connection.getresponse()
-        status, raw = response.status, response.read()
-    finally:
-        connection.close()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
+    return post(url, "/score", body, headers, chunked=chunked)
