@@ -1,4 +1,5 @@
-"""`lpx compare`, `replay`, `ingest` and `make-model` killed at random points (issue 8).
+"""`lpx compare`, `replay`, `ingest`, `make-model`, `record` and `report` killed at random
+points (issues 8 and 22).
 
 Each command first writes a complete output; a second run with different input into the
 same place is then killed after a random delay by SIGINT, SIGTERM or SIGKILL. Whatever the
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -223,3 +225,48 @@ def test_make_model_never_writes_into_a_directory_it_did_not_create(tmp_path):
     (tmp_path / "file").write_text("x")
     assert run_lpx("make-model", tmp_path / "file").exit_code == 2
     assert (tmp_path / "file").read_text() == "x"
+
+
+def test_record_killed_at_random_keeps_all_of_the_runs_or_none(tmp_path):
+    """One transaction: whatever the moment, the history holds every run of the command or
+    none of them, never some; a rerun then records each once (issue 22)."""
+    from pipeline.db.models import Run
+
+    from tests.helpers import count
+    from tests.synthetic_runs import nightly_history
+
+    runs = nightly_history(tmp_path / "runs", 40)
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    args = ["record", *runs, "--db", url]
+    duration = _timed(args, tmp_path)
+    for sig, delay in _delays("record", duration):
+        (tmp_path / "h.db").unlink()
+        code, err = _kill_at_random(args, tmp_path, sig, delay)
+        _check_exit(code, err, sig)
+        recorded = count(url, Run) if (tmp_path / "h.db").exists() else 0
+        assert recorded in (0, len(runs)), f"{recorded} runs after {err}"
+        _run(args, tmp_path)
+        assert count(url, Run) == len(runs)
+
+
+def test_report_killed_at_random_leaves_the_old_site_or_the_new_one(tmp_path):
+    from tests.synthetic_runs import nightly_history
+
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    _run(["record", *nightly_history(tmp_path / "a", 6), "--db", url], tmp_path)
+    site = tmp_path / "site"
+    _run(["report", "--db", url, "--out", site], tmp_path)
+    old = _snapshot(sorted(site.rglob("*.html")))
+    later = nightly_history(tmp_path / "b", 6, start=datetime(2026, 2, 1, 3, 0), seed=3)
+    _run(["record", *later, "--db", url], tmp_path)
+    args = ["report", "--db", url, "--out", site]
+    duration = _timed(args, tmp_path)
+    new = _snapshot(sorted(site.rglob("*.html")))
+    assert old.keys() != new.keys()
+    for sig, delay in _delays("report", duration):
+        code, err = _kill_at_random(args, tmp_path, sig, delay)
+        _check_exit(code, err, sig)
+        state = _snapshot(sorted(site.rglob("*.html")))
+        assert state.keys() in (old.keys(), new.keys()), f"a mixed site after {err}"
+        if sig != signal.SIGKILL:
+            assert _temp_files(tmp_path) == [], f"temp files left after {err}"
