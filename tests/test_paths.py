@@ -82,7 +82,13 @@ def test_an_output_never_replaces_a_file_lpx_did_not_write(run_dir, tmp_path):
 
 def test_an_output_under_a_file_is_one_line(tmp_path):
     """Found by the fuzz suite's long profile: `report --out FILE/x` was a NotADirectoryError."""
+    from datetime import datetime
+
+    from tests.synthetic_runs import pair_report, write_run
+
     (tmp_path / "afile").write_text("x")
+    run = write_run(tmp_path / "run", {"c": pair_report()}, started_at=datetime(2026, 1, 1))
+    assert run_lpx("record", run, "--db", tmp_path / "h.db").exit_code == 0  # a history to show
     result = run_lpx("report", "--db", tmp_path / "h.db", "--out", tmp_path / "afile" / "site")
     assert result.exit_code == 2 and "Not a directory" in result.output
     assert len(result.output.strip().splitlines()) == 1 and (tmp_path / "afile").read_text() == "x"
