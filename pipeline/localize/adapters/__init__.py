@@ -1,0 +1,81 @@
+"""Capture adapters, one per engine family, found like the scoring engines.
+
+An adapter is named in a SPEC, `ENGINE[:knob=value,...]` (`hf:dtype=bf16`,
+`megatron:tp=2,dtype=bf16`). `open_side(spec, model_dir)` returns a session with:
+
+- `name`, `dtype` (declared), `reference_dtype` (the precision its floor is measured against),
+  `layout` (a dict written into localize.json), `boundaries` (names, in network order);
+- `capture(token_ids, precision, sink, replace=None)`: one forward of one sequence at
+  `precision` ("declared" or "reference"), calling `sink(boundary, rows)` with each boundary's
+  rows in the HF layout (see `pipeline.localize.boundaries`) as soon as they exist; `replace`
+  maps boundary names to rows to use in place of the engine's own (an activation swap);
+  adapters that cannot swap set `can_replace = False`;
+- optionally `module_swap(boundary, donor)`: a context manager running with the donor
+  session's weights (in the donor's dtype) for the module that computes `boundary`;
+- `close()`.
+
+Third-party adapters register in the entry-point group `lpx.capture_engines`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+from pipeline.errors import BadInput, EngineNotInstalled
+
+GROUP = "lpx.capture_engines"
+BUILTIN = {
+    "hf": "pipeline.localize.adapters.hf:open_session",
+    "fsdp": "pipeline.localize.adapters.fsdp:open_session",
+    "deepspeed": "pipeline.localize.adapters.deepspeed:open_session",
+    "megatron": "pipeline.localize.adapters.megatron:open_session",
+    "vllm": "pipeline.localize.adapters.vllm:open_session",
+    "logprob-server": "pipeline.localize.adapters.server:open_session",
+}
+# Engines that lpx knows but cannot capture from, and what it would take.
+REFUSED = {
+    "http": "an HTTP-only rollout engine returns logprobs, not activations; run its model in "
+    "a capture adapter (hf, vllm) or serve it with `lpx serve`, whose /capture endpoint the "
+    "logprob-server adapter reads",
+    "sglang": "SGLang cannot run on this machine's CPU and exposes no activation hooks over "
+    "HTTP; capture its model with the vllm or hf adapter, or serve it with `lpx serve`",
+}
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """("hf", {"dtype": "bf16"}) for "hf:dtype=bf16"; BadInput naming the part that is wrong."""
+    engine, _, rest = spec.strip().partition(":")
+    if not engine:
+        raise BadInput(f"engine spec {spec!r}: name an engine, e.g. hf:dtype=bf16.")
+    knobs = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise BadInput(f"engine spec {spec!r}: {part!r} is not knob=value.")
+        knobs[key.strip()] = value.strip()
+    return engine, knobs
+
+
+def engine_names() -> list[str]:
+    return sorted(set(BUILTIN) | {ep.name for ep in entry_points(group=GROUP)})
+
+
+def open_side(spec: str, model_dir, device: str = "cpu"):
+    engine, knobs = parse_spec(spec)
+    if engine in REFUSED:
+        raise BadInput(f"cannot capture activations from {engine!r}: {REFUSED[engine]}.")
+    registered = {ep.name: ep.value for ep in entry_points(group=GROUP)}
+    target = registered.get(engine) or BUILTIN.get(engine)
+    if target is None:
+        raise BadInput(
+            f"no capture adapter for engine {engine!r}; known: {', '.join(engine_names())}."
+        )
+    module_name, _, attribute = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise EngineNotInstalled(
+            f"the {engine!r} capture adapter cannot be imported ({error}); install the engine."
+        ) from None
+    return getattr(module, attribute)(model_dir, knobs, device=device, spec=spec)

@@ -1,0 +1,191 @@
+"""`lpx localize`: capture both sides, measure the floors, name the first boundary beyond them,
+verify it by swapping, and write localize.json (and the chart beside it).
+
+Per sequence, four forwards: A declared (kept on disk), A reference (its floor, compared on
+the fly), B declared (kept, and compared with A on the fly), B reference (B's floor). Only one
+boundary's rows are in memory at a time besides the forward itself.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from pipeline.errors import BadInput
+from pipeline.localize import swap
+from pipeline.localize.adapters import open_side
+from pipeline.localize.boundaries import in_order
+from pipeline.localize.measure import Summary, token_divergence
+from pipeline.localize.store import CaptureStore
+from pipeline.localize.verdict import MARGIN, boundary_rows, first_beyond
+from pipeline.progress import progress_bar
+
+SCHEMA_VERSION = 1
+DEFAULT_SEQUENCES = 4
+
+
+def choose_sequences(table, wanted: list[str], report: dict | None, count: int) -> list[int]:
+    """Row indices to localize: the ones asked for; else the worst of a failing comparison's
+    report; else `count` spread over the fixture."""
+    index = table.index_of()
+    if wanted:
+        missing = [s for s in wanted if s not in index]
+        if missing:
+            raise BadInput(
+                f"sequence id(s) {', '.join(missing[:5])} are not in the fixture; "
+                f"it has {', '.join(table.sequence_ids[:5])}{' ...' if len(index) > 5 else ''}."
+            )
+        return [index[s] for s in dict.fromkeys(wanted)]
+    if report and isinstance(report.get("sequences"), list):
+        scored = [
+            (float(row.get("max_abs_diff") or 0.0), row.get("sequence_id"))
+            for row in report["sequences"]
+            if isinstance(row, dict) and row.get("sequence_id") in index
+        ]
+        scored.sort(key=lambda pair: -pair[0])
+        if scored:
+            return [index[s] for _, s in scored[:count]]
+    total = table.num_sequences
+    step = max(1, total // max(count, 1))
+    return list(range(0, total, step))[:count]
+
+
+def localize(
+    table,
+    model_dir: Path,
+    spec_a: str,
+    spec_b: str,
+    rows_wanted: list[int],
+    out_dir: Path,
+    device: str = "cpu",
+    model_dir_b: Path | None = None,
+    keep_captures: bool = False,
+) -> dict:
+    started = time.perf_counter()
+    side_a = open_side(spec_a, model_dir, device=device)
+    side_b = open_side(spec_b, model_dir_b or model_dir, device=device)
+    store = CaptureStore(out_dir / "captures")
+    try:
+        names = _common_boundaries(side_a, side_b)
+        sequences = [(table.sequence_ids[row], _token_ids(table, row)) for row in rows_wanted]
+        drift, floor_a, floor_b = _measure(side_a, side_b, sequences, names, store)
+        rows = boundary_rows(names, drift, floor_a, floor_b, (side_a.dtype, side_b.dtype))
+        first = first_beyond(rows)
+        verification = (
+            swap.verify(side_a, side_b, sequences, rows, first, store)
+            if first is not None
+            else None
+        )
+    finally:
+        side_a.close()
+        side_b.close()
+        if not keep_captures:
+            store.remove()
+    verdict = (
+        "clean"
+        if first is None
+        else ("verified" if verification and verification["verified"] else "localized")
+    )
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "verdict": verdict,
+        "first": _first_summary(first),
+        "verification": verification,
+        "margin": MARGIN,
+        "sides": {
+            "a": {"spec": spec_a, **side_a.layout, "reference_dtype": side_a.reference_dtype},
+            "b": {"spec": spec_b, **side_b.layout, "reference_dtype": side_b.reference_dtype},
+        },
+        "sequences": [sequence_id for sequence_id, _ in sequences],
+        "tokens": sum(len(ids) for _, ids in sequences),
+        "boundaries": rows,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def write(result: dict, out_dir: Path) -> Path:
+    from pipeline.localize.chart import drift_chart
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "localize.json"
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    temporary.replace(path)
+    (out_dir / "localize.svg").write_text(drift_chart(result))
+    return path
+
+
+def _measure(side_a, side_b, sequences, names, store: CaptureStore):
+    drift = {name: Summary() for name in names}
+    floor_a = {name: Summary() for name in names}
+    floor_b = {name: Summary() for name in names}
+    wanted = set(names)
+    for row, (sequence_id, ids) in enumerate(progress_bar(sequences, desc="localize", unit="seq")):
+        side_a.capture(ids, "declared", _only(wanted, store.writer("a", row)))
+        side_a.capture(ids, "reference", _against(wanted, store, "a", row, sequence_id, floor_a))
+        write_b = store.writer("b", row)
+        compare_b = _against(wanted, store, "a", row, sequence_id, drift)
+
+        def sink_b(name, rows, write_b=write_b, compare_b=compare_b):
+            write_b(name, rows)
+            compare_b(name, rows)
+
+        side_b.capture(ids, "declared", _only(wanted, sink_b))
+        side_b.capture(ids, "reference", _against(wanted, store, "b", row, sequence_id, floor_b))
+    as_dicts = [
+        {name: summary.as_dict() for name, summary in table.items() if summary.count}
+        for table in (drift, floor_a, floor_b)
+    ]
+    return tuple(as_dicts)
+
+
+def _only(wanted: set, sink):
+    def filtered(name, rows):
+        if name in wanted:
+            sink(name, rows)
+
+    return filtered
+
+
+def _against(wanted: set, store: CaptureStore, side: str, row: int, sequence_id: str, out):
+    """A sink that compares each boundary with the stored capture of `side` as it arrives."""
+
+    def compare(name, rows):
+        if name not in wanted:
+            return
+        stored = store.read(side, row, name)
+        if stored is None:
+            return
+        if stored.shape != rows.shape:
+            raise BadInput(
+                f"boundary {name} of sequence {sequence_id}: shapes differ between the sides "
+                f"({stored.shape} vs {rows.shape}); the two engines do not run the same model "
+                "layout (check heads, experts and vocabulary)."
+            )
+        out[name].add(sequence_id, token_divergence(name, stored, rows))
+
+    return compare
+
+
+def _common_boundaries(side_a, side_b) -> list[str]:
+    a, b = set(side_a.boundaries), set(side_b.boundaries)
+    common = in_order(a & b)
+    if not common:
+        raise BadInput(
+            f"{side_a.name} and {side_b.name} share no boundary; they do not run the same model."
+        )
+    return common
+
+
+def _token_ids(table, row: int) -> list[int]:
+    return [int(t) for t in table.prompt_of(row)] + [int(t) for t in table.completion_of(row)]
+
+
+def _first_summary(first: dict | None) -> dict | None:
+    if first is None:
+        return None
+    return {key: first[key] for key in ("boundary", "layer", "kind", "ratio")} | {
+        "drift": first["drift"],
+        "floor": first["floor"],
+    }
