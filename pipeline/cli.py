@@ -18,6 +18,7 @@ from pipeline.commands.gate import gate
 from pipeline.commands.history import history
 from pipeline.commands.ingest import ingest
 from pipeline.commands.inject import inject
+from pipeline.commands.localize import localize
 from pipeline.commands.make_model import make_model
 from pipeline.commands.record import record
 from pipeline.commands.replay import replay
@@ -85,6 +86,7 @@ COMMANDS = (
     calibrate,
     compare,
     diagnose,
+    localize,
     sweep,
     fixture,
     ingest,

@@ -22,6 +22,8 @@ from pipeline.localize.verdict import MARGIN, boundary_rows, first_beyond
 from pipeline.progress import progress_bar
 
 SCHEMA_VERSION = 1
+RESULT_FILE = "localize.json"
+CHART_FILE = "localize.svg"
 DEFAULT_SEQUENCES = 4
 
 
@@ -106,13 +108,12 @@ def localize(
 
 def write(result: dict, out_dir: Path) -> Path:
     from pipeline.localize.chart import drift_chart
+    from pipeline.paths import write_text_atomic
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "localize.json"
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
-    temporary.replace(path)
-    (out_dir / "localize.svg").write_text(drift_chart(result))
+    path = out_dir / RESULT_FILE
+    write_text_atomic(path, json.dumps(result, indent=1, allow_nan=False) + "\n")
+    write_text_atomic(out_dir / CHART_FILE, drift_chart(result))
     return path
 
 
