@@ -25,6 +25,9 @@ SCHEMA_VERSION = 1
 RESULT_FILE = "localize.json"
 CHART_FILE = "localize.svg"
 DEFAULT_SEQUENCES = 4
+# Token positions per padded capture batch: enough to amortise a forward's fixed cost over a
+# handful of short sequences, small enough that the forward's own activations stay modest.
+BATCH_TOKENS = 4096
 
 
 def choose_sequences(table, wanted: list[str], report: dict | None, count: int) -> list[int]:
@@ -117,23 +120,72 @@ def write(result: dict, out_dir: Path) -> Path:
     return path
 
 
+def batches(sequences: list, budget: int = BATCH_TOKENS) -> list[list[int]]:
+    """Row indices grouped so each padded batch holds at most `budget` token positions (a
+    longer sequence runs alone): a handful of short sequences share one forward, a long one
+    never makes the others wait in memory."""
+    groups, current, width = [], [], 0
+    for row, (_, ids) in enumerate(sequences):
+        wider = max(width, len(ids))
+        if current and wider * (len(current) + 1) > budget:
+            groups.append(current)
+            current, wider = [], len(ids)
+        current.append(row)
+        width = wider
+    return groups + [current] if current else groups
+
+
+def capture_rows(side, sequences, rows: list[int], precision: str, sink, replace=None) -> None:
+    """Capture `rows` of `sequences` on `side`, calling sink(row, boundary, values); batched
+    where the adapter can, one sequence at a time where it cannot."""
+    batch = [sequences[row][1] for row in rows]
+    if hasattr(side, "capture_batch"):
+        side.capture_batch(
+            batch,
+            precision,
+            lambda index, name, values: sink(rows[index], name, values),
+            None if replace is None else [replace(row) for row in rows],
+        )
+        return
+    for row, ids in zip(rows, batch, strict=True):
+        side.capture(
+            ids,
+            precision,
+            lambda name, values, row=row: sink(row, name, values),
+            None if replace is None else replace(row),
+        )
+
+
 def _measure(side_a, side_b, sequences, names, store: CaptureStore):
     drift = {name: Summary() for name in names}
     floor_a = {name: Summary() for name in names}
     floor_b = {name: Summary() for name in names}
     wanted = set(names)
-    for row, (sequence_id, ids) in enumerate(progress_bar(sequences, desc="localize", unit="seq")):
-        side_a.capture(ids, "declared", _only(wanted, store.writer("a", row)))
-        side_a.capture(ids, "reference", _against(wanted, store, "a", row, sequence_id, floor_a))
-        write_b = store.writer("b", row)
-        compare_b = _against(wanted, store, "a", row, sequence_id, drift)
 
-        def sink_b(name, rows, write_b=write_b, compare_b=compare_b):
-            write_b(name, rows)
-            compare_b(name, rows)
+    def keep(side):
+        def sink(row, name, values):
+            if name in wanted:
+                store.write(side, row, name, values)
 
-        side_b.capture(ids, "declared", _only(wanted, sink_b))
-        side_b.capture(ids, "reference", _against(wanted, store, "b", row, sequence_id, floor_b))
+        return sink
+
+    def against(side, out):
+        def sink(row, name, values):
+            if name in wanted:
+                _compare(store, side, row, sequences[row][0], name, values, out)
+
+        return sink
+
+    def keep_b_against_a(row, name, values):
+        keep("b")(row, name, values)
+        against("a", drift)(row, name, values)
+
+    groups = batches(sequences)
+    for rows in progress_bar(groups, desc="localize", unit="batch"):
+        capture_rows(side_a, sequences, rows, "declared", keep("a"))
+        capture_rows(side_a, sequences, rows, "reference", against("a", floor_a))
+        capture_rows(side_b, sequences, rows, "declared", keep_b_against_a)
+        capture_rows(side_b, sequences, rows, "reference", against("b", floor_b))
     as_dicts = [
         {name: summary.as_dict() for name, summary in table.items() if summary.count}
         for table in (drift, floor_a, floor_b)
@@ -141,32 +193,18 @@ def _measure(side_a, side_b, sequences, names, store: CaptureStore):
     return tuple(as_dicts)
 
 
-def _only(wanted: set, sink):
-    def filtered(name, rows):
-        if name in wanted:
-            sink(name, rows)
-
-    return filtered
-
-
-def _against(wanted: set, store: CaptureStore, side: str, row: int, sequence_id: str, out):
-    """A sink that compares each boundary with the stored capture of `side` as it arrives."""
-
-    def compare(name, rows):
-        if name not in wanted:
-            return
-        stored = store.read(side, row, name)
-        if stored is None:
-            return
-        if stored.shape != rows.shape:
-            raise BadInput(
-                f"boundary {name} of sequence {sequence_id}: shapes differ between the sides "
-                f"({stored.shape} vs {rows.shape}); the two engines do not run the same model "
-                "layout (check heads, experts and vocabulary)."
-            )
-        out[name].add(sequence_id, token_divergence(name, stored, rows))
-
-    return compare
+def _compare(store, side: str, row: int, sequence_id: str, name: str, values, out) -> None:
+    """Add one sequence's divergence at `name` from the stored capture of `side`."""
+    stored = store.read(side, row, name)
+    if stored is None:
+        return
+    if stored.shape != values.shape:
+        raise BadInput(
+            f"boundary {name} of sequence {sequence_id}: shapes differ between the sides "
+            f"({stored.shape} vs {values.shape}); the two engines do not run the same model "
+            "layout (check heads, experts and vocabulary)."
+        )
+    out[name].add(sequence_id, token_divergence(name, stored, values))
 
 
 def _common_boundaries(side_a, side_b) -> list[str]:

@@ -76,15 +76,16 @@ def apply(model, kind: str | None, layer: int) -> None:
                 _row_parallel_bf16(down)
 
 
-def position_ids(length: int, kind: str | None):
-    """Position ids for one sequence (None = the model's own 0..T-1)."""
+def position_ids(lengths: list[int], width: int, kind: str | None):
+    """Position ids for a right-padded batch (None = the model's own 0..T-1)."""
     import torch
 
     if kind != "position_ids":
         return None
-    positions = torch.arange(length)
-    positions[length // 2 :] += POSITION_OFFSET
-    return positions[None, :]
+    positions = torch.arange(width).repeat(len(lengths), 1)
+    for row, length in enumerate(lengths):
+        positions[row, length // 2 :] += POSITION_OFFSET
+    return positions
 
 
 def attention_mask(length: int, kind: str | None, device):

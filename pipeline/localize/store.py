@@ -17,14 +17,10 @@ class CaptureStore:
     def path(self, side: str, sequence: int, boundary: str) -> Path:
         return self.root / side / str(sequence) / f"{boundary}.npy"
 
-    def writer(self, side: str, sequence: int):
-        folder = self.root / side / str(sequence)
-        folder.mkdir(parents=True, exist_ok=True)
-
-        def write(boundary: str, rows: np.ndarray) -> None:
-            np.save(folder / f"{boundary}.npy", rows, allow_pickle=False)
-
-        return write
+    def write(self, side: str, sequence: int, boundary: str, rows: np.ndarray) -> None:
+        path = self.path(side, sequence, boundary)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, rows, allow_pickle=False)
 
     def read(self, side: str, sequence: int, boundary: str) -> np.ndarray | None:
         path = self.path(side, sequence, boundary)

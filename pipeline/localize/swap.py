@@ -14,7 +14,7 @@ The first that leaves every checked boundary within the floor verifies the local
 from __future__ import annotations
 
 from pipeline.localize.boundaries import family_from, parse
-from pipeline.localize.measure import Summary, token_divergence
+from pipeline.localize.measure import Summary
 from pipeline.localize.store import CaptureStore
 from pipeline.localize.verdict import boundary_rows, first_beyond, within_floor
 
@@ -93,21 +93,24 @@ class _NoSwap(Exception):
 
 def _rescore(runner, sequences, store, runner_key, donor_key, swapped, module, donor, names):
     """The runner's drift from the donor's stored captures with the swap in place."""
+    from pipeline.localize.run import _compare, batches, capture_rows
+
     wanted = set(names)
     drift = {name: Summary() for name in names}
-    for row, (sequence_id, ids) in enumerate(sequences):
-        replace = {name: store.read(donor_key, row, name) for name in swapped}
 
-        def sink(name, rows, row=row, sequence_id=sequence_id):
-            if name in wanted:
-                stored = store.read(donor_key, row, name)
-                drift[name].add(sequence_id, token_divergence(name, stored, rows))
+    def sink(row, name, values):
+        if name in wanted:
+            _compare(store, donor_key, row, sequences[row][0], name, values, drift)
 
+    def replace(row):
+        return {name: store.read(donor_key, row, name) for name in swapped}
+
+    for rows in batches(sequences):
         if module is not None:
             with runner.module_swap(module, donor):
-                runner.capture(ids, "declared", sink)
+                capture_rows(runner, sequences, rows, "declared", sink)
         else:
-            runner.capture(ids, "declared", sink, replace=replace)
+            capture_rows(runner, sequences, rows, "declared", sink, replace=replace)
     return {name: s.as_dict() for name, s in drift.items() if s.count}
 
 

@@ -29,15 +29,39 @@ class CaptureKnobs:
     dtype: str = "float32"
     fault: str = ""  # a seeded fault (pipeline.localize.seeded), for proving the localiser
     fault_layer: int = 0
+    attention: str = "sdpa"  # sdpa or eager: two kernels of one model, for clean pairs
 
 
 @dataclass
 class _Pass:
-    """What the hooks do during one forward: where rows go, what replaces them."""
+    """What the hooks do during one forward of a right-padded batch: where each sequence's
+    rows go (`sink(index, boundary, rows)`), and what replaces them on a swap."""
 
     sink: object
-    replace: dict = field(default_factory=dict)
-    length: int = 0
+    lengths: list
+    replace: list = field(default_factory=list)
+
+    def swapped(self, name: str) -> bool:
+        return bool(self.replace) and all(name in r for r in self.replace)
+
+    def padded(self, name: str, like):
+        """The replacement rows of every sequence as one [B, T, F] tensor like `like`."""
+        import torch
+
+        batch, length = len(self.lengths), max(self.lengths)
+        out = torch.zeros((batch, length, *self._feature_shape(name)), dtype=like.dtype)
+        for index, rows in enumerate(r[name] for r in self.replace):
+            values = torch.as_tensor(rows).to(like.dtype)
+            out[index, : values.shape[0]] = values.reshape(values.shape[0], *out.shape[2:])
+        return out.to(like.device)
+
+    def _feature_shape(self, name: str) -> tuple:
+        return tuple(self.replace[0][name].shape[1:])
+
+    def emit(self, name: str, tensor) -> None:
+        """Each sequence's rows of a [B, T, ...] tensor, cut to its own length."""
+        for index, length in enumerate(self.lengths):
+            self.sink(index, name, rows(tensor[index, :length]))
 
 
 _ACTIVE: list[_Pass] = []  # the pass in flight (hooks are module-level; forwards do not nest)
@@ -45,6 +69,8 @@ _ACTIVE: list[_Pass] = []  # the pass in flight (hooks are module-level; forward
 
 def open_session(model_dir: Path, knobs: dict, device: str = "cpu", spec: str = "hf"):
     settings = knobs_from_dict(CaptureKnobs, knobs, "hf capture")
+    if settings.attention not in ("sdpa", "eager"):
+        raise BadInput(f"{spec}: attention={settings.attention!r}; use sdpa or eager.")
     if settings.fault and settings.fault not in seeded.FAULTS:
         raise BadInput(
             f"{spec}: unknown fault {settings.fault!r}; known: {', '.join(seeded.FAULTS)}."
@@ -53,12 +79,10 @@ def open_session(model_dir: Path, knobs: dict, device: str = "cpu", spec: str = 
 
 
 def rows(tensor) -> np.ndarray:
-    """[1, T, ...] or [T, ...] -> [T, F] numpy, fp32 kept fp32 and fp64 kept fp64."""
+    """[T, ...] -> [T, F] numpy; fp64 and integer ids keep their type, the rest become fp32."""
     import torch
 
     tensor = tensor.detach()
-    if tensor.dim() >= 3 and tensor.shape[0] == 1:
-        tensor = tensor[0]
     if tensor.dtype not in (torch.float64, torch.int64, torch.int32):
         tensor = tensor.float()
     return tensor.reshape(tensor.shape[0], -1).cpu().numpy()
@@ -75,42 +99,31 @@ class HFCapture:
         self.dtype = settings.dtype
         self.reference_dtype = REFERENCE[settings.dtype]
         self._models: dict[str, object] = {}
-        config = self._config()
+        config = load_config(model_dir, settings)
         self.num_layers = config.num_hidden_layers
-        self.moe_layers = _moe_layers(config)
-        self.layout = {"engine": "hf", "tp": 1, "world_size": 1, "dtype": self.dtype}
+        self.moe_layers = moe_layers(config)
+        self.layout = {
+            "engine": "hf",
+            "tp": 1,
+            "world_size": 1,
+            "dtype": self.dtype,
+            "attention": settings.attention,
+        }
         if settings.fault:
             self.layout["fault"] = settings.fault
             self.layout["fault_layer"] = settings.fault_layer
 
     @property
     def boundaries(self) -> list[str]:
-        names = ["embed"]
-        for layer in range(self.num_layers):
-            kinds = ["input_norm", "q", "k", "v", "attn_out", "mlp_in"]
-            if layer in self.moe_layers:
-                kinds += ["router_logits", "experts"]
-            names += [f"layers.{layer}.{kind}" for kind in kinds + ["mlp_out"]]
-        return names + ["final_norm", "logits"]
+        return boundary_names(self.num_layers, self.moe_layers)
 
     def capture(self, token_ids, precision: str, sink, replace: dict | None = None) -> None:
-        import torch
-
         model = self.model(precision)
-        length = len(token_ids)
-        ids = torch.tensor([list(token_ids)], device=self.device)
-        fault = self.settings.fault or None
-        _ACTIVE.append(_Pass(sink, dict(replace or {}), length))
-        try:
-            with torch.no_grad():
-                model(
-                    input_ids=ids,
-                    position_ids=_to(seeded.position_ids(length, fault), self.device),
-                    use_cache=False,
-                    logits_to_keep=0,
-                )
-        finally:
-            _ACTIVE.pop()
+        captured_forward(model, token_ids, sink, replace, self.device, self.settings.fault)
+
+    def capture_batch(self, batch, precision: str, sink, replace: list | None = None) -> None:
+        model = self.model(precision)
+        captured_batch_forward(model, batch, sink, replace, self.device, self.settings.fault)
 
     @contextlib.contextmanager
     def module_swap(self, boundary: str, donor: HFCapture):
@@ -141,46 +154,106 @@ class HFCapture:
     def model(self, precision: str):
         dtype = self.dtype if precision == "declared" else self.reference_dtype
         if dtype not in self._models:
-            self._models[dtype] = self._load(dtype)
+            self._models[dtype] = load_hooked_model(
+                self.model_dir, self.settings, dtype, self.device
+            )
         return self._models[dtype]
 
     def close(self) -> None:
         self._models.clear()
 
-    def _config(self):
-        from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
-        seeded.configure(config, self.settings.fault or None)
-        return config
+def load_config(model_dir: Path, settings: CaptureKnobs):
+    """The model's HF config, with a seeded fault that lives in the config applied."""
+    from transformers import AutoConfig
 
-    def _load(self, dtype: str):
-        import torch
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        from pipeline.engines.model_dir import check_model_dir
-
-        check_model_dir(self.model_dir)
-        _register_attention()
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        model = AutoModelForCausalLM.from_pretrained(
-            str(self.model_dir),
-            config=self._config(),
-            dtype=getattr(torch, dtype),
-            attn_implementation=ATTENTION,
-            local_files_only=True,
-        )
-        model.eval().requires_grad_(False)
-        if self.device != "cpu":
-            model.to(self.device)
-        seeded.apply(model, self.settings.fault or None, self.settings.fault_layer)
-        _install_hooks(model, self.settings)
-        return model
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    seeded.configure(config, settings.fault or None)
+    return config
 
 
-def _moe_layers(config) -> set[int]:
+def load_hooked_model(model_dir: Path, settings: CaptureKnobs, dtype: str, device: str = "cpu"):
+    """The HF model in `dtype` with the capture hooks (and any seeded fault) in place. Engines
+    that wrap an HF model (FSDP, DeepSpeed) load theirs here, so every side reads the same
+    boundaries the same way."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from pipeline.engines.model_dir import check_model_dir
+
+    check_model_dir(model_dir)
+    _register_attention()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir),
+        config=load_config(model_dir, settings),
+        dtype=getattr(torch, dtype),
+        attn_implementation=ATTENTION,
+        local_files_only=True,
+    )
+    model.eval().requires_grad_(False)
+    if device != "cpu":
+        model.to(device)
+    seeded.apply(model, settings.fault or None, settings.fault_layer)
+    _install_hooks(model, settings)
+    return model
+
+
+def captured_forward(
+    model, token_ids, sink, replace: dict | None = None, device: str = "cpu", fault: str = ""
+) -> None:
+    """One forward of one sequence through a hooked model (`load_hooked_model`): each
+    boundary's rows go to `sink(boundary, rows)`, and the boundaries named in `replace` are
+    swapped in."""
+    captured_batch_forward(
+        model,
+        [token_ids],
+        lambda index, name, values: sink(name, values),
+        None if replace is None else [replace],
+        device,
+        fault,
+    )
+
+
+def captured_batch_forward(
+    model, batch, sink, replace: list | None = None, device: str = "cpu", fault: str = ""
+) -> None:
+    """One forward of several sequences, right-padded: under a causal mask no real token sees
+    a pad, so each sequence's rows are those of its own forward. `sink(index, boundary, rows)`;
+    `replace[index]` maps boundaries to that sequence's rows to swap in."""
+    import torch
+
+    lengths = [len(ids) for ids in batch]
+    width = max(lengths)
+    pad = model.config.pad_token_id or 0
+    ids = torch.tensor([list(t) + [pad] * (width - len(t)) for t in batch], device=device)
+    positions = seeded.position_ids(lengths, width, fault or None)
+    _ACTIVE.append(_Pass(sink, lengths, list(replace or [])))
+    try:
+        with torch.no_grad():
+            model(
+                input_ids=ids,
+                position_ids=_to(positions, device),
+                use_cache=False,
+                logits_to_keep=0,
+            )
+    finally:
+        _ACTIVE.pop()
+
+
+def boundary_names(num_layers: int, moe: set[int]) -> list[str]:
+    names = ["embed"]
+    for layer in range(num_layers):
+        kinds = ["input_norm", "q", "k", "v", "attn_out", "mlp_in"]
+        if layer in moe:
+            kinds += ["router_logits", "experts"]
+        names += [f"layers.{layer}.{kind}" for kind in kinds + ["mlp_out"]]
+    return names + ["final_norm", "logits"]
+
+
+def moe_layers(config) -> set[int]:
     experts = getattr(config, "num_experts", 0) or 0
     if not experts:
         return set()
@@ -227,6 +300,7 @@ def _install_hooks(model, settings: CaptureKnobs) -> None:
     model.lm_head.register_forward_hook(_output_hook("logits"))
     for decoder in model.model.layers:
         decoder.self_attn.lpx_fault = settings.fault or None
+        decoder.self_attn.lpx_kernel = settings.attention
 
 
 def _output_hook(name: str, tuple_index: int | None = None):
@@ -235,10 +309,11 @@ def _output_hook(name: str, tuple_index: int | None = None):
         if current is None:
             return None
         tensor = output if tuple_index is None else output[tuple_index]
-        if name in current.replace:
-            tensor = _like(current.replace[name], tensor)
-        current.sink(name, rows(tensor))
-        if name not in current.replace:
+        swapped = current.swapped(name)
+        if swapped:
+            tensor = current.padded(name, tensor)
+        current.emit(name, tensor)
+        if not swapped:
             return None
         return tensor if tuple_index is None else (tensor, *output[1:])
 
@@ -256,29 +331,32 @@ def _router_hook(prefix: str, gate, flip: bool):
         if flip:
             indices = seeded.flip_routing(logits, indices, gate.top_k)
         if current is not None:
+            batch, length = len(current.lengths), max(current.lengths)
             name = prefix + "router_logits"
-            if name in current.replace:
-                logits = _like(current.replace[name], logits).reshape(logits.shape)
-            current.sink(name, rows(logits))
+            if current.swapped(name):
+                logits = current.padded(name, logits).reshape(logits.shape)
+            current.emit(name, logits.reshape(batch, length, -1))
             name = prefix + "experts"
-            if name in current.replace:
-                indices = torch.as_tensor(current.replace[name], device=indices.device).to(
-                    indices.dtype
-                )
+            if current.swapped(name):
+                indices = current.padded(name, indices).reshape(indices.shape)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         scores = torch.gather(probs, -1, indices)
         if getattr(gate, "norm_topk_prob", False):
             scores = scores / scores.sum(dim=-1, keepdim=True)
         if current is not None:
-            current.sink(prefix + "experts", np.sort(indices.cpu().numpy(), axis=-1))
+            chosen = torch.sort(indices, dim=-1).values.reshape(batch, length, -1)
+            current.emit(prefix + "experts", chosen)
         return logits, scores.to(logits.dtype), indices
 
     return hook
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA, with q/k (after RoPE) and v captured, and replaced on a swap."""
+    """SDPA (or eager attention), with q/k (after RoPE) and v captured, and replaced on a
+    swap."""
+    import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     current = _ACTIVE[-1] if _ACTIVE else None
     if current is not None:
@@ -286,14 +364,39 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         tensors = {"q": query, "k": key, "v": value}
         for kind, tensor in tensors.items():
             name = prefix + kind
-            if name in current.replace:
-                tensors[kind] = _heads_like(current.replace[name], tensor)
-            current.sink(name, rows(_heads_to_rows(tensors[kind])))
+            as_rows = _heads_to_rows(tensor)
+            if current.swapped(name):
+                as_rows = current.padded(name, as_rows)
+                tensors[kind] = _rows_to_heads(as_rows, tensor)
+            current.emit(name, as_rows)
         query, key, value = tensors["q"], tensors["k"], tensors["v"]
     mask = seeded.attention_mask(query.shape[2], getattr(module, "lpx_fault", None), query.device)
     if mask is not None:
         attention_mask, kwargs["is_causal"] = mask, False
+    if getattr(module, "lpx_kernel", "sdpa") == "eager":
+        if attention_mask is None:
+            attention_mask = _causal_additive(query)
+        elif attention_mask.dtype == torch.bool:
+            attention_mask = _additive(attention_mask, query.dtype)
+        kwargs.pop("is_causal", None)
+        return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _causal_additive(query):
+    import torch
+
+    length = query.shape[2]
+    keep = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    return _additive(keep[None, None], query.dtype)
+
+
+def _additive(keep, dtype):
+    import torch
+
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
+        ~keep, torch.finfo(dtype).min
+    )
 
 
 def _register_attention() -> None:
@@ -303,22 +406,14 @@ def _register_attention() -> None:
 
 
 def _heads_to_rows(tensor):
-    """[1, heads, T, D] -> [T, heads * D]."""
-    return tensor[0].transpose(0, 1).reshape(tensor.shape[2], -1)
+    """[B, heads, T, D] -> [B, T, heads * D]."""
+    batch, heads, length, dim = tensor.shape
+    return tensor.transpose(1, 2).reshape(batch, length, heads * dim)
 
 
-def _heads_like(values: np.ndarray, like):
-    import torch
-
-    _, heads, length, dim = like.shape
-    tensor = torch.as_tensor(values, device=like.device).to(like.dtype)
-    return tensor.reshape(length, heads, dim).transpose(0, 1)[None].contiguous()
-
-
-def _like(values: np.ndarray, like):
-    import torch
-
-    return torch.as_tensor(values, device=like.device).to(like.dtype).reshape(like.shape)
+def _rows_to_heads(values, like):
+    batch, heads, length, dim = like.shape
+    return values.reshape(batch, length, heads, dim).transpose(1, 2).contiguous()
 
 
 def _to(tensor, device):

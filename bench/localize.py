@@ -1,0 +1,211 @@
+"""Localisation at scale (issue 23): seeded faults named exactly and verified, clean pairs
+localizing nothing, and the time to capture and compare.
+
+Scales: the tiny model (2 x 128), a random llama 16 x 1024, a deeper one 32 x 512 (init std
+0.05, as the other benches), and two Qwen2-MoE models (2 x 128 and 8 x 512) for the routing
+fault. Each fault of pipeline/localize/seeded.py is committed on side B of an HF pair, in fp32
+and (where it means something in bf16) in bf16; a case counts as exact when the named boundary
+is the fault's own (layer and op), and as verified when a swap brought everything after it
+back within the floor. Clean pairs are the same model through different implementations
+(eager and SDPA attention; and the other engines' capture adapters where they are installed:
+FSDP, Megatron TP2, vLLM) in fp32 and bf16: their largest drift/floor ratio is printed, and
+must stay under the margin.
+
+    .venv/bin/python bench/localize.py                      # every scale (about 15 min on 2 cores)
+    .venv/bin/python bench/localize.py --scales tiny --clean-only
+    .venv/bin/python bench/localize.py --timing             # 8 sequences, 16 x 1024, both sides
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from models import random_llama, random_moe, tiny  # noqa: E402
+
+from pipeline.fixture.table import table_from_sequences  # noqa: E402
+from pipeline.localize.run import localize  # noqa: E402
+from pipeline.localize.seeded import FAULTS, expected_boundary  # noqa: E402
+from pipeline.localize.verdict import MARGIN  # noqa: E402
+
+SCALES = {
+    "tiny": lambda: tiny(),
+    "16x1024": lambda: random_llama(16, 1024, std=0.05),
+    "32x512": lambda: random_llama(32, 512, std=0.05),
+    "moe-2x128": lambda: random_moe(layers=2, width=128, experts=8, top_k=2),
+    "moe-8x512": lambda: random_moe(layers=8, width=512, experts=8, top_k=2),
+}
+FAULT_SCALES = ("tiny", "16x1024", "moe-2x128", "moe-8x512")
+FP32_ONLY = {"lm_head_bf16", "tp_allreduce_bf16"}  # in bf16 both are the declared precision
+DENSE_ONLY = {"tp_allreduce_bf16"}
+
+
+def token_table(sequences: int = 8, length: int = 96, prompt: int = 24):
+    """Fixture rows from the bundled corpus, tokenized by the tiny model's tokenizer (every
+    bench model shares it): real text, deterministic, offline."""
+    from transformers import AutoTokenizer
+
+    from pipeline.tinymodel.build import bundled_corpus
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny()), local_files_only=True)
+    ids = tokenizer(bundled_corpus())["input_ids"]
+    rows = [ids[i * length : (i + 1) * length] for i in range(sequences)]
+    return table_from_sequences(
+        "fixture",
+        [f"{i}-0" for i in range(sequences)],
+        [[1] + r[: prompt - 1] for r in rows],
+        [r[prompt - 1 :] for r in rows],
+        {"rollout": [[0.0] * (len(r) - prompt + 1) for r in rows]},
+    )
+
+
+def run(model: Path, spec_a: str, spec_b: str, table, count: int = 8) -> dict:
+    with tempfile.TemporaryDirectory() as work:
+        return localize(table, model, spec_a, spec_b, list(range(count)), Path(work))
+
+
+def fault_cases(scale: str, layers: int, moe: bool):
+    for kind in FAULTS:
+        if (kind == "moe_routing_flip") != moe or (moe and kind in DENSE_ONLY):
+            continue
+        for dtype in ("fp32", "bf16"):
+            if dtype == "bf16" and kind in FP32_ONLY:
+                continue
+            layer = layers // 2
+            yield kind, dtype, layer
+
+
+def clean_pairs(moe: bool):
+    pairs = []
+    for dtype in ("fp32", "bf16"):
+        pairs.append((f"hf:dtype={dtype}", f"hf:dtype={dtype},attention=eager"))
+        if not moe:
+            pairs += [
+                (f"hf:dtype={dtype}", f"fsdp:nproc=2,dtype={dtype}"),
+                (f"hf:dtype={dtype}", f"megatron:tp=2,dtype={dtype}"),
+                (f"hf:dtype={dtype}", f"vllm:dtype={dtype}"),
+            ]
+    return pairs
+
+
+def bench_scale(scale: str, faults: bool, clean: bool) -> dict:
+    model = SCALES[scale]()
+    moe = scale.startswith("moe")
+    layers = int(scale.split("-")[-1].split("x")[0]) if scale != "tiny" else 2
+    table = token_table()
+    out = {"faults": [], "clean": []}
+    if faults and scale in FAULT_SCALES:
+        for kind, dtype, layer in fault_cases(scale, layers, moe):
+            spec_b = f"hf:dtype={dtype},fault={kind},fault_layer={layer}"
+            result = run(model, f"hf:dtype={dtype}", spec_b, table)
+            named = (result["first"] or {}).get("boundary")
+            expected = expected_boundary(kind, layer)
+            verification = result["verification"] or {}
+            row = {
+                "kind": kind,
+                "dtype": dtype,
+                "expected": expected,
+                "named": named,
+                "exact": named == expected,
+                "verified": bool(verification.get("verified")),
+                "by": verification.get("by"),
+                "ratio": (result["first"] or {}).get("ratio"),
+                "seconds": result["seconds"],
+            }
+            out["faults"].append(row)
+            print(
+                f"  {scale:9} {kind:18} {dtype:4} expected {expected:20} named {named!s:20} "
+                f"{'EXACT' if row['exact'] else 'WRONG'} "
+                f"{'verified' if row['verified'] else 'NOT verified'} "
+                f"({row['ratio'] or 0:.3g} x floor, {row['seconds']:.1f} s) by {row['by']}",
+                flush=True,
+            )
+    if clean:
+        for spec_a, spec_b in clean_pairs(moe):
+            try:
+                result = run(model, spec_a, spec_b, table)
+            except Exception as error:  # an engine that is not installed here
+                print(f"  {scale:9} clean {spec_a} vs {spec_b}: skipped ({error})".strip()[:160])
+                continue
+            worst = max(result["boundaries"], key=lambda r: r["ratio"])
+            row = {
+                "a": spec_a,
+                "b": spec_b,
+                "verdict": result["verdict"],
+                "max_ratio": worst["ratio"],
+                "at": worst["boundary"],
+                "seconds": result["seconds"],
+            }
+            out["clean"].append(row)
+            print(
+                f"  {scale:9} clean {spec_a:16} vs {spec_b:30} {row['verdict']:9} max ratio "
+                f"{row['max_ratio']:.2f} at {row['at']} ({row['seconds']:.1f} s)",
+                flush=True,
+            )
+    return out
+
+
+def timing() -> None:
+    model = SCALES["16x1024"]()
+    table = token_table(sequences=8, length=96)
+    started = time.perf_counter()
+    result = run(model, "hf:dtype=bf16", "hf:dtype=bf16,attention=eager", table)
+    seconds = time.perf_counter() - started
+    print(
+        f"timing: 8 sequences x 96 tokens, 16 x 1024, bf16 both sides: {seconds:.1f} s "
+        f"(target < 30 s: ratio {seconds / 30:.2f}); verdict {result['verdict']}"
+    )
+    long = token_table(sequences=1, length=2048, prompt=64)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    run(model, "hf:dtype=bf16", "hf:dtype=bf16,attention=eager", long, count=1)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    captured = 2048 * 1024 * 4 * len(result["boundaries"]) / 2**30
+    print(
+        f"timing: 1 sequence x 2048 tokens: {time.perf_counter() - started:.1f} s, peak RSS "
+        f"{peak / 2**20:.2f} GiB (was {before / 2**20:.2f}); one side's captures would be "
+        f"{captured:.2f} GiB held whole"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scales", default=",".join(SCALES))
+    parser.add_argument("--clean-only", action="store_true")
+    parser.add_argument("--faults-only", action="store_true")
+    parser.add_argument("--timing", action="store_true")
+    args = parser.parse_args()
+    if args.timing:
+        timing()
+        return 0
+    totals = {"cases": 0, "exact": 0, "verified": 0, "clean": 0, "clean_localized": 0}
+    worst_clean = 0.0
+    for scale in args.scales.split(","):
+        print(f"{scale}:", flush=True)
+        out = bench_scale(scale, not args.clean_only, not args.faults_only)
+        totals["cases"] += len(out["faults"])
+        totals["exact"] += sum(r["exact"] for r in out["faults"])
+        totals["verified"] += sum(r["exact"] and r["verified"] for r in out["faults"])
+        totals["clean"] += len(out["clean"])
+        totals["clean_localized"] += sum(r["verdict"] != "clean" for r in out["clean"])
+        worst_clean = max([worst_clean] + [r["max_ratio"] for r in out["clean"]])
+    cases = max(totals["cases"], 1)
+    print(
+        f"faults named exactly: {totals['exact']}/{totals['cases']} "
+        f"({totals['exact'] / cases:.0%}; target 95%), verified {totals['verified']}/"
+        f"{totals['exact']}; clean pairs localized: {totals['clean_localized']}/"
+        f"{totals['clean']} (largest drift/floor {worst_clean:.2f}, margin {MARGIN:g}: "
+        f"headroom {MARGIN / max(worst_clean, 1e-9):.1f}x)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
