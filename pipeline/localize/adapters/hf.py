@@ -192,6 +192,8 @@ def load_hooked_model(model_dir: Path, settings: CaptureKnobs, dtype: str, devic
         dtype=getattr(torch, dtype),
         attn_implementation=ATTENTION,
         local_files_only=True,
+        # Grouped-GEMM experts have no fp64 kernel; the fp64 reference loops over experts.
+        **({"experts_implementation": "eager"} if dtype == "float64" else {}),
     )
     model.eval().requires_grad_(False)
     if device != "cpu":
