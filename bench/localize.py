@@ -91,10 +91,13 @@ def _visible(done: list[dict], row: dict, result: dict) -> tuple[bool, float | N
     here = next((b for b in result["boundaries"] if b["boundary"] == row["expected"]), None)
     if fp32 is None or here is None or fp32.get("drift") is None:
         return True, None
-    size = max(
-        fp32["drift"]["rms"] / max(here["floor"]["rms"], 1e-30),
-        fp32["drift"]["max"] / max(here["floor"]["max"], 1e-30),
-    )
+    if "flips" in here["floor"]:  # chosen experts: tokens flipped, against the floor's flips
+        size = fp32["drift"]["flips"] / max(here["floor"]["flips"], 1.0)
+    else:
+        size = max(
+            fp32["drift"]["rms"] / max(here["floor"]["rms"], 1e-30),
+            fp32["drift"]["max"] / max(here["floor"]["max"], 1e-30),
+        )
     return size > MARGIN, size
 
 
