@@ -16,6 +16,7 @@ from datetime import datetime
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Float,
     ForeignKey,
     Index,
@@ -152,6 +153,37 @@ class Comparison(Base):
     violations: Mapped[list] = mapped_column(Json, default=list)
     # What the run page shows: worst tokens (decoded), diagnosis, heatmap, reproduce.
     details: Mapped[dict] = mapped_column(Json, default=dict)
+    # `lpx localize` on this pair (localize/ beside its report.json): clean | localized |
+    # verified, or error | skipped when the run's localize stage did not finish; NULL: none.
+    localize_verdict: Mapped[str | None] = mapped_column(String(16))
+    localize_boundary: Mapped[str | None] = mapped_column(String(128))  # the first beyond
+    # first, verification, margin, sides, sequences, tokens, seconds (or the stage's message)
+    localize: Mapped[dict | None] = mapped_column(Json)
+
+
+class LocalizeBoundary(Base):
+    """One boundary of a comparison's localize.json: drift against the two sides' precision
+    floors, by the largest token and by RMS, and whether it is beyond them."""
+
+    __tablename__ = "localize_boundaries"
+    __table_args__ = (
+        UniqueConstraint("comparison_id", "boundary"),
+        # A series page asks for one boundary over the series' runs.
+        Index("ix_localize_boundaries_series", "series_id", "boundary"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    comparison_id: Mapped[int] = mapped_column(ForeignKey("comparisons.id", ondelete="CASCADE"))
+    series_id: Mapped[int] = mapped_column(Integer)  # the comparison's, copied for the index
+    started_at: Mapped[datetime]
+    boundary: Mapped[str] = mapped_column(String(128))  # embed, layers.{i}.{kind}, logits ...
+    layer: Mapped[int | None] = mapped_column(Integer)  # NULL outside the layers
+    kind: Mapped[str] = mapped_column(String(32))
+    drift_max: Mapped[float] = mapped_column(Float)
+    drift_rms: Mapped[float] = mapped_column(Float)
+    floor_max: Mapped[float] = mapped_column(Float)
+    floor_rms: Mapped[float] = mapped_column(Float)
+    ratio: Mapped[float] = mapped_column(Float)  # drift / floor, the larger of max and RMS
+    beyond: Mapped[bool] = mapped_column(Boolean)  # ratio past localize's margin
 
 
 class MetricValue(Base):

@@ -3,6 +3,7 @@ downloaded): it opens from disk with no console error and no network request, sh
 seeded regression with its attribution, filters, draws trend charts with hover, and shows
 hostile strings from the data as text. Screenshots land in test-artifacts/."""
 
+import copy
 import os
 import shutil
 from datetime import datetime, timedelta
@@ -14,7 +15,9 @@ from pipeline.history.collect import collect_run
 from pipeline.history.database import open_history
 from pipeline.history.record import record_runs
 from pipeline.report.site import build_site
+from tests import test_localize_history
 from tests.synthetic_runs import BASE_METRICS, pair_report, write_run
+from tests.test_localize_history import PAIR, localized_run
 
 pytestmark = pytest.mark.browser
 # The real binary, not Debian's /usr/bin wrapper script (it adds flags and noise).
@@ -207,3 +210,92 @@ def test_every_page_opens_without_errors_and_stays_under_2_mb(page, site):
         open_page(page, path)
     assert page.problems == []
     assert all(url.startswith("file://") for url in page.requests)
+
+
+# -- localization: a pair's localize.json on its run page, the tracked boundary on its series
+
+
+localize_result = test_localize_history.localize_result  # the session's real localize.json
+
+
+def clean_variant(result: dict) -> dict:
+    """The same boundaries, every ratio 1e5 times smaller: nothing beyond the floor."""
+    clean = copy.deepcopy(result)
+    for row in clean["boundaries"]:
+        row["ratio"] *= 1e-5
+        row["beyond"] = False
+    clean.update(verdict="clean", first=None, verification=None)
+    return clean
+
+
+@pytest.fixture(scope="module")
+def localize_site(tmp_path_factory, localize_result) -> Path:
+    """One series over 3 nights: a pass (no localize), a failing pair localized clean on
+    vLLM 0.31, then vLLM 0.32 and layer 1's MLP output verified beyond the floor."""
+    root = tmp_path_factory.mktemp("localize-history")
+    start = datetime(2026, 3, 1, 3, 0)
+    dirs = [
+        write_run(root / "pass", {PAIR: pair_report(rollout_version="0.31.0")}, started_at=start)
+    ]
+    dirs.append(
+        localized_run(root, clean_variant(localize_result), day=1, rollout_version="0.31.0")
+    )
+    dirs.append(localized_run(root, localize_result, day=2, rollout_version="0.32.0"))
+    history = open_history(f"sqlite:///{root / 'lpx.db'}")
+    record_runs(history, [collect_run(d) for d in dirs])
+    index = build_site(history, root / "site")
+    history.dispose()
+    return index.parent
+
+
+def test_run_page_shows_the_localize_verdict_chart_and_boundaries_beyond(
+    page, localize_site, localize_result
+):
+    open_page(page, localize_site / "runs" / "3.html")
+    section = page.locator("section.localize")
+    assert section.count() == 1 and section.is_visible()
+    first = localize_result["first"]
+    verdict = section.locator(".localize-verdict").inner_text()
+    assert verdict.startswith("verified") and first["boundary"] in verdict
+    assert section.locator(".localize-ratio").inner_text() == f"{first['ratio']:.4g}"
+    assert "verified by swapping" in section.locator(".localize-verification").inner_text()
+    chart = section.locator(".localize-chart svg")
+    assert chart.is_visible() and chart.bounding_box()["width"] > 300
+    boundaries = localize_result["boundaries"]
+    assert chart.locator("circle").count() == len(boundaries) + 1  # + the first's ring
+    assert chart.locator("circle.first-boundary").count() == 1
+    beyond = [row for row in boundaries if row["beyond"]]
+    rows = section.locator("table.localize-beyond tbody tr")
+    assert rows.count() == len(beyond) >= 1
+    for i, want in enumerate(beyond):
+        cells = rows.nth(i).locator("td").all_inner_texts()
+        assert cells[0] == want["boundary"] and cells[2] == want["kind"]
+        numbers = [want["drift"]["max"], want["drift"]["rms"], want["floor"]["max"]]
+        numbers += [want["floor"]["rms"], want["ratio"]]
+        assert cells[3:] == [f"{x:.4g}" for x in numbers]
+    shot(page, "report-run-localize")
+    assert page.problems == []
+
+
+def test_series_page_names_the_first_run_beyond_the_floor_and_charts_the_boundary(
+    page, localize_site, localize_result
+):
+    open_page(page, localize_site / "series" / "1.html")
+    first = page.locator(".localize-first-beyond").inner_text()
+    ratio = localize_result["first"]["ratio"]
+    assert "run 3" in first and "vllm 0.32.0" in first and "layers.1.mlp_out" in first
+    assert f"{ratio:.4g}" in first
+    chart = page.locator(".localize-trend .chart")
+    assert chart.is_visible()
+    assert chart.locator("circle").count() == 2  # the two localized nights
+    assert chart.locator("circle.bad").count() == 1  # only vLLM 0.32 went beyond
+    chart.locator("circle.bad").hover()
+    tip = page.locator("#tooltip").inner_text()
+    mantissa, exponent = f"{ratio:.3e}".split("e")  # lpx.js: toExponential(3), 1.811e+4
+    assert f"= {mantissa}e{int(exponent):+d} (beyond floor)" in tip, tip
+    assert "run 3" in tip and "vllm 0.32.0" in tip
+    rows = page.locator("table.localize-runs tbody tr").all_inner_texts()
+    assert len(rows) == 2 and "run 3" in rows[0] and "run 2" in rows[1]
+    assert f"{ratio * 1e-5:.4g}×" in rows[1]
+    shot(page, "report-series-localize")
+    assert page.problems == []

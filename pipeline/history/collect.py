@@ -18,6 +18,12 @@ from pathlib import Path
 import orjson
 
 from pipeline.errors import BadInput
+from pipeline.history.localized import (
+    LOCALIZE_DIR,
+    LOCALIZE_FILE,
+    localize_contradictions,
+    read_localize,
+)
 from pipeline.history.schema import (
     INT64_MAX,
     contradictions,
@@ -41,6 +47,11 @@ class PairInput:
     report: dict
     report_path: Path
     tokens_path: Path | None
+    # localize/localize.json beside the report, checked (history/localized.py)
+    localize: dict | None = None
+    localize_path: Path | None = None
+    # {verdict: error|skipped, message}: lpx run's localize stage for this pair left no file
+    localize_stage: dict | None = None
 
 
 @dataclass
@@ -79,11 +90,15 @@ def collect_run(
             "the run from its reports alone. Nothing was recorded."
         )
     pairs, unfinished = _find_reports(run_dir)
+    stages = (manifest or {}).get("stages", [])
     errors = [
         {"stage": stage.get("name", "?"), "message": stage.get("message", "")}
-        for stage in (manifest or {}).get("stages", [])
-        if stage["status"] == "error"
+        for stage in stages
+        if stage["status"] == "error" and not stage.get("optional")
     ]
+    optional = {s["pair"]: s for s in stages if s.get("optional") and s.get("pair")}
+    for pair in pairs:
+        errors += _attach_localize(run_dir, pair, optional.get(pair.pair))
     errors += [
         {"stage": "compare", "message": f"{path}: compare did not finish (no report.json)"}
         for path in unfinished
@@ -146,6 +161,29 @@ def collect_run(
         manifest=manifest,
         calibration=_calibration(run_dir),
     )
+
+
+def _attach_localize(run_dir: Path, pair: PairInput, stage: dict | None) -> list[dict]:
+    """Give ``pair`` its localize.json (refused when malformed); a self-contradicting one is
+    left out and returned as an error, so the run is an error run. Without a file, the
+    pair's lpx run stage says whether it errored or was skipped."""
+    path = run_dir / pair.pair / LOCALIZE_DIR / LOCALIZE_FILE
+    if path.is_file():
+        result = read_localize(path)
+        found = localize_contradictions(result)
+        if found:
+            return [
+                {
+                    "stage": "localize",
+                    "message": f"{path}: {'; '.join(found)}; a localize result that "
+                    "contradicts itself is not stored (rerun `lpx localize` for this pair)",
+                }
+            ]
+        pair.localize, pair.localize_path = result, path
+    elif stage is not None and (stage["status"] == "error" or stage.get("skipped")):
+        verdict = "error" if stage["status"] == "error" else "skipped"
+        pair.localize_stage = {"verdict": verdict, "message": str(stage.get("message") or "")}
+    return []
 
 
 def _calibration(run_dir: Path) -> dict | None:

@@ -22,6 +22,7 @@ from pipeline.db.models import (
     Case,
     Comparison,
     EngineBuild,
+    LocalizeBoundary,
     MetricValue,
     Run,
     Series,
@@ -43,6 +44,9 @@ from pipeline.history.evaluate import (
     reevaluate_series,
     utc_now,
 )
+from pipeline.history.localized import BOUNDARY_COLUMNS as LOCALIZE_BOUNDARY_COLUMNS
+from pipeline.history.localized import boundary_rows, stage_summary
+from pipeline.history.localized import summary as localize_summary
 
 METRIC_COLUMNS = (
     "comparison_id",
@@ -71,8 +75,12 @@ COMPARISON_COLUMNS = (
     "findings",
     "violations",
     "details",
+    "localize_verdict",
+    "localize_boundary",
+    "localize",
 )
 COMPARISON_JSON = ("findings", "violations", "details")  # sent as JSON text
+LOCALIZE_COLUMNS = ("comparison_id", "series_id", "started_at", *LOCALIZE_BOUNDARY_COLUMNS)
 NOT_METRICS = ("tokens", "tau")  # context, not drift: stored on the comparison instead
 NON_FINITE = ("nan", "inf", "-inf")  # how report.json writes non-finite metrics
 
@@ -191,6 +199,7 @@ class _Recorder:
         comparisons = [self._comparison(run_id, run, p) for p in pairs]
         if comparisons:
             self._insert_comparisons(comparisons)
+            self._insert_localize_rows(pairs, comparisons)
         points = [self._point(run_id, run, p, c) for p, c in zip(pairs, comparisons, strict=True)]
         # Boundaries in one batch for each series' first point of the run (a second point
         # of the same series is bounded after the first has moved its state).
@@ -313,7 +322,22 @@ class _Recorder:
             findings=report.get("diagnosis") or [],
             violations=policy.get("violations") or [],
             details=comparison_details(report, p.pair.tokens_path, self.tokenizers),
+            **_localize_columns(p.pair),
         )
+
+    def _insert_localize_rows(self, pairs: list[_Pair], comparisons: list[dict]) -> None:
+        """Each localized pair's boundaries (a few hundred rows for a 32-layer model)."""
+        rows = []
+        for p, comparison in zip(pairs, comparisons, strict=True):
+            if p.pair.localize is None:
+                continue
+            head = (comparison["id"], comparison["series_id"])
+            rows += [(*head, None, *row) for row in boundary_rows(p.pair.localize)]
+        if rows:
+            table = LocalizeBoundary.__table__
+            started_at = _bound(self.session, table.c.started_at, comparisons[0]["started_at"])
+            rows = [(row[0], row[1], started_at, *row[3:]) for row in rows]
+            self._insert_plain_rows(table, LOCALIZE_COLUMNS, rows)
 
     def _point(self, run_id: int, run: RunInput, p: _Pair, comparison: dict):
         series = self.cache[(Series, p.series_key)]
@@ -374,6 +398,8 @@ class _Recorder:
         for comparison in comparisons:
             values = comparison | {"started_at": started_at}
             values |= {name: json_dumps(comparison[name]) for name in COMPARISON_JSON}
+            if comparison["localize"] is not None:  # none stays NULL, not JSON null
+                values["localize"] = json_dumps(comparison["localize"])
             rows.append(tuple(values[name] for name in COMPARISON_COLUMNS))
         self._insert_plain_rows(table, COMPARISON_COLUMNS, rows)
 
@@ -440,6 +466,24 @@ class _Recorder:
         return self.cache[(Testbed, key)]
 
 
+def _localize_columns(pair: PairInput) -> dict:
+    """The comparison's localize_verdict, localize_boundary and localize summary."""
+    if pair.localize is not None:
+        first = pair.localize.get("first") or {}
+        return dict(
+            localize_verdict=pair.localize["verdict"],
+            localize_boundary=first.get("boundary"),
+            localize=localize_summary(pair.localize, pair.localize_path),
+        )
+    if pair.localize_stage is not None:
+        return dict(
+            localize_verdict=pair.localize_stage["verdict"],
+            localize_boundary=None,
+            localize=stage_summary(pair.localize_stage["message"]),
+        )
+    return dict(localize_verdict=None, localize_boundary=None, localize=None)
+
+
 def _new_case(p: _Pair) -> Case:
     case = p.case
     label = case["label"] or case["model"].rstrip("/").split("/")[-1]
@@ -453,6 +497,7 @@ _PG_TYPES = {
     "Float": "float8",
     "String": "varchar",
     "BigInteger": "int8",
+    "Boolean": "bool",
     "DateTime": "timestamp",
     "JSON": "text",
 }

@@ -1,4 +1,5 @@
-"""What `lpx record` accepts: report.json and lpx-run.json checked for types and ranges.
+"""What `lpx record` accepts: report.json and lpx-run.json checked for types and ranges
+(localize.json: history/localized.py, with the checks defined here).
 
 Reports are inputs too. A report someone edited, truncated or wrote with another tool must
 not reach the history as a pass: a metric written as the string "0.1" would simply go
@@ -81,6 +82,30 @@ def text(value) -> str | None:
 def scalar(value) -> str | None:
     ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
     return None if ok else "a version string"
+
+
+def finite(lo: float = 0.0) -> Check:
+    """A finite number >= lo (localize.json never writes a non-finite one)."""
+
+    def check(value):
+        ok = _is_number(value) and math.isfinite(value) and value >= lo
+        return None if ok else f"a finite number >= {lo:g}"
+
+    return check
+
+
+def name(limit: int) -> Check:
+    """A non-empty string of at most ``limit`` characters (it fills a column that wide)."""
+
+    def check(value):
+        ok = isinstance(value, str) and 0 < len(value) <= limit
+        return None if ok else f"a string of 1 to {limit} characters"
+
+    return check
+
+
+def boolean(value) -> str | None:
+    return None if isinstance(value, bool) else "true or false"
 
 
 def obj(value) -> str | None:
@@ -243,6 +268,10 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "stages[].image": optional(obj),
     "stages[].image.ref": optional(text),
     "stages[].image.digest": optional(text),
+    # a stage whose failure leaves the run's verdict standing (localize), and its pair
+    "stages[].optional": optional(boolean),
+    "stages[].skipped": optional(boolean),
+    "stages[].pair": optional(text),
 }
 
 
@@ -258,7 +287,7 @@ REPORT_FIELDS.update(
 def report_problems(report: dict) -> list[str]:
     """What is wrong with a single-pair report's types and ranges, each as
     "`path` must be EXPECTED, not VALUE"; empty when it can be recorded."""
-    problems = _check_fields(report, _REPORT_TREE)
+    problems = check_fields(report, _REPORT_TREE)
     meta = report.get("metadata")
     if isinstance(meta, dict):
         for side in ("fixture", "replay"):
@@ -289,7 +318,7 @@ def report_problems(report: dict) -> list[str]:
 def manifest_problems(manifest: dict) -> list[str]:
     """lpx-run.json's types (the version, kind and stage statuses are checked by
     run_manifest.read_manifest)."""
-    return _check_fields(manifest, _MANIFEST_TREE) + _check_testbed(
+    return check_fields(manifest, _MANIFEST_TREE) + _check_testbed(
         manifest.get("testbed"), "testbed"
     )
 
@@ -344,7 +373,7 @@ class _Field:
         self.each: _Field | None = None
 
 
-def _compile(fields: dict[str, Check]) -> _Field:
+def compile_fields(fields: dict[str, Check]) -> _Field:
     root = _Field()
     for path, check in fields.items():
         node = root
@@ -358,7 +387,7 @@ def _compile(fields: dict[str, Check]) -> _Field:
     return root
 
 
-def _check_fields(document: dict, tree: _Field) -> list[str]:
+def check_fields(document: dict, tree: _Field) -> list[str]:
     problems: list[str] = []
     _walk(tree, document, "", problems)
     return problems
@@ -418,8 +447,8 @@ def _check_testbed(testbed, where: str) -> list[str]:
     ]
 
 
-_REPORT_TREE = _compile(REPORT_FIELDS)
-_MANIFEST_TREE = _compile(MANIFEST_FIELDS)
+_REPORT_TREE = compile_fields(REPORT_FIELDS)
+_MANIFEST_TREE = compile_fields(MANIFEST_FIELDS)
 
 
 def _problem(where: str, expected: str, value, present: bool = True) -> str:

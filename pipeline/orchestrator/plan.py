@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pipeline.errors import BadInput
 from pipeline.names import DTYPE_ALIASES, DTYPES, engine_names
@@ -97,6 +104,29 @@ class Calibrate(_Strict):
     reuse: bool = True  # take a stored calibration from the history when one matches
 
 
+class Localize(_Strict):
+    """`lpx localize` on each pair whose comparison fails: the first layer and op where the
+    replay (side A) and the rollout (side B) part, written to the pair's localize/. Each side's
+    capture spec comes from its engine, dtype and TP size (orchestrator/stages.py) unless
+    given here."""
+
+    sequences: Count = 4  # the failing pair's worst sequences (its report.json)
+    rollout: str | None = None  # side B's capture spec for every pair, e.g. vllm:dtype=bf16
+    replays: dict[str, str] = {}  # side A's capture spec by replay name
+    device: Device = "auto"
+    image: str | None = None  # container runners; default: the replay's image
+
+    @field_validator("rollout")
+    @classmethod
+    def _rollout_spec(cls, spec: str | None) -> str | None:
+        return None if spec is None else _spec(spec)
+
+    @field_validator("replays")
+    @classmethod
+    def _replay_specs(cls, specs: dict[str, str]) -> dict[str, str]:
+        return {name: _spec(spec) for name, spec in specs.items()}
+
+
 class History(_Strict):
     db: str | None = None  # default: LPX_DB, else runs/lpx.db
     report: str | None = None  # where the HTML report is rendered; none: not rendered
@@ -115,6 +145,8 @@ class Plan(_Strict):
     calibrate: Calibrate | None = None
     # the compare stage verifies failing pairs' findings by re-scoring them with the model
     diagnose: bool = True
+    # failing pairs are localized to a layer and op (lpx localize): true, or a mapping
+    localize: Localize | None = None
     history: History = History()
     stage_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 3600.0
     gpus: bool = False  # container runners give each stage every GPU of the host
@@ -123,6 +155,25 @@ class Plan(_Strict):
     @classmethod
     def _dir_name(cls, name: str) -> str:
         return _safe(name, "plan name")
+
+    @field_validator("localize", mode="before")
+    @classmethod
+    def _localize_switch(cls, value):
+        """`localize: true` is every default; `false` is none."""
+        if value is True:
+            return {}
+        return None if value is False else value
+
+    @model_validator(mode="after")
+    def _localized_replays_exist(self) -> Plan:
+        names = {replay.name for replay in self.replays}
+        unknown = sorted(set(self.localize.replays) - names) if self.localize else []
+        if unknown:
+            raise ValueError(
+                f"localize.replays names {', '.join(unknown)}, which is not a replay of the "
+                f"plan; replays: {', '.join(sorted(names))}"
+            )
+        return self
 
     @field_validator("replays")
     @classmethod
@@ -141,6 +192,18 @@ def _safe(name: str, what: str) -> str:
         return safe_name(name, what)
     except BadInput as error:
         raise ValueError(error.format_message()) from None
+
+
+def _spec(spec: str) -> str:
+    """A capture spec, ENGINE[:knob=value,...]; the engine and knobs are checked when the
+    stage opens it (a third-party adapter may be installed only in the stage's image)."""
+    from pipeline.localize.adapters import parse_spec
+
+    try:
+        parse_spec(spec)
+    except BadInput as error:
+        raise ValueError(error.format_message()) from None
+    return spec.strip()
 
 
 def _known(name: str, group: str) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 import click
 
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION, BadInput, Interrupted
+from pipeline.orchestrator.localize_stages import failing_pairs, localize_images, localize_stage
 from pipeline.orchestrator.plan import Plan
 from pipeline.orchestrator.runners import DockerLost, StageFailed, make_runner
 from pipeline.orchestrator.stages import LOGS, PROMPTS, URL, Stage, compare_stage, expand
@@ -67,7 +68,8 @@ def run_plan(
             "--resume to finish the run in it."
         )
     runner = make_runner(runner_name, gpus=plan.gpus)  # Docker unreachable: exit 2 before any work
-    for stage in expand(plan):  # every image present (and its digest known) before any work
+    # every image present (and its digest known) before any work
+    for stage in expand(plan) + localize_images(plan):
         runner.image(stage)
         if stage.server and stage.server.image:
             runner.image(replace(stage, image=stage.server.image))
@@ -94,7 +96,7 @@ def run_plan(
             _mark_not_run(plan, manifest, f"not run: {error.reason}")
         finally:
             reserve.release()
-            write_manifest(run_dir, finish(manifest))
+            write_manifest(run_dir, _finish(manifest))
     not_recorded = _record_and_report(plan, run_dir)
     resume = f"`lpx run {plan_path} --out {run_dir} --resume`"
     if stopped:
@@ -103,7 +105,7 @@ def run_plan(
             f"stage {stopped.stage}: {stopped.reason} (log: {log}); {stopped.advice}, then "
             f"{resume}; outputs kept in {run_dir}{_also(not_recorded)}."
         )
-    broken = [s for s in manifest["stages"] if s["status"] == "error"]
+    broken = [s for s in manifest["stages"] if s["status"] == "error" and not s.get("optional")]
     if broken:
         raise BadInput(_stage_error(broken, run_dir, resume) + _also(not_recorded) + ".")
     if not_recorded:
@@ -111,7 +113,9 @@ def run_plan(
             f"the run finished ({'FAIL' if failed else 'PASS'}, outputs in {run_dir}) but "
             f"{not_recorded}."
         )
-    click.echo(f"run: {'FAIL' if failed else 'PASS'}; outputs in {run_dir}")
+    click.echo(
+        f"run: {'FAIL' if failed else 'PASS'}; outputs in {run_dir}{_optional_errors(manifest)}"
+    )
     return EXIT_REGRESSION if failed else EXIT_PASS
 
 
@@ -128,6 +132,25 @@ def _stage_error(broken: list[dict], run_dir: Path, resume: str) -> str:
         f"stage {first['name']} failed{also}: {message}{log}{later}; fix it, then {resume} "
         "(finished stages are kept)"
     )
+
+
+def _finish(manifest: dict) -> dict:
+    """finish(), with an optional stage's error left out of the run's status: the
+    comparison's verdict stands and the stage's message stays in its entry."""
+    finish(manifest)
+    if manifest["status"] == "error":
+        statuses = {s["status"] for s in manifest["stages"] if not s.get("optional")}
+        if "error" not in statuses:
+            failed = any(s["status"] == "fail" for s in manifest["stages"])
+            manifest["status"] = "fail" if failed else "pass"
+    return manifest
+
+
+def _optional_errors(manifest: dict) -> str:
+    names = [s["name"] for s in manifest["stages"] if s.get("optional") and s["status"] == "error"]
+    if not names:
+        return ""
+    return f" ({', '.join(names)} failed, the comparison's results are kept; see logs/)"
 
 
 def _also(not_recorded: str | None) -> str:
@@ -148,14 +171,31 @@ def _run_stages(plan: Plan, run_dir: Path, manifest: dict, done: set[str], runne
             continue
         if _execute(stage, run_dir, plan.stage_timeout_s, manifest, runner) != "ok":
             errored.add(stage.name)
-    finished = [r.name for r in plan.replays if f"replay-{r.name}" not in errored]
+    finished = [r for r in plan.replays if f"replay-{r.name}" not in errored]
     if not finished:
         return False
-    compare = compare_stage(plan, finished)
+    compare = compare_stage(plan, [r.name for r in finished])
     if "compare" in done and _has_outputs(run_dir, compare) and not errored:
         _note(manifest, run_dir, compare, "ok", "kept from the resumed run")
         return False
-    return _execute(compare, run_dir, plan.stage_timeout_s, manifest, runner) == "fail"
+    status = _execute(compare, run_dir, plan.stage_timeout_s, manifest, runner)
+    if status == "fail" and plan.localize is not None:
+        _localize(plan, run_dir, manifest, done, runner, finished)
+    return status == "fail"
+
+
+def _localize(plan: Plan, run_dir: Path, manifest: dict, done: set[str], runner, finished):
+    """`lpx localize` for each pair the comparison failed; an error or a skip is noted on
+    the stage and the next pair still runs."""
+    for replay, pair_dir in failing_pairs(run_dir, finished):
+        stage = localize_stage(plan, replay, pair_dir)
+        if isinstance(stage, str):
+            skipped = Stage(f"localize-{replay.name}", [], [], optional=True, pair=pair_dir)
+            _note(manifest, run_dir, skipped, "ok", stage, skipped=True)
+        elif stage.name in done and _has_outputs(run_dir, stage):
+            _note(manifest, run_dir, stage, "ok", "kept from the resumed run")
+        else:
+            _execute(stage, run_dir, plan.stage_timeout_s, manifest, runner)
 
 
 def _execute(stage: Stage, run_dir: Path, timeout_s: float, manifest: dict, runner) -> str:
@@ -210,8 +250,12 @@ def _execute(stage: Stage, run_dir: Path, timeout_s: float, manifest: dict, runn
     return status
 
 
-def _note(manifest, run_dir, stage: Stage, status, message="", seconds=None, image=None) -> None:
+def _note(
+    manifest, run_dir, stage: Stage, status, message="", seconds=None, image=None, **flags
+) -> None:
     extra = {"outputs": stage.outputs, "log": f"{LOGS}/{stage.name}.log", "image": image}
+    if stage.optional:
+        extra |= {"optional": True, "pair": stage.pair, **flags}
     if seconds is not None:
         extra["seconds"] = round(seconds, 2)
     add_stage(manifest, stage.name, status, message, **extra)

@@ -33,6 +33,9 @@ class Stage:
     # A server the stage talks to; URL in argv is replaced by its address once it is up.
     server: Server | None = None
     memory: str | None = None  # container runners: the memory limit (Docker's --memory)
+    # An optional stage's error is noted and leaves the run's verdict standing (localize).
+    optional: bool = False
+    pair: str | None = None  # the compare directory an optional stage reads and writes in
 
 
 URL = "{server_url}"

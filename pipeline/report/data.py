@@ -17,6 +17,7 @@ from pipeline.db.models import (
     Case,
     Comparison,
     EngineBuild,
+    LocalizeBoundary,
     MetricValue,
     Run,
     Series,
@@ -38,6 +39,12 @@ class Point:
     replay_build: int
     findings: list[str]
     metrics: dict[str, tuple] = field(default_factory=dict)  # name -> (value, status, lo, up, base)
+    localize: str | None = None  # the pair's localize verdict, when one ran
+    localize_boundary: str | None = None  # its first boundary beyond the floor
+    localize_first_ratio: float | None = None
+    localize_margin: float | None = None  # beyond = ratio past it
+    # (ratio, beyond) at the boundary its series tracks (the latest localized one)
+    localize_tracked: tuple[float, bool] | None = None
 
 
 @dataclass
@@ -54,6 +61,7 @@ class SeriesData:
     testbed: str
     case: dict
     points: list[Point] = field(default_factory=list)
+    localize_boundary: str | None = None  # the boundary its latest localized point names
 
 
 @dataclass
@@ -114,6 +122,9 @@ def load_history(session: Session) -> HistoryData:
             Comparison.rollout_build_id,
             Comparison.replay_build_id,
             Comparison.findings,
+            Comparison.localize_verdict,
+            Comparison.localize_boundary,
+            Comparison.localize,
         ).order_by(Comparison.started_at, Comparison.id)
     ):
         point = Point(
@@ -126,12 +137,19 @@ def load_history(session: Session) -> HistoryData:
             row.rollout_build_id,
             row.replay_build_id,
             [f.get("cause", "?") for f in row.findings or [] if isinstance(f, dict)],
+            localize=row.localize_verdict,
+            localize_boundary=row.localize_boundary,
+            localize_first_ratio=((row.localize or {}).get("first") or {}).get("ratio"),
+            localize_margin=(row.localize or {}).get("margin"),
         )
         points[row.id] = point
         target = series[row.series_id]
         point_index[row.id] = (target, point)
         target.points.append(point)
         target.profile = row.profile or target.profile
+        if row.localize_boundary:
+            target.localize_boundary = row.localize_boundary
+    _load_tracked_boundaries(session, series, points)
     names = set()
     for row in session.execute(
         select(
@@ -196,6 +214,52 @@ def run_comparisons(session: Session, run_id: int) -> list[Comparison]:
             select(Comparison).where(Comparison.run_id == run_id).order_by(Comparison.pair)
         )
     )
+
+
+def run_localize_rows(session: Session, comparisons: list[Comparison]) -> dict[int, list[dict]]:
+    """The boundary rows of a run's localized comparisons, in network order (as recorded)."""
+    ids = [c.id for c in comparisons if c.localize_verdict in ("clean", "localized", "verified")]
+    rows: dict[int, list[dict]] = {}
+    if not ids:
+        return rows
+    for row in session.scalars(
+        select(LocalizeBoundary)
+        .where(LocalizeBoundary.comparison_id.in_(ids))
+        .order_by(LocalizeBoundary.id)
+    ):
+        rows.setdefault(row.comparison_id, []).append(
+            {
+                "boundary": row.boundary,
+                "layer": row.layer,
+                "kind": row.kind,
+                "drift_max": row.drift_max,
+                "drift_rms": row.drift_rms,
+                "floor_max": row.floor_max,
+                "floor_rms": row.floor_rms,
+                "ratio": row.ratio,
+                "beyond": row.beyond,
+            }
+        )
+    return rows
+
+
+def _load_tracked_boundaries(session: Session, series: dict, points: dict) -> None:
+    """Each series' tracked boundary (the one its latest localized point names), at every
+    point that localized: one query for the whole history, for those boundaries only."""
+    tracked = {s.id: s.localize_boundary for s in series.values() if s.localize_boundary}
+    if not tracked:
+        return
+    for row in session.execute(
+        select(
+            LocalizeBoundary.comparison_id,
+            LocalizeBoundary.series_id,
+            LocalizeBoundary.boundary,
+            LocalizeBoundary.ratio,
+            LocalizeBoundary.beyond,
+        ).where(LocalizeBoundary.boundary.in_(set(tracked.values())))
+    ):
+        if tracked.get(row.series_id) == row.boundary and row.comparison_id in points:
+            points[row.comparison_id].localize_tracked = (row.ratio, row.beyond)
 
 
 def _metric_order(name: str):

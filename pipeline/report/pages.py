@@ -16,6 +16,7 @@ from pipeline.history.attribution import summary
 from pipeline.history.changepoints import change_points
 from pipeline.history.detection import KEY_METRICS, factor, metric_spec
 from pipeline.report.data import HistoryData, SeriesData
+from pipeline.report.localized import run_localize, series_localize
 
 SPARK_POINTS = 90
 SPARK_WIDTH, SPARK_HEIGHT = 160, 28
@@ -110,14 +111,20 @@ def series_page(data: HistoryData, series: SeriesData) -> dict:
         and (runs[i]["rollout"], runs[i]["replay"])
         != (runs[i - 1]["rollout"], runs[i - 1]["replay"])
     ]
+    localize, localize_chart = series_localize(series, runs)
+    if localize_chart is not None:
+        charts_with_localize = {**charts, localize["chart"]: localize_chart}
+    else:
+        charts_with_localize = charts
     return {
         "title": series.label,
         "series": series,
+        "localize": localize,
         "alerts": [_alert_row(data, a) for a in data.alerts if a["series_id"] == series.id][::-1],
         "annotations": [a for a in data.annotations if a["series_id"] == series.id],
         "chart_data": {
             "runs": runs,
-            "charts": charts,
+            "charts": charts_with_localize,
             "version_changes": version_changes,
             "annotations": [
                 {"index": i, "kind": a["kind"], "reason": a["reason"]}
@@ -136,7 +143,9 @@ def series_page(data: HistoryData, series: SeriesData) -> dict:
     }
 
 
-def run_page(data: HistoryData, run_id: int, comparisons: list) -> dict:
+def run_page(
+    data: HistoryData, run_id: int, comparisons: list, localize_rows: dict | None = None
+) -> dict:
     run = data.runs[run_id]
     position = data.run_order.index(run_id)
     rows = []
@@ -157,6 +166,7 @@ def run_page(data: HistoryData, run_id: int, comparisons: list) -> dict:
                 "metrics": point.metrics if point else {},
                 "violations": comparison.violations or [],
                 "details": details,
+                "localize": run_localize(comparison, (localize_rows or {}).get(comparison.id, [])),
             }
         )
     return {

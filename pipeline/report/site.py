@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from pipeline.errors import BadInput
 from pipeline.history.database import History, describe
 from pipeline.progress import progress_bar
-from pipeline.report.data import load_history, run_comparisons
+from pipeline.report.data import load_history, run_comparisons, run_localize_rows
 from pipeline.report.pages import index_page, run_page, series_page
 
 MARKER = ".lpx-report"
@@ -76,7 +76,9 @@ def build_site(history: History, out_dir: Path) -> Path:
                         series_page(data, series),
                     )
             for run_id in progress_bar(data.run_order, "run pages", "page"):
-                page = run_page(data, run_id, run_comparisons(session, run_id))
+                comparisons = run_comparisons(session, run_id)
+                rows = run_localize_rows(session, comparisons)
+                page = run_page(data, run_id, comparisons, rows)
                 _render(
                     env,
                     "run.html",

@@ -103,7 +103,7 @@ function drawChart(container, name, data) {
     if (!finite(v)) return;
     const status = chart.status[i] || "";
     const link = svgElement("a", { href: `../runs/${runs[i].run}.html` }, svg);
-    const bad = status === "suspicious" || status === "regression";
+    const bad = status === "suspicious" || status === "regression" || status === "beyond_floor";
     const classes = [bad ? "bad" : status === "excluded" ? "excluded" : "", runs[i].verdict === "pass" ? "" : "fail"];
     const dot = svgElement("circle", { cx: x(i), cy: y(v), r: bad ? 4 : 2.6, class: classes.join(" ").trim() }, link);
     dot.dataset.index = i;
