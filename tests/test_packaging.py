@@ -60,6 +60,7 @@ def test_a_wheel_carries_migrations_and_templates_and_works_outside_the_repo(tmp
         "pipeline/db/migrations/versions/0002_detection.py",
         "pipeline/db/migrations/versions/0003_calibrations.py",
         "pipeline/db/migrations/versions/0004_metric_value_indexes.py",
+        "pipeline/db/migrations/versions/0005_localize.py",
         "pipeline/templates/index.html",
         "pipeline/templates/assets/lpx.js",
         "pipeline/templates/assets/lpx.css",
@@ -95,5 +96,5 @@ def test_a_wheel_carries_migrations_and_templates_and_works_outside_the_repo(tmp
         env={**os.environ, "PYTHONPATH": str(target)},
     )
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines()[0] == "0004"
+    assert run.stdout.splitlines()[0] == "0005"
     assert (outside / "site" / "assets" / "lpx.js").is_file()
