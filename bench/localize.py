@@ -66,7 +66,11 @@ def token_table(sequences: int = 8, length: int = 96, prompt: int = 24):
     )
 
 
-def run(model: Path, spec_a: str, spec_b: str, table, count: int = 8) -> dict:
+SEQUENCES = 8
+
+
+def run(model: Path, spec_a: str, spec_b: str, table, count: int | None = None) -> dict:
+    count = SEQUENCES if count is None else count
     with tempfile.TemporaryDirectory() as work:
         return localize(table, model, spec_a, spec_b, list(range(count)), Path(work))
 
@@ -118,7 +122,7 @@ def bench_scale(scale: str, faults: bool, clean: bool) -> dict:
     model = SCALES[scale]()
     moe = scale.startswith("moe")
     layers = int(scale.split("-")[-1].split("x")[0]) if scale != "tiny" else 2
-    table = token_table()
+    table = token_table(sequences=SEQUENCES)
     out = {"faults": [], "clean": []}
     if faults and scale in FAULT_SCALES:
         for kind, dtype, layer in fault_cases(scale, layers, moe):
@@ -201,12 +205,15 @@ def timing() -> None:
 
 
 def main() -> int:
+    global SEQUENCES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scales", default=",".join(SCALES))
     parser.add_argument("--clean-only", action="store_true")
     parser.add_argument("--faults-only", action="store_true")
     parser.add_argument("--timing", action="store_true")
+    parser.add_argument("--sequences", type=int, default=8, help="per case (8)")
     args = parser.parse_args()
+    SEQUENCES = args.sequences
     if args.timing:
         timing()
         return 0
