@@ -1,5 +1,5 @@
-"""The log-prob server's HTTP surface (FastAPI): score, pause, resume, update_weights,
-health, metrics. The schema is in docs/logprob-server.md."""
+"""The log-prob server's HTTP surface (FastAPI): score, capture, pause, resume,
+update_weights, health, metrics. The schema is in docs/logprob-server.md."""
 
 from __future__ import annotations
 
@@ -11,16 +11,19 @@ from pathlib import Path
 
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from pipeline.errors import BadInput, DeviceOutOfMemory
+from pipeline.serve.capture import CaptureService
 from pipeline.serve.metrics import ServerMetrics
 from pipeline.serve.model_slot import resolve_model_dir
 from pipeline.serve.requests import (
+    CaptureRequest,
     Refusal,
     ScoreRequest,
     UpdateRequest,
+    check_capture_request,
     check_score_request,
     read_request,
 )
@@ -47,6 +50,7 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
     """``slot``: a ModelSlot (or any object with score, load, version, vocab_size, engine)."""
     state: dict = {}
     metrics = ServerMetrics()
+    captures = CaptureService(slot)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -143,6 +147,32 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
                 }
             ),
             media_type="application/json",
+        )
+
+    @app.get("/capture")
+    async def describe_capture():
+        try:
+            return await asyncio.to_thread(captures.describe)
+        except Exception as failure:  # noqa: BLE001 - a config the capture adapter cannot read
+            return error(500, f"cannot capture from this model: {failure}")
+
+    @app.post("/capture")
+    async def capture(request: Request):
+        try:
+            body = await read_request(request, CaptureRequest, settings.max_body_bytes)
+            widths = await asyncio.to_thread(captures.widths)
+            token_ids, replace = check_capture_request(
+                body,
+                slot.vocab_size,
+                settings.max_sequence_tokens,
+                getattr(slot, "max_positions", None),
+                widths,
+            )
+        except Refusal as refusal:
+            return refused(refusal)
+        metrics.count_request(200)
+        return StreamingResponse(
+            captures.stream(token_ids, body.precision, replace), media_type="application/x-ndjson"
         )
 
     @app.post("/pause")

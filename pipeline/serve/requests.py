@@ -8,7 +8,7 @@ from __future__ import annotations
 import email.message
 import json
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 from fastapi import Request
@@ -62,6 +62,22 @@ class UpdateRequest(BaseModel):
     version: (
         Annotated[StrictStr, Field(min_length=1, max_length=MAX_VERSION_CHARS), NoNul] | None
     ) = None
+
+
+class Rows(BaseModel):
+    """One boundary's rows: dtype, [T, F] and base64 little-endian bytes (serve/capture.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    dtype: Literal["float32", "float64", "int64"]
+    shape: list[StrictInt] = Field(min_length=2, max_length=2)
+    data: StrictStr
+
+
+class CaptureRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    token_ids: list[StrictInt] = Field(min_length=1)
+    precision: Literal["declared", "reference"] = "declared"
+    replace: dict[StrictStr, Rows] | None = None
 
 
 class Refusal(Exception):
@@ -180,6 +196,56 @@ def check_score_request(
             arrays.append(np.asarray(ids, dtype=np.int64))
         pairs.append((arrays[0], arrays[1]))
     return pairs
+
+
+def check_capture_request(
+    body: CaptureRequest,
+    vocab_size: int,
+    max_tokens: int,
+    max_positions: int | None,
+    widths: dict[str, int],
+) -> tuple[list[int], dict[str, np.ndarray]]:
+    """The token ids and the replacement rows by boundary, or a Refusal: 413 for too many
+    tokens, 400 for an id outside the vocabulary, a boundary the model does not have, or rows
+    whose shape or bytes do not fit it."""
+    from pipeline.serve.capture import decode_rows
+
+    limit, why = max_tokens, "the server's limit"
+    if max_positions is not None and max_positions < limit:
+        limit, why = max_positions, "the model's max_position_embeddings"
+    length = len(body.token_ids)
+    if length > limit:
+        raise Refusal(413, f"token_ids: {length} tokens; {why} is {limit}", "token_ids")
+    where = _outside_vocabulary(body.token_ids, vocab_size)
+    if where is not None:
+        raise Refusal(
+            400,
+            f"token_ids[{where}]: token id {_show(body.token_ids[where])} is outside the "
+            f"model's vocabulary [0, {vocab_size}); send token ids of this model's tokenizer",
+            f"token_ids[{where}]",
+        )
+    replace = {}
+    for name, rows in (body.replace or {}).items():
+        field = f"replace.{_clip(name, 80)}"
+        if name not in widths:
+            raise Refusal(
+                400,
+                f"{field}: not a boundary of this model; GET /capture lists them "
+                "(embed, layers.0.q, ..., logits)",
+                field,
+            )
+        expected = [length, widths[name]]
+        if rows.shape != expected:
+            raise Refusal(
+                400,
+                f"{field}: shape {rows.shape}; {name} of {length} tokens is {expected}",
+                f"{field}.shape",
+            )
+        try:
+            replace[name] = decode_rows(rows.model_dump())
+        except ValueError as bad:
+            raise Refusal(400, f"{field}.data: {_clip(str(bad), 160)}", f"{field}.data") from None
+    return [int(t) for t in body.token_ids], replace
 
 
 def field_path(loc) -> str:
