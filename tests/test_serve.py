@@ -235,8 +235,8 @@ def test_update_weights_fields_and_unknown_endpoints_answer_json_errors(server):
 
 
 ANY_ENDPOINTS_404 = (
-    "Not Found: the endpoints are POST /score, /pause, /resume, /update_weights and GET "
-    "/health, /metrics"
+    "Not Found: the endpoints are POST /score, /capture, /pause, /resume, /update_weights and "
+    "GET /health, /metrics, /capture"
 )
 
 

@@ -80,8 +80,8 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(_request, failure: HTTPException):  # 404, 405: the same JSON shape
         return JSONResponse(
-            {"error": f"{failure.detail}: the endpoints are POST /score, /pause, /resume, "
-             "/update_weights and GET /health, /metrics"},
+            {"error": f"{failure.detail}: the endpoints are POST /score, /capture, "
+             "/pause, /resume, /update_weights and GET /health, /metrics, /capture"},
             status_code=failure.status_code,
             headers=failure.headers,
         )  # fmt: skip
