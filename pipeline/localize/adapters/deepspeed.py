@@ -1,0 +1,73 @@
+"""Capture from the HF model under DeepSpeed ZeRO (stage 3 by default), parameters
+partitioned over ranks and gathered by DeepSpeed's own hooks for each module's forward.
+
+Spec: `deepspeed:nproc=2`, `deepspeed:nproc=2,dtype=bf16,zero_stage=3`. bf16 is DeepSpeed's
+`bf16` mode (the module held in bf16); fp32 runs as loaded. The floor of fp32 is measured
+against fp64: ZeRO partitions and gathers fp64 parameters like any others (checked on gloo).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.errors import BadInput, EngineNotInstalled
+from pipeline.localize.adapters._sharded_hf import ShardedHFRank, open_sharded_session
+
+
+@dataclass(frozen=True)
+class DeepSpeedCaptureKnobs:
+    nproc: int = 0  # ranks; 0 = 2 on the CPU, one per visible GPU on CUDA
+    dtype: str = "float32"
+    zero_stage: int = field(default=3, metadata={"max": 3})
+    fault: str = ""  # a seeded fault (pipeline.localize.seeded), as for the hf adapter
+    fault_layer: int = 0
+    # Seconds to wait for the ranks to start, or for any one reply during a capture.
+    timeout: float = field(default=600.0, metadata={"min": 1})
+
+
+def open_session(model_dir: Path, knobs: dict, device: str = "cpu", spec: str = "deepspeed"):
+    session = open_sharded_session(
+        "deepspeed", DeepSpeedCaptureKnobs, model_dir, knobs, device, spec
+    )
+    if session.dtype == "float16":
+        session.close()
+        raise BadInput(f"{spec}: DeepSpeed capture runs float32 or bfloat16, not float16.")
+    return session
+
+
+def open_rank(model_dir: Path, knobs: dict, device: str, world_size: int) -> ShardedHFRank:
+    from pipeline.devices import device_kind
+
+    # DeepSpeed picks its accelerator when imported: the one this rank was given.
+    os.environ["DS_ACCELERATOR"] = device_kind(device)
+    try:
+        import deepspeed
+    except ImportError as error:
+        raise EngineNotInstalled(
+            f"engine 'deepspeed' is not installed ({error}); install it with "
+            "`pip install --no-build-isolation -e '.[deepspeed]'` after torch."
+        ) from None
+    import torch.distributed as dist
+
+    # Its shared-memory all-reduce is JIT-compiled on first use (60-90 s on a CPU) and a
+    # forward needs none: skip it, as the DeepSpeed replay does.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    stage = int(knobs.get("zero_stage", 3))
+
+    def shard(model, dtype: str):
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": dtype == "bfloat16"},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
+
+    return ShardedHFRank(model_dir, knobs, device, shard)
