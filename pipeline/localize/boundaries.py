@@ -104,3 +104,26 @@ def family_from(names, first: str) -> list[str]:
         if parse(n).family == start.family
         and (parse(n).stage, parse(n).layer) >= (start.stage, start.layer)
     ]
+
+
+def model_boundaries(num_layers: int, moe_layers: set[int]) -> list[str]:
+    """Every boundary of a decoder of `num_layers`, routers only on its MoE layers."""
+    names = ["embed"]
+    for layer in range(num_layers):
+        kinds = ["input_norm", "q", "k", "v", "attn_out", "mlp_in"]
+        if layer in moe_layers:
+            kinds += ["router_logits", "experts"]
+        names += [f"layers.{layer}.{kind}" for kind in kinds + ["mlp_out"]]
+    return names + ["final_norm", "logits"]
+
+
+def moe_layers(config: dict) -> set[int]:
+    """The layers with a router, from an HF config as a dict (Qwen2-MoE's sparse step and
+    MLP-only layers; Mixtral's num_local_experts)."""
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    if not experts:
+        return set()
+    step = config.get("decoder_sparse_step") or 1
+    dense = set(config.get("mlp_only_layers") or [])
+    layers = config["num_hidden_layers"]
+    return {i for i in range(layers) if i not in dense and (i + 1) % step == 0}

@@ -19,6 +19,7 @@ import numpy as np
 from pipeline.engines.base import knobs_from_dict
 from pipeline.errors import BadInput
 from pipeline.localize import seeded
+from pipeline.localize.boundaries import model_boundaries, moe_layers
 
 ATTENTION = "lpx_capture"
 REFERENCE = {"float32": "float64", "bfloat16": "float32", "float16": "float32"}
@@ -101,7 +102,7 @@ class HFCapture:
         self._models: dict[str, object] = {}
         config = load_config(model_dir, settings)
         self.num_layers = config.num_hidden_layers
-        self.moe_layers = moe_layers(config)
+        self.moe_layers = moe_layers(config.to_dict())
         self.layout = {
             "engine": "hf",
             "tp": 1,
@@ -115,7 +116,7 @@ class HFCapture:
 
     @property
     def boundaries(self) -> list[str]:
-        return boundary_names(self.num_layers, self.moe_layers)
+        return model_boundaries(self.num_layers, self.moe_layers)
 
     def capture(self, token_ids, precision: str, sink, replace: dict | None = None) -> None:
         model = self.model(precision)
@@ -243,25 +244,6 @@ def captured_batch_forward(
             )
     finally:
         _ACTIVE.pop()
-
-
-def boundary_names(num_layers: int, moe: set[int]) -> list[str]:
-    names = ["embed"]
-    for layer in range(num_layers):
-        kinds = ["input_norm", "q", "k", "v", "attn_out", "mlp_in"]
-        if layer in moe:
-            kinds += ["router_logits", "experts"]
-        names += [f"layers.{layer}.{kind}" for kind in kinds + ["mlp_out"]]
-    return names + ["final_norm", "logits"]
-
-
-def moe_layers(config) -> set[int]:
-    experts = getattr(config, "num_experts", 0) or 0
-    if not experts:
-        return set()
-    step = getattr(config, "decoder_sparse_step", 1) or 1
-    dense = set(getattr(config, "mlp_only_layers", []) or [])
-    return {i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0}
 
 
 def _module_path(boundary: str) -> str:

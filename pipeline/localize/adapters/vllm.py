@@ -31,6 +31,7 @@ import numpy as np
 
 from pipeline.engines.base import knobs_from_dict
 from pipeline.errors import BadInput
+from pipeline.localize.boundaries import model_boundaries, moe_layers
 
 REFERENCE = {"float32": "float64", "bfloat16": "float32", "float16": "float32"}
 
@@ -134,7 +135,7 @@ class VLLMCapture:
         self.reference_dtype = REFERENCE[settings.dtype]
         config = json.loads((model_dir / "config.json").read_text())
         self.num_layers = int(config["num_hidden_layers"])
-        self.moe_layers = _moe_layers(config)
+        self.moe_layers = moe_layers(config)
         self._engines: dict[str, tuple] = {}
         self._hf_reference = None
         self.prefill_steps = 0  # of the last capture: more than one when vLLM chunked it
@@ -153,13 +154,7 @@ class VLLMCapture:
 
     @property
     def boundaries(self) -> list[str]:
-        names = ["embed"]
-        for layer in range(self.num_layers):
-            kinds = ["input_norm", "q", "k", "v", "attn_out", "mlp_in"]
-            if layer in self.moe_layers:
-                kinds += ["router_logits", "experts"]
-            names += [f"layers.{layer}.{kind}" for kind in kinds + ["mlp_out"]]
-        return names + ["final_norm", "logits"]
+        return model_boundaries(self.num_layers, self.moe_layers)
 
     def capture(self, token_ids, precision: str, sink, replace: dict | None = None) -> None:
         if precision == "reference" and self.reference_dtype == "float64":
@@ -349,16 +344,6 @@ def _top_k(experts) -> int:
         if isinstance(value, int):
             return value
     raise BadInput("vLLM's MoE layer does not say its top_k; capture it with the hf adapter.")
-
-
-def _moe_layers(config: dict) -> set[int]:
-    experts = config.get("num_experts") or config.get("num_local_experts") or 0
-    if not experts:
-        return set()
-    step = config.get("decoder_sparse_step") or 1
-    dense = set(config.get("mlp_only_layers") or [])
-    layers = config["num_hidden_layers"]
-    return {i for i in range(layers) if i not in dense and (i + 1) % step == 0}
 
 
 def _rows(tensor) -> np.ndarray:
