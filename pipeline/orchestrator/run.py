@@ -96,7 +96,7 @@ def run_plan(
             _mark_not_run(plan, manifest, f"not run: {error.reason}")
         finally:
             reserve.release()
-            write_manifest(run_dir, _finish(manifest))
+            write_manifest(run_dir, finish(manifest))
     not_recorded = _record_and_report(plan, run_dir)
     resume = f"`lpx run {plan_path} --out {run_dir} --resume`"
     if stopped:
@@ -132,18 +132,6 @@ def _stage_error(broken: list[dict], run_dir: Path, resume: str) -> str:
         f"stage {first['name']} failed{also}: {message}{log}{later}; fix it, then {resume} "
         "(finished stages are kept)"
     )
-
-
-def _finish(manifest: dict) -> dict:
-    """finish(), with an optional stage's error left out of the run's status: the
-    comparison's verdict stands and the stage's message stays in its entry."""
-    finish(manifest)
-    if manifest["status"] == "error":
-        statuses = {s["status"] for s in manifest["stages"] if not s.get("optional")}
-        if "error" not in statuses:
-            failed = any(s["status"] == "fail" for s in manifest["stages"])
-            manifest["status"] = "fail" if failed else "pass"
-    return manifest
 
 
 def _optional_errors(manifest: dict) -> str:
