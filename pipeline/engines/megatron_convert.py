@@ -166,3 +166,56 @@ def _cat(parts):
     import torch
 
     return torch.cat(parts, dim=0)
+
+
+def gpt_model(config: dict, shape, tp: int, dtype):
+    """An empty Megatron-core GPTModel of the HF model's shape, for `tp` TP ranks, in torch
+    `dtype`, with every fusion off so it runs on the CPU (the replay and the capture side both
+    load their shard of the HF weights into it)."""
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    transformer = TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+    )
+    return GPTModel(
+        config=transformer,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=config.get("max_position_embeddings", 4096),
+        position_embedding_type="rope",
+        rotary_base=int(
+            (config.get("rope_parameters") or {}).get("rope_theta")
+            or config.get("rope_theta", 10000)
+        ),
+        share_embeddings_and_output_weights=shape.tied,
+        parallel_output=True,
+    )
