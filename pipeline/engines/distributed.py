@@ -321,20 +321,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-dir", type=Path)
     args = parser.parse_args(argv)
     log_rank_output(args.log_dir)
+    exit_rank(
+        lambda: run_worker(args.engine, args.fixture, args.model, args.out, json.loads(args.knobs)),
+        args.log_dir,
+    )
+
+
+def exit_rank(work, log_dir) -> None:
+    """Run a rank's work, report any failure to its log, and leave without the interpreter's
+    teardown: now and then a C++ destructor of torch's CPU collectives aborts there
+    ("terminate called without an active exception", SIGABRT), which failed a finished
+    replay in about one run of the distributed tests in three. Exit 2 on bad input, 1 on
+    any other failure, 0 when the work finished (its output already written)."""
+    code = 0
     try:
-        run_worker(args.engine, args.fixture, args.model, args.out, json.loads(args.knobs))
+        work()
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then exits
-        report_rank_error(args.log_dir, error)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2 if isinstance(error, BadInput) else 1)
-    # The replay is written (temp + rename) and the process group destroyed. Skip the
-    # interpreter's teardown: now and then a C++ destructor of torch's CPU collectives
-    # aborts there ("terminate called without an active exception", SIGABRT), which failed
-    # a finished replay in about one run of the distributed tests in three.
+        report_rank_error(log_dir, error)
+        code = 2 if isinstance(error, BadInput) else 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

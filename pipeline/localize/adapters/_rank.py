@@ -10,11 +10,9 @@ import argparse
 import importlib
 import json
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 
-from pipeline.errors import BadInput
 from pipeline.localize.adapters._workers import AUTHKEY_VARIABLE, PARENT_VARIABLE, SOCKET
 
 ENGINES = {
@@ -111,7 +109,7 @@ def _ignore(name: str, rows) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from pipeline.engines.distributed import log_rank_output, report_rank_error
+    from pipeline.engines.distributed import exit_rank, log_rank_output
 
     parser = argparse.ArgumentParser(description="lpx capture worker (started by torchrun)")
     parser.add_argument("--engine", required=True, choices=sorted(ENGINES))
@@ -124,18 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     rank = os.environ.get("RANK", "0")
     (args.folder / f"rank{rank}.pid").write_text(str(os.getpid()))
     watch_parents()
-    try:
-        serve(args.engine, args.model, json.loads(args.knobs), args.device, args.folder)
-    except BaseException as error:  # noqa: BLE001 - every failure is reported, then exits
-        report_rank_error(args.folder, error)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2 if isinstance(error, BadInput) else 1)
-    # Skip the interpreter's teardown, as the replay workers do: a C++ destructor of torch's
-    # CPU collectives now and then aborts there after a clean finish.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank(
+        lambda: serve(args.engine, args.model, json.loads(args.knobs), args.device, args.folder),
+        args.folder,
+    )
 
 
 if __name__ == "__main__":
