@@ -129,7 +129,7 @@ class HFCapture:
     @contextlib.contextmanager
     def module_swap(self, boundary: str, donor: HFCapture):
         """Run with the donor's module (its weights, in its dtype) for `boundary`."""
-        import torch
+        from pipeline.devices import release_memory
 
         model, other = self.model("declared"), donor.model("declared")
         path = _module_path(boundary)
@@ -149,8 +149,7 @@ class HFCapture:
         finally:
             setattr(parent, attribute, original)
             del borrowed
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release_memory(self.device)
 
     def model(self, precision: str):
         dtype = self.dtype if precision == "declared" else self.reference_dtype
