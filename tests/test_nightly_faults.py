@@ -365,8 +365,14 @@ def docker_daemon_stopped():
         if start[0] == "systemctl":
             subprocess.run(start, check=True)
         else:
+            # Not this process's environment: torch and vLLM imports put LD_PRELOAD (a libgomp
+            # in this checkout's venv) there, and a dockerd that outlives the checkout fails
+            # every iptables call once that file is gone.
+            clean = {
+                k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH")
+            }
             with open("/var/log/lpx-dockerd.log", "ab") as log:
-                subprocess.Popen(start, stdout=log, stderr=log, start_new_session=True)
+                subprocess.Popen(start, stdout=log, stderr=log, start_new_session=True, env=clean)
         deadline = time.monotonic() + 120
         while not docker_answers() and time.monotonic() < deadline:
             time.sleep(1)
