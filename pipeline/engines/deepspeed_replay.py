@@ -21,17 +21,23 @@ class DeepSpeedScoringEngine(DistributedScoringEngine):
         return DeepSpeedSession(model_dir, dict(knobs), world_size)
 
 
+def import_deepspeed(device: str):
+    """DeepSpeed, imported for `device`: it picks its accelerator when imported (the one this
+    rank was given); EngineNotInstalled says how to install it."""
+    os.environ["DS_ACCELERATOR"] = device_kind(device)
+    try:
+        import deepspeed
+    except ImportError as error:
+        raise EngineNotInstalled(
+            f"engine 'deepspeed' is not installed ({error}); install it with "
+            "`pip install --no-build-isolation -e '.[deepspeed]'` after torch."
+        ) from None
+    return deepspeed
+
+
 class DeepSpeedSession:
     def __init__(self, model_dir: Path, knobs: dict, world_size: int):
-        # DeepSpeed picks its accelerator when imported: the one this rank was given.
-        os.environ["DS_ACCELERATOR"] = device_kind(str(knobs.get("device", "cpu")))
-        try:
-            import deepspeed
-        except ImportError as error:
-            raise EngineNotInstalled(
-                f"engine 'deepspeed' is not installed ({error}); install it with "
-                "`pip install --no-build-isolation -e '.[deepspeed]'` after torch."
-            ) from None
+        deepspeed = import_deepspeed(str(knobs.get("device", "cpu")))
         import torch.distributed as dist
 
         self.zero_stage = int(knobs.pop("zero_stage", 3))

@@ -8,11 +8,10 @@ against fp64: ZeRO partitions and gathers fp64 parameters like any others (check
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.errors import BadInput, EngineNotInstalled
+from pipeline.errors import BadInput
 from pipeline.localize.adapters._sharded_hf import ShardedHFRank, open_sharded_session
 
 
@@ -38,17 +37,9 @@ def open_session(model_dir: Path, knobs: dict, device: str = "cpu", spec: str = 
 
 
 def open_rank(model_dir: Path, knobs: dict, device: str, world_size: int) -> ShardedHFRank:
-    from pipeline.devices import device_kind
+    from pipeline.engines.deepspeed_replay import import_deepspeed
 
-    # DeepSpeed picks its accelerator when imported: the one this rank was given.
-    os.environ["DS_ACCELERATOR"] = device_kind(device)
-    try:
-        import deepspeed
-    except ImportError as error:
-        raise EngineNotInstalled(
-            f"engine 'deepspeed' is not installed ({error}); install it with "
-            "`pip install --no-build-isolation -e '.[deepspeed]'` after torch."
-        ) from None
+    deepspeed = import_deepspeed(device)
     import torch.distributed as dist
 
     # Its shared-memory all-reduce is JIT-compiled on first use (60-90 s on a CPU) and a
