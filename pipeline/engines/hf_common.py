@@ -16,7 +16,12 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 def torch_dtype(name: str):
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return {
+        "float64": torch.float64,  # fp32's own reference (lpx calibrate), never an engine dtype
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[name]
 
 
 def load_model(
@@ -44,6 +49,8 @@ def load_model(
             dtype=torch_dtype(dtype),
             attn_implementation=attn_implementation,
             local_files_only=True,
+            # grouped-GEMM experts have no fp64 kernel; the fp64 reference loops over experts
+            **({"experts_implementation": "eager"} if dtype == "float64" else {}),
         )
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
         # The checks above passed, so the files are there but do not fit together (a config

@@ -308,7 +308,15 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
     # ceiling on a large model: unbiased drift there is named precision, never a semantic
     # cause, and the finding says to calibrate.
     uncalibrated_low = not batch.calibrated and low_precision_side(batch)
-    if not weights and (mean_abs <= ceiling or uncalibrated_low):
+    # The precision gate failed: at this token count the batch's drift is beyond what
+    # precision gives, so precision is no explanation, however small each sequence's drift.
+    beyond_gate = bool(batch.context.get("beyond_precision"))
+    beyond = (
+        f"beyond what precision gives at {int(sig.tokens.sum())} tokens (the precision gate)"
+        if beyond_gate
+        else f"beyond the {ceiling:.3g} precision gives"
+    )
+    if not weights and not beyond_gate and (mean_abs <= ceiling or uncalibrated_low):
         floor = (
             f"the calibrated floor gives up to {ceiling:.3g} for these tokens"
             if batch.calibrated
@@ -337,7 +345,9 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
                     "bias": bias,
                 },
                 confidence=min(1.0, ceiling / max(mean_abs, 1e-12) / 2),
-                status="verified" if batch.calibrated and mean_abs <= ceiling else "plausible",
+                # a claim like any other: verified only by re-scoring in the declared
+                # precisions (verification), never by the signature
+                status="plausible",
                 residual_before=mean_abs,
                 floor=float(np.average(batch.noise_mean[open_], weights=sig.tokens[open_])),
                 runner_up=(
@@ -359,7 +369,7 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
                 "prompt_mismatch",
                 open_,
                 f"drift in every sequence ({int(open_.sum())}) from the first tokens on, mean "
-                f"|d| {mean_abs:.3g} (beyond the {ceiling:g} precision gives), not biased as a "
+                f"|d| {mean_abs:.3g} ({beyond}), not biased as a "
                 f"weight change biases sequences ({why_weights}): the two sides scored different "
                 "prompt tokens for the whole batch (a BOS added or dropped, another chat "
                 "template); compare the prompt ids each side used",
@@ -380,10 +390,11 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
             "stale_weights",
             open_,
             f"drift in every sequence ({int(open_.sum())}) from the first tokens on, mean |d| "
-            f"{mean_abs:.3g} (beyond the {ceiling:g} precision gives), biased per sequence as "
-            f"a weight change biases them ({why_weights}), with equal weight fingerprints on "
-            "file: the engines likely hold different weights (stale policy version, wrong "
-            "weight conversion or sharding)",
+            f"{mean_abs:.3g} ({beyond}), biased per sequence as a weight change biases them "
+            f"({why_weights}); {_fingerprints_said(batch)}, so if the weights differ they "
+            "differ in the engines' memory (a weight sync that did not land, a wrong conversion "
+            "or sharding); a change of the whole batch's sampling or prompts can look alike, "
+            "and only re-scoring with the model tells them apart (lpx diagnose)",
             details={"mean_abs_diff": mean_abs, "bias": bias},
             confidence=0.9,
             runner_up=(
@@ -393,6 +404,14 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
         ),
         open_.copy(),
     )
+
+
+def _fingerprints_said(batch: Batch) -> str:
+    """What the weight fingerprints on file say, when the signature suspects the weights."""
+    fixture, replay = batch.context.get("fixture_weights"), batch.context.get("replay_weights")
+    if fixture and replay:
+        return "the weight fingerprints on file are equal"
+    return "no weight fingerprint on file " + ("for the replay" if fixture else "for the rollout")
 
 
 def _context_findings(batch: Batch, open_, clean):
