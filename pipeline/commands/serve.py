@@ -42,9 +42,14 @@ ENGINES = ("hf", "fsdp", "megatron")
               show_default=True, help="Largest request body; a larger one is answered 413.")  # fmt: skip
 @click.option("--reject-when-paused", is_flag=True,
               help="Answer 503 + Retry-After while paused or updating, instead of holding requests.")  # fmt: skip
+@click.option("--batch-invariant", is_flag=True,
+              help="Score each sequence in its own forward, unpadded: its logprobs are "
+              "bit-identical to the same request scored alone, whatever else is queued. "
+              "Without it, a sequence that shares a batch can move by a few ulps (/health "
+              "says how far).")  # fmt: skip
 @knob_options
 def serve(engine, model_dir, nproc, device, host, port, weight_version, token_budget, max_batch, max_wait_ms,
-          max_queue, max_body_bytes, reject_when_paused, knob_pairs):  # fmt: skip
+          max_queue, max_body_bytes, reject_when_paused, batch_invariant, knob_pairs):  # fmt: skip
     """Serve selected-token logprobs over HTTP: teacher-forced scoring of (prompt ids,
     completion ids) beside a rollout (the old_log_prob server of an async RL pipeline).
 
@@ -58,6 +63,7 @@ def serve(engine, model_dir, nproc, device, host, port, weight_version, token_bu
       lpx serve --model models/tiny --port 8400 --set dtype=float32
       lpx serve --engine fsdp --nproc 2 --model models/tiny --port 8401
       lpx serve --model models/policy --device cuda:0 --set dtype=bf16 --port 8402
+      lpx serve --model models/tiny --port 8403 --batch-invariant
       curl -s localhost:8400/score -H 'Content-Type: application/json' \\
         -d '{"sequences": [{"prompt_ids": [1, 5], "completion_ids": [7, 9]}]}'
     """
@@ -76,6 +82,8 @@ def serve(engine, model_dir, nproc, device, host, port, weight_version, token_bu
     port = bound_port(listener)
     resolved = resolve_model_dir(model_dir)
     knobs = {"device": device, **parse_knobs(knob_pairs)}
+    if batch_invariant:
+        knobs["micro_batch_size"] = one_sequence_per_forward(knobs)
     knobs.setdefault("micro_batch_size", str(max_batch))
     settings = ServeSettings(
         token_budget=token_budget,
@@ -84,6 +92,7 @@ def serve(engine, model_dir, nproc, device, host, port, weight_version, token_bu
         max_queue=max_queue,
         max_body_bytes=max_body_bytes,
         reject_when_paused=reject_when_paused,
+        batch_invariant=batch_invariant,
     )
     if engine != "hf":
         from dataclasses import asdict
@@ -103,3 +112,17 @@ def serve(engine, model_dir, nproc, device, host, port, weight_version, token_bu
     )
     config = uvicorn.Config(create_app(slot, settings), host=host, port=port, log_level="warning")
     uvicorn.Server(config).run(sockets=[listener])
+
+
+def one_sequence_per_forward(knobs: dict) -> str:
+    """The micro-batch of --batch-invariant: 1, so that no sequence is padded to, or shares a
+    matmul with, another; a contradicting --set micro_batch_size is refused."""
+    from pipeline.errors import BadInput
+
+    given = knobs.get("micro_batch_size")
+    if given is not None and given.strip() != "1":
+        raise BadInput(
+            f"--batch-invariant scores one sequence per forward, so --set micro_batch_size="
+            f"{given} contradicts it; drop one of the two."
+        )
+    return "1"

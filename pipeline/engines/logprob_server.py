@@ -5,6 +5,10 @@ stands in the nightly matrix beside the in-process engines.
 Several URLs (comma-separated) are independent replicas: batches go to them round-robin,
 several in flight at once. Every answer names the weight version it was scored with; a
 replay that met more than one is refused, since its logprobs would mix policies.
+
+The replay records whether every server was batch-invariant (`lpx serve --batch-invariant`)
+and, when not, what the servers say about how far a logprob moves with its batch: logprobs
+from a loaded default server are not exact, and the replay says so.
 """
 
 from __future__ import annotations
@@ -137,16 +141,26 @@ class LogprobServerEngine:
             )
         (fingerprint,) = fingerprints
         weight_version = " | ".join(sorted({v for v, _ in versions}))
+        invariant, variance = batch_mode(health)
         metadata = {
             "engine": {
                 "name": self.name,
                 "role": "replay",
                 "versions": software_versions(),
-                "server": {"urls": settings.urls, "health": health},
+                "server": {
+                    "urls": settings.urls,
+                    "health": health,
+                    "batch_invariant": invariant,
+                    "logprob_variance": variance,
+                },
             },
             "dtype": str(health[0].get("dtype", "float32")),
             "knobs": {"batch_size": settings.batch_size, "concurrency": settings.concurrency},
-            "layout": {"world_size": 1, "replicas": len(settings.urls)},
+            "layout": {
+                "world_size": 1,
+                "replicas": len(settings.urls),
+                "batch_invariant": invariant,
+            },
             "model": model_metadata(model_dir),
             "weight_version": weight_version,
             "weights": {"held_tensor_fingerprint": fingerprint},
@@ -161,6 +175,19 @@ class LogprobServerEngine:
         return json_request(
             "GET", url, None, settings.timeout_s, settings.retries, settings.backoff_s
         )
+
+
+def batch_mode(health: list[dict]) -> tuple[bool, str]:
+    """Whether every server scored each sequence alone, and what the first that did not says
+    about how far a logprob moves with its batch (its /health statement)."""
+    for info in health:
+        if info.get("batch_invariant") is not True:
+            return False, str(
+                info.get("logprob_variance")
+                or "batch-dependent: the server does not say how far (an lpx serve older "
+                "than --batch-invariant, or another server with this schema)"
+            )
+    return True, str(health[0].get("logprob_variance", "batch-invariant"))
 
 
 def _scored(fixture: TokenTable, i: int, result: dict, with_prompt: bool) -> ScoredSequence:

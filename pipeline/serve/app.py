@@ -28,6 +28,7 @@ from pipeline.serve.requests import (
     read_request,
 )
 from pipeline.serve.scheduler import BatchScheduler, Paused, QueueFull
+from pipeline.serve.variance import logprob_variance
 
 DISCONNECT_POLL_S = 0.05
 
@@ -44,6 +45,9 @@ class ServeSettings:
     timeout_s: float = 600.0  # a request's default deadline (504 after it)
     reject_when_paused: bool = False  # 503 + Retry-After instead of waiting
     retry_after_s: int = 1
+    # each sequence in its own forward (the slot's micro-batch is 1): logprobs that do not
+    # depend on what else is queued
+    batch_invariant: bool = False
 
 
 def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
@@ -51,6 +55,9 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
     state: dict = {}
     metrics = ServerMetrics()
     captures = CaptureService(slot)
+    variance = logprob_variance(
+        slot.engine, slot.settings.dtype, slot.settings.device, settings.batch_invariant
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -61,6 +68,7 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
             settings.max_wait_s,
             settings.max_queue,
             settings.reject_when_paused,
+            settings.batch_invariant,
         )
         scheduler.start()
         state.update(scheduler=scheduler, update_lock=asyncio.Lock(), updating=False)
@@ -229,6 +237,7 @@ def create_app(slot, settings: ServeSettings = ServeSettings()) -> FastAPI:
             "device": slot.settings.device,
             "queue_depth": scheduler.queue_depth,
             **_version(slot),
+            **variance,
         }
 
     @app.get("/metrics")

@@ -116,15 +116,24 @@ def _open(engine: str, model_dir: Path, knobs: dict, version: str | None):
 
 def _score_share(session, pairs):
     """This data-parallel rank's share of the batch (tensor-parallel peers score the same
-    share), gathered to rank 0 in the batch's order there."""
+    share) in forwards of the session's micro-batch size, gathered to rank 0 in the batch's
+    order there. Every rank runs as many forwards as the largest share needs, since each
+    sharded forward is collective: a rank out of work scores a one-token dummy."""
     import torch.distributed as dist
 
     share, shares = session.dp_rank, session.dp_size
     mine = pairs[share::shares]
+    size = session.micro_batch_size
+    largest = -(-len(pairs) // shares)  # rank 0's share
+    steps = -(-largest // size)
     dummy = [(pairs[0][0][:1], pairs[0][1][:1])]
-    scored = session.score(mine or dummy)
+    scored = []
+    for step in range(steps):
+        chunk = mine[step * size : (step + 1) * size]
+        done = session.score(chunk or dummy)
+        scored.extend(done if chunk else [])
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object((share, scored if mine else []), gathered, dst=0)
+    dist.gather_object((share, scored), gathered, dst=0)
     if dist.get_rank() != 0:
         return None
     ordered = [None] * len(pairs)

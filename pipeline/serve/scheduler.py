@@ -6,6 +6,11 @@ similar length (the oldest waiting sequence is always in the next batch, so none
 and scores each batch in a worker thread. Pausing stops new batches and waits for the one in
 flight; weight updates happen only while paused, so every batch is scored by one model whose
 version the results carry.
+
+With ``batch_invariant`` the slot scores each sequence in its own forward, and a worker call
+scores the sequences that ask for prompt logprobs apart from those that do not: asking adds
+rows to the output head's matmul, which moves the completion logprobs by ulps, so no
+sequence's shape may depend on a neighbour's request.
 """
 
 from __future__ import annotations
@@ -66,8 +71,10 @@ class BatchScheduler:
         max_wait_s: float = 0.005,
         max_queue: int = 4096,
         reject_when_paused: bool = False,
+        batch_invariant: bool = False,
     ):
         self.score = score
+        self.batch_invariant = batch_invariant
         self.token_budget = token_budget
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
@@ -202,9 +209,7 @@ class BatchScheduler:
         self._idle.clear()
         started = time.perf_counter()
         try:
-            pairs = [(item.prompt, item.completion) for item in batch]
-            want_prompt = any(item.want_prompt for item in batch)
-            results, version = await asyncio.to_thread(self.score, pairs, want_prompt)
+            results, version = await asyncio.to_thread(self._score_in_thread, batch)
         except Exception as error:  # the scoring engine failed: every waiting client hears why
             for item in batch:
                 if not item.future.done():
@@ -220,3 +225,25 @@ class BatchScheduler:
         finally:
             self.stats.busy_s += time.perf_counter() - started
             self._idle.set()
+
+    def _score_in_thread(self, batch: list[Item]):
+        """Results in the batch's order, and the version; one slot call per prompt_logprobs
+        setting in batch-invariant mode, else one call that scores prompt logprobs for every
+        sequence when any asks (only the askers get them back)."""
+        if not self.batch_invariant:
+            pairs = [(item.prompt, item.completion) for item in batch]
+            return self.score(pairs, any(item.want_prompt for item in batch))
+        results: list = [None] * len(batch)
+        versions = set()
+        for want_prompt in (False, True):
+            group = [k for k, item in enumerate(batch) if item.want_prompt == want_prompt]
+            if not group:
+                continue
+            scored, version = self.score(
+                [(batch[k].prompt, batch[k].completion) for k in group], want_prompt
+            )
+            versions.add(version)
+            for k, result in zip(group, scored, strict=True):
+                results[k] = result
+        (version,) = versions  # one worker call: no update can land between the two groups
+        return results, version
