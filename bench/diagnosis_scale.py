@@ -285,14 +285,12 @@ def _visible_sequences(faulted, replay, moved, calibration) -> set[str]:
     """Sequences with at least two tokens that drift past their calibrated tau and that the
     fault moved by half of it or more: what a fault must do to be seen at all under the
     other side's noise (which can cancel it as well as add to it)."""
-    from pipeline.compare.calibrated import calibrated_judging, pair_key, side_precision
+    from pipeline.compare.calibrated import pair_key, side_precision, token_tau
 
     pair = pair_key(side_precision(faulted.metadata), side_precision(replay.metadata))
     offsets = faulted.completion_offsets
     positions = np.concatenate([np.arange(n) for n in np.diff(offsets)])
-    tau = calibrated_judging(
-        calibration, pair, replay.channels["replay"], positions, offsets, ""
-    ).tau
+    tau = token_tau(calibration, pair, replay.channels["replay"], positions)
     drift = np.abs(faulted.channels["rollout"].astype(np.float64) - replay.channels["replay"])
     seen = (np.nan_to_num(drift) > tau) & (np.nan_to_num(moved) > 0.5 * tau)
     out = set()

@@ -128,6 +128,7 @@ class Verifier:
         }
         out: list[dict] = []
         leftover: list[str] = []
+        said: list[str] = []
         ruled_out: list[dict] = []
         reproduced: list[Candidate] = []  # what verified: tried first on the rest
         for finding in findings:
@@ -183,9 +184,11 @@ class Verifier:
                 out.append(_not_reproduced(untestable, tried))
                 continue
             leftover += finding["sequences"]
+            if cause == "unexplained":  # what the comparison said of it stays said
+                said.append(finding["evidence"])
             ruled_out += tried
         if leftover:
-            out.append(_unexplained(sorted(set(leftover)), ruled_out))
+            out.append(_unexplained(sorted(set(leftover)), ruled_out, said))
         return _both_truncations(out)
 
     def _untestable(self, finding: dict, runner: str | None) -> dict | None:
@@ -962,14 +965,15 @@ def _tried_text(tried: dict) -> str:
     )
 
 
-def _unexplained(sequences: list[str], tried: list[dict]) -> dict:
+def _unexplained(sequences: list[str], tried: list[dict], said: list[str] = ()) -> dict:
     names = sorted({f"{t['cause']}/{t['kind']}" for t in tried})
+    before = "".join(f"{text}; " for text in said)
     return {
         "cause": "unexplained",
         "sequences": sequences,
         "first_position": {},
         "evidence": (
-            f"drift in {len(sequences)} sequences that no re-scored hypothesis reproduces; "
+            f"{before}drift in {len(sequences)} sequences that no re-scored hypothesis reproduces; "
             f"ruled out: {', '.join(names) or 'nothing testable'}; inspect the worst tokens"
         ),
         "severity": "fault",

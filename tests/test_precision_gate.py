@@ -91,7 +91,7 @@ def test_a_few_tokens_far_beyond_tau_fail_the_tau_count(floor):
     abs_diff = abs_diff.copy()
     abs_diff[100:115] = 5.0  # one sequence's 15 tokens off by 5 nats (a mask bug)
     gate = judge(floor, abs_diff, surprisal, positions, offsets)
-    over_tau = next(t for t in gate["tests"] if t["name"] == "over_tau")
+    over_tau = next(t for t in gate["tests"] if t["name"] == "tokens_over_tau")
     assert not over_tau["passed"] and over_tau["observed"] == 15
 
 

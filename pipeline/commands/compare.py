@@ -56,6 +56,19 @@ def compare_options(function):
             "--no-calibration", is_flag=True, help="Judge by the profile's constants even so."
         ),
         click.option(
+            "--no-verify",
+            is_flag=True,
+            help="Do not verify the findings by re-scoring. By default they are verified with "
+            "the fixture's model when it is on this machine and its weights are the "
+            "fixture's (or --model's); unverified findings stay plausible.",
+        ),
+        click.option(
+            "--allow-model-mismatch",
+            is_flag=True,
+            help="Verify with --model even though its weights are not the fixture's (a stale "
+            "checkpoint on purpose); the report records it.",
+        ),
+        click.option(
             "--exact",
             is_flag=True,
             help="Fail on any completion token whose float32 logprobs are not bitwise equal "
@@ -82,7 +95,8 @@ def compare_options(function):
     "model_dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Verify the findings by re-scoring their sequences with each hypothesised bug "
-    "committed (see `lpx diagnose`).",
+    "committed (see `lpx diagnose`) [default: the fixture's model, when it is on this "
+    "machine with the fixture's weights].",
 )
 def compare(model_dir, **options):
     """Compare replays with their fixture token by token; write the report; exit with the verdict.
@@ -92,11 +106,13 @@ def compare(model_dir, **options):
     forward/reverse KL over the rollout's top-k ids when both sides hold them), finds the
     worst tokens, tests semantic causes (off-by-one, mask/padding, position ids,
     temperature, dtype, stale weights) and applies the threshold policy; --exact also fails
-    on any token that is not bitwise equal. With a calibration (lpx calibrate) drift is
-    judged against the model's measured noise floor; with --model each finding is verified
-    by reproducing it. Exit 0 pass, 1 regression, 2 bad input. With several replays, each
-    pair gets its own directory under --out and report.json/summary.md hold the matrix, a
-    row per pair.
+    on any token that is not bitwise equal. With a calibration (lpx calibrate) the precision
+    gate judges the drift against the model's measured noise at this token count (a false
+    alarm rate of 1e-3 per comparison). Each finding is verified by reproducing it with the
+    model (the fixture's, when it is on this machine with the fixture's weights; --model;
+    --no-verify to skip): precision included, by re-scoring in the declared precisions.
+    Exit 0 pass, 1 regression, 2 bad input. With several replays, each pair gets its own
+    directory under --out and report.json/summary.md hold the matrix, a row per pair.
 
     \b
     Example:
@@ -136,6 +152,11 @@ def diagnose(model_dir, **options):
     from pipeline.errors import BadInput
     from pipeline.fixture.io import read_table
 
+    if options["no_verify"]:
+        raise BadInput(
+            "lpx diagnose --no-verify: diagnose is compare with every finding verified; use "
+            "lpx compare --no-verify to skip verification."
+        )
     if model_dir is None:
         fixture = read_table(options["fixture_path"], expect_kind="fixture")
         model_dir = (fixture.metadata.get("model") or {}).get("path")
@@ -154,14 +175,27 @@ def run_compare(
     allow_weight_mismatch,
     calibration_path,
     no_calibration,
+    no_verify,
+    allow_model_mismatch,
     exact,
     weights_store,
     device,
     quiet,
     model_dir=None,
 ):
+    from pipeline.errors import BadInput
     from pipeline.paths import check_output
 
+    if calibration_path is not None and no_calibration:
+        raise BadInput(
+            f"--calibration {calibration_path} and --no-calibration contradict each other; give "
+            "one of them."
+        )
+    if model_dir is not None and no_verify:
+        raise BadInput(
+            f"--model {model_dir} and --no-verify contradict each other: --model names the model "
+            "that verifies the findings; give one of them."
+        )
     for name in ("report.json", "tokens.parquet", "summary.md"):
         check_output(out_dir / name, [fixture_path, *replay_paths])
     from pipeline.compare.matrix import render_matrix, write_matrix
@@ -173,12 +207,8 @@ def run_compare(
     retract_verdicts(out_dir)
     fixture = read_table(fixture_path, expect_kind="fixture")  # once, however many replays
     policy = load_policy(policy_path)
-    if model_dir is not None:
-        from pipeline.engines.model_dir import check_model_dir
-
-        check_model_dir(model_dir)
+    verifying = VerificationModel(fixture, fixture_path, model_dir, no_verify, allow_model_mismatch)
     if weights_store is not None:
-        from pipeline.errors import BadInput
         from pipeline.weights.layout import check_store
 
         if model_dir is None:
@@ -188,7 +218,6 @@ def run_compare(
             )
         check_store(Path(weights_store))
     comparisons = []
-    verifier = None
     for replay_path in replay_paths:
         replay = read_table(replay_path, expect_kind="replay")
         calibration, source = find_calibration(
@@ -208,21 +237,30 @@ def run_compare(
             calibration_source=source,
             exact=exact,
         )
-        if model_dir is not None and needs_verifying(comparison.report["diagnosis"]):
-            from pipeline.verification import Verifier
+        if needs_verifying(comparison.report["diagnosis"]):
+            verified_with = verifying.resolve()
+            if verified_with is not None:
+                from pipeline.verification import Verifier
 
-            verifier = Verifier(
-                fixture,
-                replay,
-                model_dir,
-                channel,
-                calibration,
-                device,
-                say=lambda line: click.echo(line, err=True),
-                weights_store=weights_store,
-            )
-            comparison.report["diagnosis"] = verifier.verify(comparison.report["diagnosis"])
-            rejudge(comparison.report, policy)
+                verifier = Verifier(
+                    fixture,
+                    replay,
+                    verified_with,
+                    channel,
+                    calibration,
+                    device,
+                    say=lambda line: click.echo(line, err=True),
+                    weights_store=weights_store,
+                )
+                report = comparison.report
+                report["diagnosis"] = verifier.verify(report["diagnosis"])
+                rejudge(report, policy)
+            comparison.report["verification"] = verifying.note
+        else:
+            comparison.report["verification"] = {
+                "ran": False,
+                "reason": "no finding that a re-score could decide",
+            }
         comparisons.append(comparison)
     if len(comparisons) == 1:
         report = comparisons[0].report
@@ -238,9 +276,86 @@ def run_compare(
     click.get_current_context().exit(EXIT_PASS if report["verdict"] == "pass" else EXIT_REGRESSION)
 
 
+class VerificationModel:
+    """The model that verifies a comparison's findings, found once and only when needed: an
+    explicit --model (its weights must be the fixture's unless --allow-model-mismatch), else
+    the fixture's own model when it is on this machine and still holds the fixture's weights
+    (reading every weight file for the fingerprint costs time, so only when a finding needs
+    it). ``note`` says what was used, or why nothing was, for report.json."""
+
+    def __init__(self, fixture, fixture_path, model_dir, no_verify: bool, allow_mismatch: bool):
+        from pipeline.engines.model_dir import check_model_dir
+
+        self.fixture, self.fixture_path = fixture, fixture_path
+        self.model_dir, self.resolved = model_dir, False
+        self.note: dict = {"ran": False, "reason": "--no-verify"} if no_verify else {}
+        if model_dir is not None:  # an explicit model: checked now, a mismatch is exit 2
+            check_model_dir(model_dir)
+            allowed = check_model(fixture.metadata, fixture_path, Path(model_dir), allow_mismatch)
+            self.note = {"ran": True, "model": str(model_dir), "source": "--model"}
+            if allowed:
+                self.note["model_mismatch_allowed"] = allowed
+            self.resolved = True
+        self.disabled = no_verify
+
+    def resolve(self) -> Path | None:
+        if self.disabled:
+            return None
+        if not self.resolved:
+            self.model_dir, self.note = self._fixture_model()
+            self.resolved = True
+        return None if self.model_dir is None else Path(self.model_dir)
+
+    def _fixture_model(self) -> tuple[Path | None, dict]:
+        from pipeline.errors import BadInput
+
+        recorded = (self.fixture.metadata.get("model") or {}).get("path")
+        if not recorded:
+            return None, {
+                "ran": False,
+                "reason": "the fixture records no model path; pass --model DIR",
+            }
+        if not Path(recorded).is_dir():
+            return None, {
+                "ran": False,
+                "reason": f"the fixture's model {recorded} is not on this machine; pass --model DIR",
+            }
+        try:
+            check_model(self.fixture.metadata, self.fixture_path, Path(recorded), False)
+        except BadInput as error:
+            return None, {"ran": False, "reason": str(error)}
+        return Path(recorded), {"ran": True, "model": recorded, "source": "the fixture's model"}
+
+
+def check_model(fixture_meta, fixture_path, model_dir, allow, option="--model"):
+    """TEMPORARY until pipeline.belonging lands."""
+    try:
+        from pipeline.belonging import check_model as checked
+    except ImportError:
+        from pipeline.errors import BadInput
+        from pipeline.fingerprint import weights_fingerprint
+
+        want = (fixture_meta.get("model") or {}).get("weights_fingerprint")
+        have = weights_fingerprint(model_dir)
+        if want and have != want:
+            if allow:
+                return {"fixture_weights": want, "model_weights": have, "allowed": True}
+            raise BadInput(
+                f"{option} {model_dir}: its weights ({have[:19]}...) are not the weights of "
+                f"{fixture_path} ({want[:19]}...); pass the fixture's model, or "
+                "--allow-model-mismatch to verify with these on purpose."
+            ) from None
+        return None
+    return checked(fixture_meta, fixture_path, model_dir, allow, option)
+
+
 def needs_verifying(findings: list[dict]) -> bool:
-    """Whether any finding is a fault or unexplained drift a re-score could decide."""
-    return any(f.get("severity") == "fault" for f in findings)
+    """Whether any finding is a fault, unexplained drift or a precision claim a re-score
+    could decide."""
+    return any(
+        f.get("severity") == "fault" or (f.get("cause") == "dtype" and f.get("sequences"))
+        for f in findings
+    )
 
 
 def find_calibration(given: Path | None, off: bool, beside: list[Path]) -> tuple[dict | None, str]:

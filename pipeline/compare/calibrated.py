@@ -147,6 +147,13 @@ def calibrated_judging(
     )
 
 
+def token_tau(calibration: dict, pair: str, reference_logprob, positions) -> np.ndarray:
+    """Per token: the |d| beyond which it drifts past precision (TAU_MARGIN x its q999)."""
+    surprisal = -np.asarray(reference_logprob, dtype=np.float64)
+    q999 = expect(calibration["pairs"][pair], surprisal, positions)["q999"]
+    return TAU_MARGIN * np.maximum(q999, 1e-12)
+
+
 def expected_mean_abs(calibration: dict, pair: str, reference_logprob, positions) -> np.ndarray:
     """Per token: the mean |d| precision alone gives it under this pair's floor."""
     surprisal = -np.asarray(reference_logprob, dtype=np.float64)

@@ -34,8 +34,8 @@ import numpy as np
 from pipeline.compare.floor import MOMENTS, bucket_of, expect, mixture_quantile
 
 ALPHA = 1e-3  # false alarms per comparison of pure noise, all tests together
-TESTS = ("mean_abs_diff", "over_q99", "over_q999", "over_tau")
-TAIL_LEVELS = {"over_q99": ("q99", 0.99), "over_q999": ("q999", 0.999)}
+TESTS = ("mean_abs_diff", "tokens_over_q99", "tokens_over_q999", "tokens_over_tau")
+TAIL_LEVELS = {"tokens_over_q99": ("q99", 0.99), "tokens_over_q999": ("q999", 0.999)}
 Z_CAP = 1e6
 MIN_BUCKET = 16  # tokens a surprisal bucket needs for a level test of its own
 # The smallest fault the gate is built to catch, as a multiple of the noise's mean |d| (issue
@@ -92,7 +92,7 @@ def precision_gate(
     rate = (over["count"] + 1.0) / (over["samples"] + 2.0)  # never 0: a finite sample
     above = abs_diff > np.asarray(tau, dtype=np.float64)
     tests.append(
-        _count_test("over_tau", above, np.full(n, rate), expected, deff_tail, design, share,
+        _count_test("tokens_over_tau", above, np.full(n, rate), expected, deff_tail, design, share,
                     calibration_samples=over["samples"])
     )  # fmt: skip
     return {

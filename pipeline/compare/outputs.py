@@ -81,6 +81,11 @@ def render_summary(report: dict) -> str:
         f"- sign: {report['sign_convention']}",
         f"- noise floor: {_calibration_line(report.get('calibration') or {})}",
     ]
+    if report.get("precision_gate"):
+        lines.append(f"- precision gate: {_gate_line(report['precision_gate'])}")
+    verification = report.get("verification") or {}
+    if verification:
+        lines.append(f"- verification: {_verification_line(verification)}")
     if policy.get("exact"):
         lines.append(f"- exact mode (--exact): {bitwise_line(metrics)}")
     lines += ["", "| metric | value | limit |", "|---|---|---|"]
@@ -118,6 +123,7 @@ def render_summary(report: dict) -> str:
         lines += ["", "## Violations", ""]
         lines += [
             f"- {v['metric']} = {_fmt(v['value'])} > {_fmt(v['limit'])}"
+            + (f" ({v['source']})" if v.get("source") else "")
             for v in policy["violations"]
         ]
     lines += ["", "## Diagnosis", ""]
@@ -184,7 +190,7 @@ def _write_tokens(comparison: Comparison, path: Path) -> None:
                     "logprob_rollout": region.rollout,
                     "logprob_train": region.train,
                     "diff": diff,
-                    "over_tau": np.abs(diff) > comparison.tau,
+                    "tokens_over_tau": np.abs(diff) > comparison.tau,
                 }
             )
         )
@@ -241,10 +247,29 @@ def _calibration_line(note: dict) -> str:
     if note.get("used"):
         return (
             f"calibrated ({_md(note.get('pair'))} from {_md(note.get('source') or 'the history')}, "
-            f"made {_md(note.get('created_at'))}): limits and tau from this model's measured floor"
+            f"made {_md(note.get('created_at'))}): the precision gate, limits and tau from this "
+            "model's measured floor"
         )
     reason = note.get("reason") or "no calibration"
     return f"not calibrated ({_md(reason)}); judged by the profile's constants"
+
+
+def _gate_line(gate: dict) -> str:
+    """`PASS at 1,536 tokens (false-alarm rate 0.001): mean |d| 0.0041 (noise 0.0044, at
+    most 0.0059), ...`: each test's observed value against what noise gives."""
+    tests = "; ".join(
+        f"{t['name']} {_fmt(t['observed'])} (noise {_fmt(t['expected'])}, at most "
+        f"{_fmt(t['critical'])}{'' if t['passed'] else ', FAILED'})"
+        for t in gate["tests"]
+    )
+    verdict = "PASS" if gate["passed"] else "FAIL"
+    return f"{verdict} at {gate['tokens']} tokens (false-alarm rate {gate['alpha']:g}): {tests}"
+
+
+def _verification_line(note: dict) -> str:
+    if note.get("ran"):
+        return f"findings re-scored with {_md(note.get('model'))} ({_md(note.get('source'))})"
+    return f"not run ({_md(note.get('reason'))}); unverified findings stay plausible"
 
 
 def _residuals(finding: dict) -> str:
