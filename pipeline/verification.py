@@ -47,6 +47,8 @@ OFFSETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # position offsets searched o
 TEMPERATURE_STEPS = 45  # golden-section steps on log T: to ~1e-9, an fp32 reproduction
 FILL_EXACT = 1e-6  # a constant written into logprobs is the constant, to float32 rounding
 ROUNDINGS = ("bfloat16", "float16")  # logprobs rounded to these after the forward
+# faults.py kinds that compute in a lower precision than declared, and the floor they meet
+UNDECLARED_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16", "lm_head_bf16": "bfloat16"}
 SEARCH_LOGITS = 1 << 26  # fp32 logits (256 MiB) kept for the temperature search
 # Weights causes cannot be re-scored; reproducible causes of the same shape are tried instead
 COMPETED = ("stale_weights", "version_change")
@@ -158,6 +160,8 @@ class Verifier:
             runner = (finding.get("runner_up") or {}).get("cause")
             others = [
                 *reproduced,
+                # beyond the declared precisions: one side may compute in a lower one
+                *(self.undeclared_precisions() if cause == "dtype" else []),
                 # other weights explain any drift when the store holds them
                 *self.store_candidates({**finding, "cause": "stale_weights"}),
                 *(self.candidates({**finding, "cause": runner, "details": {}}) if runner else []),
@@ -354,6 +358,14 @@ class Verifier:
             *self._truncation(finding),
         ]
 
+    def undeclared_precisions(self) -> list[Candidate]:
+        """A side that computed in a lower precision than it declares: the whole forward in
+        bf16 or fp16, or only the LM head in bf16 (`faults.py` re-scores each)."""
+        return [
+            Candidate("dtype", kind, self.base, {"computed_in": computed})
+            for kind, computed in UNDECLARED_PRECISIONS.items()
+        ]
+
     def store_candidates(self, finding: dict) -> list[Candidate]:
         """Each published version of the weight store (newest first, at most MAX_VERSIONS):
         stale weights re-scored whole under it; a version change under it from the onset."""
@@ -459,6 +471,11 @@ class Verifier:
             clean = self._clean(rows)
             side = "rollout" if _mean_abs(rollout, clean) >= _mean_abs(replay, clean) else "replay"
             observed = rollout if side == "rollout" else replay
+            declared = side_precision(
+                self.fixture.metadata if side == "rollout" else self.replay.metadata
+            )
+            if candidate.params.get("computed_in") == declared.removesuffix("+tf32"):
+                return None  # that side declares this precision: the precision test's case
             if candidate.kind == "position_ids":
                 candidate = self._search_offset(candidate, rows[0], observed[0])
             if candidate.kind == "temperature":
@@ -471,9 +488,12 @@ class Verifier:
                 # the bug barely changes these sequences: it cannot explain their drift
                 after[side] = max(after[side], before)
             meta = self.fixture.metadata if side == "rollout" else self.replay.metadata
+            # the precision the reproduction computed in: the side's declared one, or the
+            # lower one an undeclared-precision candidate tries
+            computed = candidate.params.get("computed_in") or side_precision(meta)
             # bucketed by the bug's own logprobs: a bug that scores unlikely tokens meets
             # the larger noise of unlikely tokens
-            floors = self._token_floors((side_precision(meta), "float32"), reproduced, positions)
+            floors = self._token_floors((computed, "float32"), reproduced, positions)
             floor = float(np.mean(np.concatenate(floors)))
         verified = after[side] <= VERIFY_MARGIN * floor and after[side] <= EXPLAINED * before
         return Outcome(
@@ -869,6 +889,13 @@ def _verified(finding: dict, outcome: Outcome, renamed_from: str | None = None) 
         f"{outcome.side} side"
     )
     cause = outcome.candidate.cause
+    undeclared = outcome.candidate.kind in UNDECLARED_PRECISIONS
+    if undeclared:
+        how += (
+            f": that side computed in {params['computed_in']}"
+            + (" (its LM head)" if outcome.candidate.kind == "lm_head_bf16" else "")
+            + ", not the precision it declares"
+        )
     if outcome.candidate.kind == "precision":
         how = (
             f"re-scored in the declared precisions ({_params(_declared(params))}), four correct "
@@ -882,7 +909,8 @@ def _verified(finding: dict, outcome: Outcome, renamed_from: str | None = None) 
         **finding,
         "cause": cause,
         "evidence": f"{finding['evidence']}; {how}",
-        "severity": "info" if cause == "dtype" else "fault",
+        # declared precision is information; a precision other than declared is a fault
+        "severity": "info" if cause == "dtype" and not undeclared else "fault",
         "status": "verified",
         "residual_before": outcome.before,
         "residual_after": outcome.after,

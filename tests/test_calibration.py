@@ -69,8 +69,13 @@ def test_the_floor_is_measured_per_pair_of_precisions(calibrated_run):
     # fp32 scorings differ by reduction order only (~1e-7); bf16 by ~5e-3 on the tiny model
     assert fp32["mean"] < 1e-5 and fp32["max"] < 1e-4
     assert 1e-3 < mixed["mean"] < 3e-2 and mixed["q999"] > mixed["q99"] > mixed["mean"]
-    # two micro-batch sizes and decoding: 2 comparisons in one precision, 3 across two
-    assert pairs["float32|float32"]["variants"] == 2 and pairs["bfloat16|float32"]["variants"] == 3
+    # decoding against two batchings and eager attention against SDPA; in fp32 also each
+    # against fp64 and two independent fp32 errors; across two precisions 5 ways
+    assert pairs["float32|float32"]["variants"] == 6 and pairs["bfloat16|float32"]["variants"] == 5
+    assert pairs["bfloat16|bfloat16"]["variants"] == 5  # and each bf16 way against fp32
+    widest = max(pairs["bfloat16|float32"]["variant_means"].values())
+    assert mixed["mean"] == pytest.approx(widest, rel=1e-9)  # fitted at the widest level
+    assert 0 <= pairs["bfloat16|float32"]["design"]["icc"] < 0.2
     assert calibration["key"]["model_fingerprint"].startswith("sha256:")
 
 
@@ -101,9 +106,14 @@ def test_clean_precision_drift_is_never_a_semantic_finding(noisy_run, tmp_path):
     assert result.exit_code == 1  # the bf16 constants are too tight for this model
     assert report["metrics"]["mean_abs_diff"] > 0.03
     assert [f["cause"] for f in report["diagnosis"]] == ["dtype"]
-    assert report["diagnosis"][0]["status"] == "plausible"
+    # re-scored in the declared bf16 and fp32 (the fixture's model is on disk): precision
+    assert report["diagnosis"][0]["status"] == "verified"
+    assert report["diagnosis"][0]["severity"] == "info"
     assert "uncalibrated" in report["diagnosis"][0]["evidence"]
     assert "no calibration" in report["calibration"]["reason"]
+    result = run_lpx("compare", fixture, replay, "--no-verify", "--out", tmp_path / "guess")
+    guess = read_report(tmp_path / "guess")["diagnosis"]
+    assert [(f["cause"], f["status"]) for f in guess] == [("dtype", "plausible")]
 
     assert (
         run_lpx("calibrate", fixture, "--sequences", 8, "--out", tmp_path / "cal.json").exit_code
@@ -139,8 +149,9 @@ def test_a_user_limit_exceeded_by_noise_is_named_precision(calibrated_run, tmp_p
     assert result.exit_code == 1
     assert report["policy"]["limits"] == {"mean_abs_diff": 0.001}  # the user's limit stands
     (finding,) = [f for f in report["diagnosis"] if f["cause"] == "dtype"]
-    assert finding["status"] == "verified"
-    assert "not a semantic bug" in finding["evidence"]
+    assert finding["status"] == "verified"  # re-scored in bf16 and fp32 by default
+    assert "passes the precision gate" in finding["evidence"]
+    assert "the drift is precision" in finding["evidence"]
 
 
 def test_a_calibration_of_other_weights_is_not_used(calibrated_run, noisy_run, tmp_path):
@@ -154,7 +165,7 @@ def test_a_calibration_of_other_weights_is_not_used(calibrated_run, noisy_run, t
 
 def test_a_broken_calibration_is_refused_by_name(calibrated_run, tmp_path):
     broken = tmp_path / "calibration.json"
-    broken.write_text('{"lpx_calibration": 1, "pairs": {"x": 1}}')
+    broken.write_text('{"lpx_calibration": 2, "pairs": {"x": 1}}')
     result = run_lpx(
         "compare", calibrated_run / "fixture.parquet", calibrated_run / "replay-bfloat16.parquet",
         "--calibration", broken, "--out", tmp_path / "cmp",

@@ -28,7 +28,9 @@ ZOO = {
     "version_change": {"version_change"},
     "lm_head_bf16": {"dtype"},
     "fp16": {"dtype"},
-    "noise": {"dtype"},
+    # Gaussian noise of 1e-3 on fp32 sides: beyond the declared precision, and no lower
+    # precision re-scored reproduces it, so it is a fault to explain, not precision
+    "noise": {"unexplained"},
     "pad_positions": set(),  # a constant position offset is invisible to RoPE
 }
 PLACES = [("3-1", 5), ("0-0", 2), ("7-0", 9)]
@@ -96,7 +98,8 @@ def test_the_zoo_is_named_from_the_whole_batch(run_dir, tmp_path, kind):
         "compare", faulted, run_dir / "replay-float32.parquet", "--out", tmp_path / "cmp"
     )
     report = read_report(tmp_path / "cmp")
-    named = {f["cause"] for f in report["diagnosis"]}
+    # what the report claims: a cause verification ruled out is listed, not named
+    named = {f["cause"] for f in report["diagnosis"] if f.get("status") != "ruled_out"}
     assert named == ZOO[kind], [(f["cause"], f["evidence"][:120]) for f in report["diagnosis"]]
     assert report["verdict"] == ("fail" if ZOO[kind] else "pass")
     for finding in report["diagnosis"]:
@@ -231,5 +234,5 @@ def test_other_weights_behind_an_equal_fingerprint_are_still_named(run_dir, tiny
     findings = read_report(tmp_path / "cmp")["diagnosis"]
     assert [f["cause"] for f in findings] == ["stale_weights"]
     assert len(findings[0]["sequences"]) >= 12
-    assert "equal weight fingerprints" in findings[0]["evidence"]
+    assert "weight fingerprints on file are equal" in findings[0]["evidence"]
     assert "biased per sequence" in findings[0]["evidence"]

@@ -127,17 +127,33 @@ def test_logprobs_near_zero_are_not_a_fill(run_dir, bf16_calibration, tmp_path):
     assert report["verdict"] == "fail"
 
 
-def test_without_the_model_findings_stay_plausible(faulted, run_dir, tmp_path):
+def test_without_verifying_findings_stay_plausible(faulted, run_dir, tmp_path):
     result = run_lpx(
         "compare",
         faulted("temperature"),
         run_dir / "replay-float32.parquet",
+        "--no-verify",
         "--out",
         tmp_path / "c",
     )
     assert result.exit_code == 1
-    statuses = {f["status"] for f in read_report(tmp_path / "c")["diagnosis"]}
-    assert statuses == {"plausible"}
+    report = read_report(tmp_path / "c")
+    assert {f["status"] for f in report["diagnosis"]} == {"plausible"}
+    assert report["verification"] == {"ran": False, "reason": "--no-verify"}
+
+
+def test_compare_verifies_with_the_fixtures_model_by_default(faulted, run_dir, tmp_path):
+    result = run_lpx(
+        "compare", faulted("temperature"), run_dir / "replay-float32.parquet",
+        "--out", tmp_path / "c",
+    )  # fmt: skip
+    assert result.exit_code == 1
+    report = read_report(tmp_path / "c")
+    assert (
+        report["verification"]["ran"] and report["verification"]["source"] == "the fixture's model"
+    )
+    (finding,) = [f for f in report["diagnosis"] if f["status"] == "verified"]
+    assert finding["cause"] == "temperature"
 
 
 @pytest.fixture(scope="module")
