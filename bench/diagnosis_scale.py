@@ -44,7 +44,8 @@ from diagnosis import DATA_FAULTS, expected  # noqa: E402
 
 from pipeline.calibrate.run import calibrate  # noqa: E402
 from pipeline.commands.compare import needs_verifying  # noqa: E402
-from pipeline.compare.run import compare_tables  # noqa: E402
+from pipeline.compare.policy import load_policy  # noqa: E402
+from pipeline.compare.run import compare_tables, rejudge  # noqa: E402
 from pipeline.engines.base import SamplingParams  # noqa: E402
 from pipeline.engines.hf_common import load_model  # noqa: E402
 from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
@@ -201,7 +202,10 @@ def run_case(setup, direction, kinds, choices, position, fp32_model, inject_mode
         findings = Verifier(
             faulted, replay, setup["model_dir"], calibration=setup["calibration"], model=fp32_model
         ).verify(findings)
+        comparison.report["diagnosis"] = findings
+        rejudge(comparison.report, load_policy())
     return {
+        "verdict": comparison.report["verdict"],
         "kinds": list(kinds),
         "counts": ["all" if c == "all" else len(c) for c in choices],
         "position": position,
@@ -365,6 +369,16 @@ def render(name: str, outcome: dict) -> float:
     verified = sum(s["verified"] for _, s in scored)
     wrong = sum(s["verified_wrong"] for _, s in scored)
     print(f"verified findings: {verified}, wrong: {wrong}")
+    # issue 28: a visible fault never passes, and never ends as precision verified
+    visible = [c for c in cases_run if c["want"] and c["changed"]]
+    passed = [c for c in visible if c.get("verdict") == "pass"]
+    precision = [c for c in visible if any(
+        f["cause"] == "dtype" and f.get("status") == "verified" for f in c["findings"])]  # fmt: skip
+    print(f"visible faults: {len(visible)}; ending PASS: {len(passed)}; with dtype verified: "
+          f"{len(precision)}")  # fmt: skip
+    for case in passed + precision:
+        print(f"  {'&'.join(case['kinds'])} [{case['direction']}]: {case.get('verdict')} "
+              f"{[(f['cause'], f.get('status')) for f in case['findings']]}")  # fmt: skip
     verify_s = [c["verify_s"] for c in cases_run]
     print(f"verification per case: median {np.median(verify_s):.1f} s, max {max(verify_s):.1f} s; "
           f"compare median {np.median([c['compare_s'] for c in cases_run]) * 1e3:.0f} ms")  # fmt: skip
