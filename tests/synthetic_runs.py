@@ -266,3 +266,119 @@ def nightly_history(
             )
         )
     return dirs
+
+
+# One finding of each status, as lpx compare writes them after verification (and the older
+# stale_weights one without a status, as reports written before statuses had them).
+UNEXPLAINED_SEQUENCES = [f"{i}-0" for i in range(40)]
+CLAIMED_FINDINGS = [
+    {
+        "cause": "temperature",
+        "severity": "fault",
+        "status": "verified",
+        "sequences": ["0-0"],
+        "first_position": {"sequence_id": "0-0", "position": 3},
+        "evidence": "re-scored with temperature (T=0.7), the rollout side matches to mean |d| "
+        "0.002 (floor 0.003; the drift was 0.21): the bug is on the rollout side",
+        "confidence": 0.9,
+        "runner_up": None,
+        "residual_before": 0.21,
+        "residual_after": 0.002,
+        "floor": 0.003,
+        "details": {"temperature": 0.7},
+    },
+    {
+        "cause": "top_k",
+        "severity": "fault",
+        "status": "plausible",
+        "sequences": ["0-0", "7-1"],
+        "first_position": {"sequence_id": "0-0", "position": 5},
+        "evidence": "tokens outside the top 20 carry rollout logprob -inf",
+        "confidence": 0.6,
+        "runner_up": None,
+        "residual_before": None,
+        "residual_after": None,
+        "floor": None,
+        "details": {},
+    },
+    {
+        "cause": "token_shift",
+        "severity": "info",
+        "status": "ruled_out",
+        "sequences": ["0-0"],
+        "first_position": {"sequence_id": "0-0", "position": 3},
+        "evidence": "drift starts at one position; ruled out by re-scoring: token_shift "
+        "(offset=1): mean |d| 0.21 -> 0.19 (floor 0.003)",
+        "confidence": 0.4,
+        "runner_up": None,
+        "residual_before": 0.21,
+        "residual_after": 0.19,
+        "floor": 0.003,
+        "details": {"ruled_out": [{"kind": "token_shift", "params": {"offset": 1}}]},
+    },
+    {
+        "cause": "unexplained",
+        "severity": "fault",
+        "status": "plausible",
+        "sequences": UNEXPLAINED_SEQUENCES,
+        "first_position": {},
+        "evidence": "drift in 40 sequences that no re-scored hypothesis reproduces; ruled out: "
+        "token_shift/token_shift; inspect the worst tokens",
+        "confidence": 0.0,
+        "runner_up": None,
+        "residual_before": 0.05,
+        "residual_after": 0.05,
+        "floor": 0.003,
+        "details": {"ruled_out": [{"kind": "token_shift", "params": {"offset": 1}}]},
+    },
+]
+STALE_WEIGHTS_GUESS = {  # no status, no verification: an older report, or --no-verify
+    "cause": "stale_weights",
+    "severity": "fault",
+    "sequences": ["7-1"],
+    "first_position": {"sequence_id": "7-1", "position": 0},
+    "evidence": "every token moves a little, as other weights give: engines likely hold "
+    "different weights",
+    "confidence": 0.7,
+    "runner_up": None,
+    "details": {},
+}
+
+
+def claimed_history(root: Path, start: datetime = datetime(2026, 4, 1, 3, 0)) -> list[Path]:
+    """Three nights of vllm-hf and vllm-fsdp; both fail at the third. vllm-hf was verified
+    (CLAIMED_FINDINGS: verified, plausible, ruled out, unexplained); vllm-fsdp holds one
+    stale_weights finding with no status and no verification note (read as plausible)."""
+    dirs = []
+    for night in range(3):
+        failing = night == 2
+        metrics = {"max_abs_diff": 0.5} if failing else None
+        violations = [{"metric": "max_abs_diff", "value": 0.5, "limit": 0.1}] if failing else None
+        verified = pair_report(
+            metrics=metrics,
+            verdict="fail" if failing else "pass",
+            sequence_ids=["0-0", "7-1"],
+            findings=CLAIMED_FINDINGS if failing else None,
+            violations=violations,
+        )
+        guessed = pair_report(
+            replay="fsdp",
+            replay_version="2.13.0",
+            metrics=metrics,
+            verdict="fail" if failing else "pass",
+            sequence_ids=["0-0", "7-1"],
+            findings=[STALE_WEIGHTS_GUESS] if failing else None,
+            violations=violations,
+        )
+        if failing:
+            # the policy fails on faults only (pipeline/compare/policy.py)
+            verified["policy"]["failing_findings"] = ["temperature", "top_k", "unexplained"]
+            verified["verification"] = {"ran": True, "model": "/models/tiny", "source": "--model"}
+        dirs.append(
+            write_run(
+                root / f"claims-{night}",
+                {"vllm-hf": verified, "vllm-fsdp": guessed},
+                started_at=start + timedelta(days=night),
+            )
+        )
+    return dirs

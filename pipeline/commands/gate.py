@@ -26,7 +26,8 @@ def gate(db, fail_on, kind, run_ref):
     """Exit 1 when the latest run has what --fail-on names, 2 when it is an error run, else 0.
 
     Reads only the history (run `lpx record` first). Acknowledged and silenced alerts never
-    fail the gate.
+    fail the gate. Each alert that fails it is printed with the rule that fired and its
+    point's findings, each with its status (verified, plausible, unexplained, ruled out).
 
     \b
     Example:

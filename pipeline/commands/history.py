@@ -23,11 +23,14 @@ VIEWS = ("runs", "series", "alerts")
 def history(view, ref, limit, all_alerts, as_json, db):
     """The run history in the terminal: runs, series (or one series' points), alerts.
 
+    A finding is never printed without its status: `diagnosis: temperature (verified),
+    stale_weights (plausible), token_shift (ruled out), unexplained`.
+
     \b
     Example:
       lpx history runs
       lpx history series          # every series with its latest verdict and open alerts
-      lpx history series 3        # series 3 point by point, with its boundaries
+      lpx history series 3        # series 3 point by point: boundaries, findings
       lpx history alerts --all --json
     """
     from pipeline.history import queries
@@ -79,12 +82,13 @@ def _line(view: str, ref, row: dict) -> str:
             f"{row['rollout']['engine']} {row['rollout']['version']} / "
             f"{row['replay']['engine']} {row['replay']['version']}  "
             f"max|d| {_fmt(key.get('value'))} [{_fmt(key.get('lower'))}, {_fmt(key.get('upper'))}] "
-            f"{key.get('status', '-')}"
+            f"{key.get('status', '-')}{_findings(row['findings'])}"
         )
     if view == "series":
         return (
             f"{row['id']:>4}  {row['key']}  {row['latest_verdict'].upper():<4} "
             f"{row['points']:>4} points  {row['open_alerts']} open alerts  {row['label']}"
+            f"{_findings(row['latest_findings'])}"
         )
     changes = "; ".join(
         f"{c['side']} {c['field']} {c['before']} -> {c['after']}" for c in row["attribution"][:2]
@@ -93,7 +97,16 @@ def _line(view: str, ref, row: dict) -> str:
         f"{row['id']:>4}  {row['status']:<12} {row['kind']:<16} series {row['series_id']} "
         f"{row['metric']}: {_fmt(row['value_before'])} -> {_fmt(row['value_after'])}  "
         f"first bad run {(row['first_bad'] or {}).get('run')}  {changes or row['rule']}"
+        f"{_findings((row['first_bad'] or {}).get('findings') or [])}"
     )
+
+
+def _findings(claims: list[dict]) -> str:
+    """`  diagnosis: stale_weights (plausible), ...`: a cause is never printed without its
+    status, so a guess does not read as the established cause."""
+    from pipeline.history.claims import summary
+
+    return f"  diagnosis: {summary(claims)}" if claims else ""
 
 
 def _fmt(value) -> str:

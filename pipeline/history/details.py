@@ -40,6 +40,8 @@ def comparison_details(report: dict, tokens_path: Path | None, tokenizers: dict)
     return {
         "worst": [_decoded(row, tokens, tokenizer) for row in report.get("worst") or []],
         "diagnosis": report.get("diagnosis") or [],
+        # whether compare re-scored the findings, or why not: the run page says so beside them
+        "verification": report.get("verification") or {},
         "policy": report.get("policy") or {},
         "sequences": sequences[:SEQUENCE_ROWS],
         "sequence_count": len(sequences),

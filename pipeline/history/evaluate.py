@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from pipeline.db.models import Alert, Annotation, Comparison, EngineBuild, MetricValue, Run, Series
 from pipeline.history.attribution import changes, point_description
+from pipeline.history.claims import failing_claims
 from pipeline.history.detection import (
     HEALTHY,
     OK,
@@ -51,6 +52,7 @@ class Point:
     error_run: bool
     values: dict[str, float | None]
     violations: list[dict] = field(default_factory=list)
+    # the causes the policy failed on, each with its status: `stale_weights (plausible)`
     failing_findings: list[str] = field(default_factory=list)
 
 
@@ -201,7 +203,10 @@ def reevaluate_series(session: Session, series: Series, config: DetectionConfig)
             p.status == "error",
             {row.name: row.value for row in by_point.get(p.id, [])},
             p.violations or [],
-            (p.details or {}).get("policy", {}).get("failing_findings", []),
+            failing_claims(
+                (p.details or {}).get("policy", {}).get("failing_findings", []),
+                (p.details or {}).get("diagnosis"),
+            ),
         )
         results = judge_point(
             session, series, point, config, frozenset(reset), excluded=p.run_id in excluded_runs

@@ -1,7 +1,9 @@
 """`lpx gate`: the CI/nightly verdict on the latest run, from what the history recorded.
 
 ``decide`` is pure: the run's status and the open alerts whose latest point is in that run
--> an exit code and the reasons. Acknowledged and silenced alerts never fail the gate.
+-> an exit code and the reasons. Acknowledged and silenced alerts never fail the gate. A
+failing alert's reasons name its point's findings, each with its status (verified,
+plausible, unexplained, ruled out), so a guess never reads as the established cause.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from sqlalchemy.orm import Session
 
 from pipeline.db.models import Alert, Comparison, Run, Series
 from pipeline.errors import EXIT_BAD_INPUT, EXIT_PASS, EXIT_REGRESSION
+from pipeline.history.claims import summary
+from pipeline.history.queries import findings_of
 
 FAIL_ON = ("regression", "suspicious", "policy", "never")
 # What each --fail-on level catches: suspicious includes the confirmed regressions.
@@ -31,6 +35,7 @@ class OpenAlert:
     series: str
     metric: str
     rule: str
+    findings: tuple[dict, ...] = ()  # the claims (Claim.as_dict) of its point in this run
 
 
 @dataclass(frozen=True)
@@ -45,19 +50,23 @@ def decide(run_status: str, run_errors: list[dict], alerts: list[OpenAlert], fai
         return Decision(EXIT_BAD_INPUT, [stages or "its stages failed"])
     caught = set().union(*(CATCHES[level] for level in fail_on)) if fail_on else set()
     hits = [a for a in alerts if a.kind in caught]
-    reasons = [f"alert {a.id} {a.kind}: {a.series}: {a.rule}" for a in hits]
+    reasons = []
+    for a in hits:
+        reasons.append(f"alert {a.id} {a.kind}: {a.series}: {a.rule}")
+        if a.findings:
+            reasons.append(f"  diagnosis: {summary(a.findings)}")
     return Decision(EXIT_REGRESSION if hits else EXIT_PASS, reasons)
 
 
 def open_alerts_of_run(session: Session, run_id: int) -> list[OpenAlert]:
     rows = session.execute(
-        select(Alert.id, Alert.kind, Series.label, Alert.metric, Alert.rule)
+        select(Alert.id, Alert.kind, Series.label, Alert.metric, Alert.rule, Comparison.findings)
         .join(Comparison, Comparison.id == Alert.latest_id)
         .join(Series, Series.id == Alert.series_id)
         .where(Comparison.run_id == run_id, Alert.status == "active")
         .order_by(Alert.id)
     ).all()
-    return [OpenAlert(*row) for row in rows]
+    return [OpenAlert(*row[:5], tuple(findings_of(row[5]))) for row in rows]
 
 
 def latest_run(session: Session, kind: str | None = None) -> Run | None:

@@ -15,6 +15,7 @@ from pipeline.db.models import (
     Series,
     Testbed,
 )
+from pipeline.history.claims import claims_of
 from pipeline.history.evaluate import build_as_dict
 
 
@@ -90,6 +91,7 @@ def series(session: Session) -> list[dict]:
             "points": counts.get(s.id, 0),
             "latest_run": latest_point.run_id,
             "latest_verdict": latest_point.verdict,
+            "latest_findings": findings_of(latest_point.findings),
             "open_alerts": open_alerts.get(s.id, 0),
         }
         for s, case, testbed, latest_point in rows
@@ -114,11 +116,15 @@ def alerts(session: Session, statuses: tuple[str, ...] = ("active",)) -> list[di
     }
     if ids:
         for row in session.execute(
-            select(Comparison.id, Comparison.run_id, Run.started_at)
+            select(Comparison.id, Comparison.run_id, Run.started_at, Comparison.findings)
             .join(Run, Run.id == Comparison.run_id)
             .where(Comparison.id.in_(ids))
         ):
-            points[row.id] = {"run": row.run_id, "at": row.started_at.isoformat(timespec="seconds")}
+            points[row.id] = {
+                "run": row.run_id,
+                "at": row.started_at.isoformat(timespec="seconds"),
+                "findings": findings_of(row.findings),
+            }
     return [
         {
             "id": alert.id,
@@ -176,6 +182,13 @@ def series_points(session: Session, series_id: int) -> list[dict]:
             "rollout": builds[c.rollout_build_id],
             "replay": builds[c.replay_build_id],
             "metrics": metrics.get(c.id, {}),
+            "findings": findings_of(c.findings),
         }
         for c, kind, status in comparisons
     ]
+
+
+def findings_of(stored) -> list[dict]:
+    """A comparison's stored findings as claims: cause, status, severity and the claim in
+    words (pipeline/history/claims.py), so no output shows a cause without its status."""
+    return [claim.as_dict() for claim in claims_of(stored)]

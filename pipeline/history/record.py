@@ -31,6 +31,7 @@ from pipeline.db.models import (
 from pipeline.errors import BadInput
 from pipeline.history import keys
 from pipeline.history.calibrations import store_calibration
+from pipeline.history.claims import failing_claims
 from pipeline.history.collect import PairInput, RunInput
 from pipeline.history.database import History, json_dumps
 from pipeline.history.details import comparison_details
@@ -349,7 +350,10 @@ class _Recorder:
             run.status == "error",
             tracked_metrics(p.pair.report),
             comparison["violations"],
-            (p.pair.report.get("policy") or {}).get("failing_findings") or [],
+            failing_claims(
+                (p.pair.report.get("policy") or {}).get("failing_findings") or [],
+                p.pair.report.get("diagnosis"),
+            ),
         )
         return series, point
 
