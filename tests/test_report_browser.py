@@ -16,7 +16,7 @@ from pipeline.history.database import open_history
 from pipeline.history.record import record_runs
 from pipeline.report.site import build_site
 from tests import test_localize_history
-from tests.synthetic_runs import BASE_METRICS, pair_report, write_run
+from tests.synthetic_runs import BASE_METRICS, claimed_history, pair_report, write_run
 from tests.test_localize_history import PAIR, localized_run
 
 pytestmark = pytest.mark.browser
@@ -299,3 +299,157 @@ def test_series_page_names_the_first_run_beyond_the_floor_and_charts_the_boundar
     assert f"{ratio * 1e-5:.4g}×" in rows[1]
     shot(page, "report-series-localize")
     assert page.problems == []
+
+
+# -- claims: each finding's status (verified, plausible, unexplained, ruled out) wherever it
+# is shown, so a guess never reads as the established cause
+
+
+@pytest.fixture(scope="module")
+def claims_site(tmp_path_factory) -> Path:
+    """claimed_history: run 3 fails on vllm-hf (verified temperature, plausible top_k, ruled
+    out token_shift, unexplained drift) and on vllm-fsdp (stale_weights with no status)."""
+    root = tmp_path_factory.mktemp("claims-history")
+    history = open_history(f"sqlite:///{root / 'lpx.db'}")
+    record_runs(history, [collect_run(d) for d in claimed_history(root)])
+    index = build_site(history, root / "site")
+    history.dispose()
+    return index.parent
+
+
+def claim_cells(cell) -> list[tuple[str, str, str]]:
+    """(status, badge text, cause shown) of each finding listed in a table cell."""
+    items = cell.locator(".finding-claim")
+    out = []
+    for i in range(items.count()):
+        item = items.nth(i)
+        cause = item.locator("code")
+        out.append(
+            (
+                item.get_attribute("data-status"),
+                item.locator(".claim").inner_text(),
+                cause.inner_text() if cause.count() else "",
+            )
+        )
+    return out
+
+
+VERIFIED_HF = [
+    ("verified", "verified", "temperature"),
+    ("plausible", "plausible", "top_k"),
+    ("ruled_out", "ruled out", "token_shift"),
+    ("unexplained", "unexplained", ""),
+]
+GUESSED_FSDP = [("plausible", "plausible", "stale_weights")]
+
+
+def test_run_page_marks_each_finding_with_its_status_and_words_a_guess_as_one(page, claims_site):
+    open_page(page, claims_site / "runs" / "3.html")
+    hf = page.locator("section.comparison", has_text="vllm-hf")
+    findings = hf.locator("li.finding")
+    assert [findings.nth(i).get_attribute("data-status") for i in range(4)] == [
+        "verified",
+        "plausible",
+        "ruled_out",
+        "unexplained",
+    ]
+    headlines = hf.locator(".claim-headline").all_inner_texts()
+    assert headlines == [
+        "temperature, verified by re-scoring",
+        "plausible, not reproduced: top_k",
+        "ruled out by re-scoring: token_shift",
+        "unexplained: no re-scored cause reproduces this drift",
+    ]
+    badges = hf.locator("li.finding > .claim")
+    assert badges.all_inner_texts() == ["verified", "plausible", "ruled out", "unexplained"]
+    titles = [badges.nth(i).get_attribute("title") for i in range(4)]
+    assert titles[0].startswith("Verified: lpx re-scored these sequences")
+    assert titles[1].startswith("Plausible: the drift's signatures fit this cause, but no")
+    assert "lpx diagnose FIXTURE REPLAY --model DIR" in titles[1] and "--no-verify" in titles[1]
+    assert titles[2].startswith("Ruled out: re-scoring with this cause committed did not")
+    assert titles[3].startswith("Unexplained: no cause lpx knows explains this drift.")
+    # the status is apart from the severity; a ruled-out finding is not shown as a fault
+    severities = [findings.nth(i).locator(".status").all_inner_texts() for i in range(4)]
+    assert severities == [["fault"], ["fault"], [], ["fault"]]
+    assert (
+        "lpx compare FIXTURE REPLAY --model DIR"
+        in findings.nth(1).locator(".claim-next").inner_text()
+    )
+    assert findings.nth(0).locator(".residuals").inner_text() == (
+        "re-scored: mean |d| 0.21 -> 0.002 (floor 0.003)"
+    )
+    assert hf.locator(".verification").inner_text() == (
+        "Verification: findings re-scored with /models/tiny."
+    )
+    # 40 sequences: 12 named, the rest counted; no position for a finding that has none
+    assert findings.nth(3).locator(".where").inner_text().endswith("11-0 and 28 more")
+
+    fsdp = page.locator("section.comparison", has_text="vllm-fsdp")
+    guess = fsdp.locator("li.finding")
+    assert guess.count() == 1 and guess.get_attribute("data-status") == "plausible"
+    assert (
+        guess.locator(".claim-headline").inner_text() == "plausible, not reproduced: stale_weights"
+    )
+    assert guess.locator(".where").inner_text() == "sequences 7-1 · from position 0 of 7-1"
+    assert "--weights-store STORE" in guess.locator(".claim-next").inner_text()
+    assert fsdp.locator(".verification").count() == 0  # an older report says nothing of it
+    assert "7-1from" not in page.locator("body").inner_text()
+    shot(page, "report-run-claims")
+    assert page.problems == []
+
+
+def test_status_badges_differ_in_more_than_colour(page, claims_site):
+    open_page(page, claims_site / "runs" / "3.html")
+    looks = {}
+    for status in ("verified", "plausible", "ruled_out", "unexplained"):
+        badge = page.locator(f"li.finding[data-status={status}] > .claim").first
+        looks[status] = badge.evaluate(
+            "e => { const s = getComputedStyle(e); return [s.backgroundColor, s.color, "
+            "s.borderTopStyle, s.fontStyle, s.fontWeight].join(' ') }"
+        )
+    assert len(set(looks.values())) == 4, looks
+    assert "dashed" in looks["plausible"] and "italic" in looks["plausible"]
+    assert "double" in looks["unexplained"] and "solid" in looks["verified"]
+
+
+def test_index_lists_causes_with_their_status_in_regressions_and_changes(page, claims_site):
+    open_page(page, claims_site / "index.html")
+    alerts = page.locator("table.alerts").first.locator("tbody tr")
+    assert alerts.count() == 2
+    by_pair = {alerts.nth(i).locator("td").nth(2).inner_text(): alerts.nth(i) for i in range(2)}
+    hf, fsdp = by_pair["vllm → hf"], by_pair["vllm → fsdp"]
+    assert claim_cells(hf.locator("td.causes")) == VERIFIED_HF
+    assert claim_cells(fsdp.locator("td.causes")) == GUESSED_FSDP
+    assert hf.locator("td.causes").inner_text() == (
+        "temperature verified, top_k plausible, token_shift ruled out, unexplained"
+    )
+    # the rule that fired names the failing causes with their statuses too
+    assert hf.locator("td.rule").inner_text() == (
+        "policy: max_abs_diff 0.5 > 0.1; findings: temperature (verified), top_k (plausible), "
+        "unexplained"
+    )
+    assert fsdp.locator("td.rule").inner_text().endswith("findings: stale_weights (plausible)")
+    changes = page.locator("table.changes tbody tr")
+    assert changes.count() == 2
+    cells = sorted(claim_cells(changes.nth(i).locator("td.causes")) for i in range(2))
+    assert cells == sorted([VERIFIED_HF, GUESSED_FSDP])
+    title = fsdp.locator(".claim").get_attribute("title")
+    assert title.startswith("Plausible:") and "--weights-store STORE" in title
+    shot(page, "report-index-claims")
+    assert page.problems == []
+
+
+def test_series_page_lists_each_points_findings_with_their_status(page, claims_site):
+    shown = {}
+    for series_id in (1, 2):
+        open_page(page, claims_site / "series" / f"{series_id}.html")
+        rows = page.locator("table.points tbody tr")
+        assert rows.count() == 3
+        assert rows.nth(0).locator("td").first.inner_text() == "run 3"
+        shown[page.locator("h1").inner_text()] = claim_cells(rows.nth(0).locator("td.causes"))
+        assert [rows.nth(i).locator("td.causes").inner_text() for i in (1, 2)] == ["–", "–"]
+        if series_id == 2:
+            shot(page, "report-series-claims")
+        assert page.problems == []
+    assert sorted(shown.values()) == sorted([VERIFIED_HF, GUESSED_FSDP])
+    assert any("hf" in label and cells == VERIFIED_HF for label, cells in shown.items())

@@ -23,6 +23,7 @@ from pipeline.db.models import (
     Series,
     Testbed,
 )
+from pipeline.history.claims import Claim, claims_of
 from pipeline.history.evaluate import build_as_dict
 from pipeline.history.queries import run_row
 
@@ -37,7 +38,7 @@ class Point:
     pair: str
     rollout_build: int
     replay_build: int
-    findings: list[str]
+    findings: list[Claim]  # each finding's cause with its status (never a bare cause)
     metrics: dict[str, tuple] = field(default_factory=dict)  # name -> (value, status, lo, up, base)
     localize: str | None = None  # the pair's localize verdict, when one ran
     localize_boundary: str | None = None  # its first boundary beyond the floor
@@ -136,7 +137,7 @@ def load_history(session: Session) -> HistoryData:
             row.pair,
             row.rollout_build_id,
             row.replay_build_id,
-            [f.get("cause", "?") for f in row.findings or [] if isinstance(f, dict)],
+            claims_of(row.findings),
             localize=row.localize_verdict,
             localize_boundary=row.localize_boundary,
             localize_first_ratio=((row.localize or {}).get("first") or {}).get("ratio"),

@@ -14,6 +14,7 @@ from collections import defaultdict
 
 from pipeline.history.attribution import summary
 from pipeline.history.changepoints import change_points
+from pipeline.history.claims import claim_of
 from pipeline.history.detection import KEY_METRICS, factor, metric_spec
 from pipeline.report.data import HistoryData, SeriesData
 from pipeline.report.localized import run_localize, series_localize
@@ -21,6 +22,7 @@ from pipeline.report.localized import run_localize, series_localize
 SPARK_POINTS = 90
 SPARK_WIDTH, SPARK_HEIGHT = 160, 28
 RECENT_RUNS = 30
+FINDING_SEQUENCES = 12  # sequence ids named per finding on a run page; the rest are counted
 
 
 def index_page(data: HistoryData) -> dict:
@@ -166,6 +168,8 @@ def run_page(
                 "metrics": point.metrics if point else {},
                 "violations": comparison.violations or [],
                 "details": details,
+                "findings": finding_rows(details.get("diagnosis")),
+                "verification": verification_line(details.get("verification")),
                 "localize": run_localize(comparison, (localize_rows or {}).get(comparison.id, [])),
             }
         )
@@ -194,6 +198,52 @@ def run_page(
             if a.get("latest") is not None and a["latest"].run_id == run_id
         ],
     }
+
+
+def finding_rows(diagnosis) -> list[dict]:
+    """A run page's diagnosis: each finding's claim (its status, worded as sure as it is),
+    where it starts, its residuals when it was re-scored, and its evidence."""
+    rows = []
+    for finding in diagnosis or []:
+        if not isinstance(finding, dict):
+            continue
+        where = []
+        sequences = [str(s) for s in finding.get("sequences") or []]
+        if sequences:
+            shown = ", ".join(sequences[:FINDING_SEQUENCES])
+            more = len(sequences) - FINDING_SEQUENCES
+            where.append(f"sequences {shown}" + (f" and {more:,} more" if more > 0 else ""))
+        first = finding.get("first_position")
+        if isinstance(first, dict) and first.get("position") is not None:
+            where.append(f"from position {first['position']} of {first.get('sequence_id', '?')}")
+        rows.append(
+            {
+                "claim": claim_of(finding),
+                "where": " · ".join(where),
+                "residuals": _residuals(finding),
+                "evidence": str(finding.get("evidence") or ""),
+            }
+        )
+    return rows
+
+
+def verification_line(note) -> str:
+    """Whether compare re-scored the findings (report.json's `verification`), in words."""
+    if not isinstance(note, dict) or not note:
+        return ""
+    if note.get("ran"):
+        return f"findings re-scored with {note.get('model') or 'the model'}"
+    reason = note.get("reason") or "no reason recorded"
+    return f"not run ({reason}): findings that were not re-scored stay plausible"
+
+
+def _residuals(finding: dict) -> str:
+    """`mean |d| 0.21 -> 0.004 (floor 0.003)` for a finding that was re-scored."""
+    before, after, floor = (finding.get(k) for k in ("residual_before", "residual_after", "floor"))
+    if not all(isinstance(v, int | float) for v in (before, after)):
+        return ""
+    text = f"re-scored: mean |d| {before:.3g} -> {after:.3g}"
+    return text + (f" (floor {floor:.3g})" if isinstance(floor, int | float) else "")
 
 
 def status_changes(data: HistoryData) -> list[dict]:

@@ -22,10 +22,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
-from markupsafe import Markup
+from markupsafe import Markup, escape
 from sqlalchemy.orm import Session
 
 from pipeline.errors import BadInput
+from pipeline.history.claims import Claim
 from pipeline.history.database import History, describe
 from pipeline.progress import progress_bar
 from pipeline.report.data import load_history, run_comparisons, run_localize_rows
@@ -49,7 +50,14 @@ def build_site(history: History, out_dir: Path) -> Path:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(num=format_number, verdict=verdict_badge, status=status_badge)
+    env.filters.update(
+        num=format_number,
+        verdict=verdict_badge,
+        status=status_badge,
+        claim=claim_badge,
+        claims=claim_list,
+        code_spans=code_spans,
+    )
     common = {
         "generated_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "database": describe(history.url),
@@ -123,6 +131,41 @@ def verdict_badge(value) -> Markup:
 def status_badge(value) -> Markup:
     text = str(value or "–").replace("_", " ")
     return Markup('<span class="status {0}">{1}</span>').format(value or "none", text)
+
+
+def claim_badge(claim: Claim) -> Markup:
+    """A finding's status as a badge whose text is the status (readable without colour) and
+    whose tooltip says what it means and how to settle it."""
+    return Markup('<span class="claim {0}" title="{1}">{2}</span>').format(
+        claim.status, claim.meaning, claim.label
+    )
+
+
+def claim_list(claims: list[Claim]) -> Markup:
+    """`stale_weights [plausible], token_shift [ruled out]`: a cause is never listed bare,
+    where it would read as established."""
+    if not claims:
+        return Markup("–")
+    items = []
+    for claim in claims:
+        cause = (
+            "" if claim.cause == claim.status else Markup("<code>{0}</code> ").format(claim.cause)
+        )
+        items.append(
+            Markup('<span class="finding-claim" data-status="{0}">{1}{2}</span>').format(
+                claim.status, cause, claim_badge(claim)
+            )
+        )
+    return Markup(", ").join(items)
+
+
+def code_spans(text: str) -> Markup:
+    """Text whose `backquoted` spans are commands, shown as code; the rest escaped."""
+    parts = str(text).split("`")
+    return Markup("").join(
+        Markup("<code>{0}</code>").format(part) if i % 2 else escape(part)
+        for i, part in enumerate(parts)
+    )
 
 
 def _render(env: Environment, template: str, path: Path, common: dict, page: dict) -> None:
