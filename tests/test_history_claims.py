@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.history.claims import claim_of, failing_claims, summary
 from pipeline.history.gate import OpenAlert, decide
+from pipeline.report.pages import finding_rows
 from tests.helpers import run_lpx
 from tests.synthetic_runs import CLAIMED_FINDINGS, STALE_WEIGHTS_GUESS, claimed_history
 from tests.test_history import record
@@ -219,3 +220,17 @@ def test_lpx_gate_prints_the_findings_of_what_failed_it_with_their_status(claime
     alerts = json.loads(run_lpx("history", "alerts", "--json", "--db", claimed_db).output)
     rule = next(a["rule"] for a in alerts if a["series_id"] == ids["fsdp"])
     assert rule == "policy: max_abs_diff 0.5 > 0.1; findings: stale_weights (plausible)"
+
+
+def test_run_page_rows_say_where_a_finding_starts_and_survive_odd_fields():
+    rows = finding_rows([STALE_WEIGHTS_GUESS, UNEXPLAINED])
+    assert rows[0]["where"] == "sequences 7-1 · from position 0 of 7-1"
+    assert rows[0]["residuals"] == ""  # never re-scored
+    assert rows[1]["where"] == (
+        "sequences 0-0, 1-0, 2-0, 3-0, 4-0, 5-0, 6-0, 7-0, 8-0, 9-0, 10-0, 11-0 and 28 more"
+    )  # and no position: unexplained drift has none
+    assert rows[1]["residuals"] == "re-scored: mean |d| 0.05 -> 0.05 (floor 0.003)"
+    # report.json's schema checks a finding's cause only
+    odd = {"cause": "top_k", "sequences": 5, "first_position": [1], "evidence": None}
+    (row,) = finding_rows([odd, "not a finding"])
+    assert (row["where"], row["evidence"], row["claim"].status) == ("", "", "plausible")

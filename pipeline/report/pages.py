@@ -208,7 +208,9 @@ def finding_rows(diagnosis) -> list[dict]:
         if not isinstance(finding, dict):
             continue
         where = []
-        sequences = [str(s) for s in finding.get("sequences") or []]
+        sequences = finding.get("sequences")
+        # report.json's schema checks a finding's cause only: the rest is shown as it can be
+        sequences = [str(s) for s in sequences] if isinstance(sequences, list) else []
         if sequences:
             shown = ", ".join(sequences[:FINDING_SEQUENCES])
             more = len(sequences) - FINDING_SEQUENCES
