@@ -1,16 +1,22 @@
-"""Names that become paths, and outputs that must never replace inputs."""
+"""Names that become paths, outputs that must never replace inputs, and outputs that replace
+only what lpx wrote."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.errors import BadInput
 
 LOCK = ".lpx-lock"  # held by the process writing an output directory
+# Written into a directory lpx fills and later removes whole (localize's captures/), so that
+# removing it never takes a user's directory of the same name.
+OUTPUT_MARKER = ".lpx-output"
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 
@@ -34,6 +40,111 @@ def check_output(out: Path, inputs, option: str = "--out") -> None:
                 f"{option} {out} is also an input ({given}); write the output to another path. "
                 "lpx never replaces its inputs."
             )
+
+
+def check_replaceable(path: Path, what: str) -> None:
+    """Refuse to replace ``path`` (named by ``what``, e.g. "--out") unless lpx wrote it: a
+    user's file of the same name is never lost to an output. Absent is fine."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise BadInput(f"{what} {path}: is a directory; give a file path for this output.")
+    if not written_by_lpx(path):
+        raise BadInput(
+            f"{what} {path}: exists and lpx did not write it; lpx replaces only its own "
+            "outputs. Choose another path, or move that file away first."
+        )
+
+
+def check_replaceable_in(out_dir: Path, names, what: str = "--out") -> None:
+    """Refuse an output directory holding, under a name lpx would write there (report.json,
+    localize.json, captures/ ...), something lpx did not write."""
+    out_dir = Path(out_dir)
+    for name in names:
+        path = out_dir / name
+        if not os.path.lexists(path) or written_by_lpx(path):
+            continue
+        raise BadInput(
+            f"{what} {out_dir}: {name} there exists and lpx did not write it; lpx replaces only "
+            "its own outputs. Choose another directory, or move that one away first."
+        )
+
+
+def written_by_lpx(path: Path) -> bool:
+    """Whether ``path`` is an output an earlier lpx wrote, by its content (names are
+    anyone's): a fixture, replay or token table (Parquet with lpx's header), a calibration,
+    report or localize result (JSON with their markers), a summary.md, localize's chart, or
+    a directory lpx marked as its own."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    if stat.S_ISDIR(mode):
+        return _lpx_directory(path)
+    if not stat.S_ISREG(mode):  # a FIFO or device: opening it could block or consume it
+        return False
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(512)
+    except OSError:
+        return False
+    if head.startswith(b"PAR1"):
+        return _lpx_parquet(path)
+    if head.lstrip().startswith(b"{"):
+        return _lpx_json(path)
+    if head.startswith(b"# lpx compare"):
+        return True  # summary.md of a pair or a matrix
+    return head.startswith(b"<svg") and b'class="localize-chart"' in head
+
+
+def mark_lpx_directory(directory: Path) -> None:
+    """Mark a directory lpx created as lpx's, so that a later run may remove it."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    (Path(directory) / OUTPUT_MARKER).touch()
+
+
+def _lpx_parquet(path: Path) -> bool:
+    import pyarrow.parquet as pq
+
+    try:
+        return b"lpx" in (pq.read_schema(path).metadata or {})
+    except Exception:  # a truncated or foreign Parquet file
+        return False
+
+
+# Top-level keys that only lpx's JSON outputs carry together.
+_JSON_SIGNATURES = (
+    {"lpx_calibration"},  # calibration.json
+    {"lpx_localize"},  # localize.json
+    {"schema_version", "verdict", "boundaries", "sides"},  # localize.json before its marker
+    {"verdict", "metrics", "policy", "metadata"},  # a pair's report.json
+    {"verdict", "pairs", "metadata"},  # a matrix's report.json
+)
+
+
+def _lpx_json(path: Path) -> bool:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and any(keys <= data.keys() for keys in _JSON_SIGNATURES)
+
+
+def _lpx_directory(path: Path) -> bool:
+    """A directory lpx marked, or localize's captures from before the marker: only
+    SIDE/SEQUENCE/BOUNDARY.npy files."""
+    if (path / OUTPUT_MARKER).is_file():
+        return True
+    for entry in path.rglob("*"):
+        relative = entry.relative_to(path).parts
+        if entry.is_dir() and not entry.is_symlink():
+            if len(relative) > 2 or (len(relative) == 2 and not relative[1].isdigit()):
+                return False
+        elif not (len(relative) == 3 and relative[1].isdigit() and entry.suffix == ".npy"):
+            return False
+    return True
 
 
 @contextmanager

@@ -186,3 +186,54 @@ def dumps_line(value) -> str:
 
 def finite_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# -- calibrations --------------------------------------------------------------------------
+
+
+def synthetic_calibration(
+    seed: int = 0,
+    precisions: tuple[str, ...] = ("bfloat16", "float32"),
+    sequences: int = 6,
+    length: int = 24,
+    fingerprint: str | None = None,
+    level: float = 0.01,
+) -> dict:
+    """A calibration.json as `lpx calibrate` writes it, fitted by its own fit_pair on seeded
+    synthetic |d| samples (half-normal, three variants per pair) instead of re-scorings."""
+    from pipeline.calibrate.run import fit_pair
+    from pipeline.compare.calibrated import CALIBRATION_FORMAT, pair_key
+
+    rng = np.random.default_rng(seed)
+    tokens = sequences * length
+    surprisal = rng.exponential(1.0, tokens)
+    positions = np.tile(np.arange(length), sequences)
+    lengths = np.full(sequences, length, dtype=np.int64)
+    pairs = {}
+    for i, a in enumerate(precisions):
+        for b in precisions[i:]:
+            scale = level if "float32" not in (a, b) or a != b else level * 1e-4
+            variants = {
+                f"variant {k}": np.abs(rng.normal(0.0, scale * (1 + k / 2), tokens))
+                for k in range(3)
+            }
+            pairs[pair_key(a, b)] = fit_pair(variants, surprisal, positions, lengths)
+    return {
+        "lpx_calibration": CALIBRATION_FORMAT,
+        "key": {
+            "format": CALIBRATION_FORMAT,
+            "model_fingerprint": fingerprint,
+            "model_path": "/models/tiny",
+            "engine": "hf",
+            "layout": {"attn_implementation": "sdpa", "device": "cpu"},
+            "hardware": "cpu",
+            "versions": {"torch": "2", "transformers": "5"},
+        },
+        "created_at": "2026-03-01T03:00:00",
+        "sequences": sequences,
+        "tokens": tokens,
+        "micro_batches": [8, 3],
+        "precisions": sorted(precisions),
+        "timing_s": {p: 0.5 for p in precisions},
+        "pairs": pairs,
+    }

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from pipeline.errors import BadInput
+from pipeline.paths import written_by_lpx
 
 
 def knob_options(function):
@@ -55,13 +56,25 @@ def device_knobs(engine, name: str, device: str) -> dict:
     return {}
 
 
-def parse_knobs(pairs: tuple[str, ...]) -> dict[str, str]:
-    knobs = {}
+def parse_knobs(
+    pairs: tuple[str, ...], option: str = "--set", example: str = "padding_side=left"
+) -> dict[str, str]:
+    """KEY=VALUE pairs of a repeatable ``option`` as a dict. A key given twice is refused,
+    naming both values: the later one would silently win, and which one the user meant is
+    theirs to say."""
+    knobs: dict[str, str] = {}
+    given: dict[str, str] = {}  # each key's pair as typed, to name both in a refusal
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise BadInput(f"--set {pair!r}: expected KNOB=VALUE, e.g. --set padding_side=left.")
-        knobs[key.strip()] = value.strip()
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise BadInput(f"{option} {pair!r}: expected KEY=VALUE, e.g. {option} {example}.")
+        if key in knobs:
+            raise BadInput(
+                f"{option} {given[key]!r} and {option} {pair!r}: {key!r} is given twice; give "
+                "it once."
+            )
+        knobs[key], given[key] = value, pair
     return knobs
 
 
@@ -128,7 +141,7 @@ class OutputPath(click.Path):
             if not right_kind:
                 wanted = "a directory" if self.directory else "a regular file"
                 self.fail(f"{str(path)!r} exists and is not {wanted}.", param, ctx)
-            if not self.directory and not _written_by_lpx(path):
+            if not self.directory and not written_by_lpx(path):
                 self.fail(
                     f"{str(path)!r} exists and is not an lpx file; lpx replaces only files it "
                     "wrote. Choose another path, or move that file away first.",
@@ -136,16 +149,6 @@ class OutputPath(click.Path):
                     ctx,
                 )
         return path
-
-
-def _written_by_lpx(path) -> bool:
-    """A Parquet file with lpx's header: a fixture or replay an earlier run wrote."""
-    import pyarrow.parquet as pq
-
-    try:
-        return b"lpx" in (pq.read_schema(path).metadata or {})
-    except Exception:  # not Parquet at all (a dump, a policy, a truncated file)
-        return False
 
 
 OUTPUT_FILE = OutputPath(directory=False)
