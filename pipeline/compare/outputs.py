@@ -190,7 +190,7 @@ def _write_tokens(comparison: Comparison, path: Path) -> None:
                     "logprob_rollout": region.rollout,
                     "logprob_train": region.train,
                     "diff": diff,
-                    "tokens_over_tau": np.abs(diff) > comparison.tau,
+                    "over_tau": np.abs(diff) > comparison.tau,
                 }
             )
         )

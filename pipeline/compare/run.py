@@ -466,7 +466,7 @@ def _sequence_rows(aligned: Aligned, per_sequence: dict, tau: float) -> list[dic
     )
     columns = [list(aligned.sequence_ids)] + [_json_column(per_sequence[name]) for name in names]
     columns.append((per_sequence["max_abs_diff"] > tau).tolist())
-    keys = ("sequence_id", *names, "tokens_over_tau")
+    keys = ("sequence_id", *names, "over_tau")
     return [dict(zip(keys, values, strict=True)) for values in zip(*columns, strict=True)]
 
 
