@@ -104,6 +104,7 @@ def _record_and_report(out_dir: Path, db: str | None, report_dir: Path) -> None:
 def _smoke_stages(
     out_dir: Path, model_dir: Path | None, rollout_engine: str, manifest: dict
 ) -> int:
+    from pipeline.compare.matrix import claim_text
     from pipeline.compare.outputs import write_outputs
     from pipeline.compare.run import compare_files
     from pipeline.engines import rollout_engine as load_rollout
@@ -139,7 +140,7 @@ def _smoke_stages(
         add_stage(manifest, f"compare-hf-{dtype}", "ok" if report["verdict"] == "pass" else "fail")
         write_manifest(out_dir, manifest)
         metrics = report["metrics"]
-        causes = ", ".join(f["cause"] for f in report["diagnosis"]) or "none"
+        causes = ", ".join(claim_text(f) for f in report["diagnosis"]) or "none"
         click.echo(
             f"{rollout_engine} vs hf {dtype:<8}  {report['verdict'].upper():4}  profile "
             f"{report['policy']['profile']:<8}  max|d| {metrics['max_abs_diff']:.3g}  "

@@ -49,6 +49,7 @@ def write_matrix(comparisons: list[Comparison], out_dir: Path) -> dict:
                 **{name: report["metrics"].get(name) for name in MATRIX_METRICS},
                 "bitwise_mismatches": report["metrics"].get("bitwise_mismatches"),
                 "findings": [f["cause"] for f in report["diagnosis"]],
+                "claims": [claim_text(f) for f in report["diagnosis"]],
                 "report": str(paths["report"]),
             }
         )
@@ -81,7 +82,7 @@ def render_matrix(matrix: dict) -> str:
         numbers = " | ".join(_fmt(row[name]) for name in MATRIX_METRICS)
         lines.append(
             f"| {_md(row['rollout'])} | {_md(row['replay'])} | {_md(where)} | "
-            f"{row['verdict'].upper()} | {numbers} | {_md(', '.join(row['findings'])) or '-'} |"
+            f"{row['verdict'].upper()} | {numbers} | {_md(', '.join(row.get('claims') or row['findings'])) or '-'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -96,3 +97,10 @@ def _engine(side: dict) -> str:
 
 def _fmt(value) -> str:
     return "-" if value is None else f"{value:.3g}"
+
+
+def claim_text(finding: dict) -> str:
+    """`temperature (verified)`: a cause with its status, so a guess never reads as a fact."""
+    status = "unexplained" if finding["cause"] == "unexplained" else finding.get("status")
+    status = (status or "plausible").replace("_", " ")
+    return finding["cause"] if status == "unexplained" else f"{finding['cause']} ({status})"
