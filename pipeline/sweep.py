@@ -37,12 +37,17 @@ def parse_setting(text: str) -> Setting:
         raise BadInput(
             f"--setting {text!r}: expected NAME:KNOB=VALUE,... (e.g. batch1:batch_size=1)."
         )
-    knobs = {}
+    knobs, given = {}, {}
     for pair in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = pair.partition("=")
-        if not eq:
+        key = key.strip()
+        if not eq or not key:
             raise BadInput(f"--setting {text!r}: {pair!r} is not KNOB=VALUE.")
-        knobs[key.strip()] = value.strip()
+        if key in knobs:  # the later one would silently win; which one was meant is not ours
+            raise BadInput(
+                f"--setting {text!r}: {given[key]!r} and {pair!r} both set {key}; give it once."
+            )
+        knobs[key], given[key] = value.strip(), pair
     return Setting(safe_name(name.strip(), "--setting name"), knobs)
 
 

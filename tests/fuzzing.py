@@ -237,3 +237,23 @@ def synthetic_calibration(
         "timing_s": {p: 0.5 for p in precisions},
         "pairs": pairs,
     }
+
+
+def model_with_other_weights(model_dir: Path, out: Path, scale: float = 1.01) -> Path:
+    """A copy of ``model_dir`` whose first layer's MLP down-projection is scaled: a stale
+    checkpoint of the same architecture and tokenizer, with another weights fingerprint."""
+    import shutil
+
+    import torch
+
+    from pipeline.engines.hf_common import load_model
+
+    out = Path(out)
+    shutil.copytree(model_dir, out)
+    for weights in out.glob("*.safetensors"):
+        weights.unlink()
+    model = load_model(Path(model_dir))
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(scale)
+    model.save_pretrained(out)
+    return out

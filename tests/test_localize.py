@@ -1,7 +1,7 @@
 """lpx localize on the HF adapter: the pure parts, seeded faults named exactly and verified,
 clean pairs localizing nothing, and clear errors. (Other engines: test_localize_engines.py,
 test_localize_distributed.py; history, report and plans: test_localize_history.py,
-test_localize_plan.py.)"""
+test_localize_plan.py; what belongs to the fixture: test_localize_belonging.py.)"""
 
 from __future__ import annotations
 
@@ -236,6 +236,11 @@ def test_batched_captures_equal_one_sequence_at_a_time(fixture_path, tiny_model)
         ("sglang", "cannot capture activations from 'sglang'"),
         ("nope", "no capture adapter for engine 'nope'"),
         ("hf:dtype", "'dtype' is not knob=value"),
+        (
+            "hf:dtype=bf16,dtype=fp32",
+            "engine spec 'hf:dtype=bf16,dtype=fp32': 'dtype=bf16' and 'dtype=fp32' both set "
+            "dtype; give it once.",
+        ),
         ("hf:colour=red", "unknown hf capture knob(s) colour"),
         ("hf:fault=gremlins", "unknown fault 'gremlins'"),
         ("hf:attention=flash", "attention='flash'; use sdpa or eager"),
@@ -249,7 +254,10 @@ def test_bad_specs_are_one_clear_line(spec, message, fixture_path, tiny_model, t
 
 
 def test_bad_selections_and_outputs_are_clear_errors(fixture_path, tiny_model, tmp_path):
-    result, _ = _localize(fixture_path, tiny_model, tmp_path, "hf", "hf", "--sequence", "no-such")
+    result = run_lpx(
+        "localize", fixture_path, "--model", tiny_model, "--a", "hf", "--b", "hf",
+        "--sequence", "no-such", "--out", tmp_path / "localize",
+    )  # fmt: skip
     assert result.exit_code == 2 and "no-such are not in the fixture" in result.output
     bad = tmp_path / "report.json"
     bad.write_text("{not json")
@@ -261,14 +269,3 @@ def test_bad_selections_and_outputs_are_clear_errors(fixture_path, tiny_model, t
         "localize", fixture_path, "--model", tiny_model, "--a", "hf", "--b", "hf", "--out", taken
     )
     assert result.exit_code == 2 and "is a file" in result.output
-
-
-def test_the_worst_sequences_of_a_report_are_chosen(fixture_path, tiny_model, tmp_path):
-    from pipeline.fixture.io import read_table
-
-    ids = read_table(fixture_path).sequence_ids
-    report = tmp_path / "report.json"
-    rows = [{"sequence_id": s, "max_abs_diff": float(i)} for i, s in enumerate(ids)]
-    report.write_text(json.dumps({"sequences": rows}))
-    _, out = _localize(fixture_path, tiny_model, tmp_path, "hf", "hf", "--report", report)
-    assert out["sequences"] == list(reversed(ids))[:4]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import COUNT, db_option, device_option
+from pipeline.commands.options import COUNT, OUTPUT_FILE, db_option, device_option
 
 
 @click.command()
@@ -14,7 +14,14 @@ from pipeline.commands.options import COUNT, db_option, device_option
     "--model",
     "model_dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Model directory [default: the one recorded in the fixture].",
+    help="Model directory [default: the one recorded in the fixture]; it must hold the weights "
+    "the fixture was rolled out with.",
+)
+@click.option(
+    "--allow-model-mismatch",
+    is_flag=True,
+    help="Calibrate with --model although its weights are not the fixture's (a stale "
+    "checkpoint, on purpose); calibration.json records the mismatch.",
 )
 @click.option(
     "--engine",
@@ -34,8 +41,9 @@ from pipeline.commands.options import COUNT, db_option, device_option
 @click.option(
     "--out",
     "out_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Where to write it [default: calibration.json beside the fixture].",
+    type=OUTPUT_FILE,
+    help="Where to write it [default: calibration.json beside the fixture]; an existing file "
+    "there is replaced only when lpx wrote it.",
 )
 @db_option("calibrate")
 @click.option(
@@ -47,7 +55,16 @@ from pipeline.commands.options import COUNT, db_option, device_option
 )
 @device_option
 def calibrate(
-    fixture_path, model_dir, engine, dtypes, sequences, out_path, db, reuse, device
+    fixture_path,
+    model_dir,
+    allow_model_mismatch,
+    engine,
+    dtypes,
+    sequences,
+    out_path,
+    db,
+    reuse,
+    device,
 ) -> None:
     """Measure the model's own precision noise floor on the fixture's tokens.
 
@@ -62,26 +79,34 @@ def calibrate(
       lpx calibrate run/fixture.parquet --dtype bf16 --sequences 32
       lpx compare run/fixture.parquet run/replay-bf16.parquet --out run/cmp   # uses it
     """
+    from pipeline.belonging import check_model
     from pipeline.calibrate.run import CALIBRATION_FILE
     from pipeline.calibrate.run import calibrate as run_calibration
     from pipeline.engines.model_dir import check_model_dir
     from pipeline.errors import BadInput
     from pipeline.fixture.io import read_table, validate_table
     from pipeline.names import canonical_dtype
-    from pipeline.paths import check_output, write_text_atomic
+    from pipeline.paths import check_output, check_replaceable, write_text_atomic
 
     out_path = out_path or Path(fixture_path).parent / CALIBRATION_FILE
     check_output(out_path, [fixture_path])
+    check_replaceable(out_path, "--out")  # the default beside the fixture too
     if engine != "hf":
         raise BadInput(
             f"--engine {engine}: calibration re-scores with the reference engine, hf; the noise "
             "floor it measures is the model's, and compare applies it to any engine pair."
         )
     fixture = read_table(fixture_path, expect_kind="fixture")
+    option = "--model" if model_dir else "the fixture's model"
     model_dir = model_dir or (fixture.metadata.get("model") or {}).get("path")
     if not model_dir:
         raise BadInput(f"{fixture_path}: records no model path; pass --model DIR.")
     check_model_dir(model_dir)
+    # A floor measured on other weights would judge this fixture's replays by another
+    # model's noise: refused unless asked for, and then written down.
+    mismatch = check_model(
+        fixture.metadata, fixture_path, Path(model_dir), allow_model_mismatch, option
+    )
     validate_table(fixture, fixture_path, (fixture.metadata.get("model") or {}).get("vocab_size"))
     try:
         wanted = [canonical_dtype(d) for d in dtypes] or [
@@ -119,6 +144,8 @@ def calibrate(
 
             with history.write() as session:
                 store_calibration(session, result)
+    if mismatch is not None:
+        result = {**result, "allowed_mismatches": {"model": mismatch}}
     write_text_atomic(out_path, json.dumps(result, indent=1) + "\n")
     means = ", ".join(
         f"{pair} mean |d| {floor['all']['mean']:.3g} (q999 {floor['all']['q999']:.3g})"

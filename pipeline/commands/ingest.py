@@ -62,7 +62,8 @@ def ingest(
     from pipeline.fixture.io import validate_table, write_table
     from pipeline.names import canonical_dtype
 
-    field_map = PRESETS[preset].with_overrides(parse_knobs(fields))
+    overrides = parse_knobs(fields, option="--field", example="mask=loss_mask")
+    field_map = PRESETS[preset].with_overrides(overrides)
     try:
         dtype = canonical_dtype(dtype)
     except ValueError as error:

@@ -18,11 +18,18 @@ from pipeline.commands.options import COUNT, device_option
               help="A sequence to capture, repeatable [default: the worst of --report, else "
               "--sequences spread over the fixture].")  # fmt: skip
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="A comparison's report.json: capture its worst sequences.")  # fmt: skip
+              help="A comparison's report.json of this fixture: capture its worst sequences.")  # fmt: skip
+@click.option("--allow-report-mismatch", is_flag=True,
+              help="Take --report although it compared another fixture (its sequences are "
+              "picked by id); localize.json records it.")  # fmt: skip
 @click.option("--sequences", "count", type=COUNT, default=4, show_default=True,
               help="How many sequences when none is named.")  # fmt: skip
 @click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Model directory [default: the one recorded in the fixture].")  # fmt: skip
+              help="Model directory [default: the one recorded in the fixture]; it must hold "
+              "the weights the fixture was rolled out with.")  # fmt: skip
+@click.option("--allow-model-mismatch", is_flag=True,
+              help="Run --model although its weights are not the fixture's (a stale checkpoint, "
+              "on purpose); localize.json records it.")  # fmt: skip
 @click.option("--model-b", "model_dir_b", type=click.Path(file_okay=False, path_type=Path),
               help="Side B's model directory, when it holds other weights [default: --model].")  # fmt: skip
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
@@ -31,8 +38,8 @@ from pipeline.commands.options import COUNT, device_option
               "boundary) instead of deleting them at the end.")  # fmt: skip
 @device_option
 def localize(
-    fixture_path, spec_a, spec_b, sequence_ids, report_path, count, model_dir, model_dir_b,
-    out_dir, keep_captures, device,
+    fixture_path, spec_a, spec_b, sequence_ids, report_path, allow_report_mismatch, count,
+    model_dir, allow_model_mismatch, model_dir_b, out_dir, keep_captures, device,
 ) -> None:  # fmt: skip
     """Name the first layer and op where two engines part, and verify it by swapping.
 
@@ -51,23 +58,42 @@ def localize(
       lpx localize run/fixture.parquet --a hf:dtype=bf16 --b megatron:tp=2,dtype=bf16 \\
           --report run/compare/report.json --out run/localize
     """
+    from pipeline.belonging import check_model, check_report
     from pipeline.devices import resolve_device
     from pipeline.engines.model_dir import check_model_dir
     from pipeline.errors import BadInput
     from pipeline.fixture.io import read_table
-    from pipeline.localize.run import choose_sequences, write
+    from pipeline.localize.adapters import parse_spec
+    from pipeline.localize.run import OUTPUTS, choose_sequences, write
     from pipeline.localize.run import localize as run_localize
+    from pipeline.paths import check_replaceable_in
 
     if out_dir.exists() and not out_dir.is_dir():
         raise BadInput(f"--out {out_dir}: is a file; give a directory for localize.json.")
+    check_replaceable_in(out_dir, OUTPUTS, "--out")
+    _refuse_contradictions(click.get_current_context(), sequence_ids, report_path)
+    for spec in (spec_a, spec_b):  # a malformed spec is refused before any model loads
+        parse_spec(spec)
     fixture = read_table(fixture_path, expect_kind="fixture")
+    option = "--model" if model_dir else "the fixture's model"
     model_dir = model_dir or (fixture.metadata.get("model") or {}).get("path")
     if not model_dir:
         raise BadInput(f"{fixture_path}: records no model path; pass --model DIR.")
     check_model_dir(Path(model_dir))
     if model_dir_b is not None:
         check_model_dir(model_dir_b)
+    # Side B's --model-b holds other weights by design; --model runs the fixture's tokens
+    # as the fixture's own model must, unless a mismatch is asked for.
+    allowed = {
+        "model": check_model(
+            fixture.metadata, fixture_path, Path(model_dir), allow_model_mismatch, option
+        )
+    }
     report = _read_report(report_path) if report_path else None
+    if report is not None:
+        allowed["report"] = check_report(
+            fixture, fixture_path, report, report_path, allow_report_mismatch
+        )
     rows = choose_sequences(fixture, list(sequence_ids), report, count)
     result = run_localize(
         fixture,
@@ -80,6 +106,9 @@ def localize(
         model_dir_b=model_dir_b,
         keep_captures=keep_captures,
     )
+    allowed = {what: record for what, record in allowed.items() if record is not None}
+    if allowed:
+        result["allowed_mismatches"] = allowed
     path = write(result, out_dir)
     click.echo(summary_line(result) + f" -> {path}")
     if result["verdict"] != "clean":
@@ -105,13 +134,46 @@ def summary_line(result: dict) -> str:
     return line
 
 
-def _read_report(path: Path) -> dict:
+def _refuse_contradictions(ctx, sequence_ids, report_path) -> None:
+    """Options that choose the sequences in two ways: one would be silently ignored."""
+    from click.core import ParameterSource
+
     from pipeline.errors import BadInput
+
+    if sequence_ids and report_path is not None:
+        raise BadInput(
+            f"--sequence {sequence_ids[0]!r} and --report {report_path} both choose the "
+            "sequences; pass one (--sequence names them, --report takes its worst)."
+        )
+    if sequence_ids and ctx.get_parameter_source("count") is not ParameterSource.DEFAULT:
+        raise BadInput(
+            f"--sequence {sequence_ids[0]!r} and --sequences {ctx.params['count']} both choose "
+            "the sequences; pass one (--sequences counts them when none is named)."
+        )
+
+
+def _read_report(path: Path) -> dict:
+    """A pair's report.json, checked as `lpx record` checks it: localize picks sequences by
+    its per-sequence drift, so a damaged one is refused rather than half read."""
+    from pipeline.errors import BadInput
+    from pipeline.history.schema import describe_problems, report_problems
 
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise BadInput(f"--report {path}: cannot read it as JSON ({error}).") from None
+        reason = " ".join(str(getattr(error, "strerror", None) or error).split())[:120]
+        raise BadInput(f"--report {path}: cannot read it as JSON ({reason}).") from None
+    if isinstance(report, dict) and "pairs" in report:
+        raise BadInput(
+            f"--report {path}: a matrix's report; pass one pair's report.json from the "
+            "directory beside it (compare/PAIR/report.json)."
+        )
     if not isinstance(report, dict):
         raise BadInput(f"--report {path}: not a comparison report (expected an object).")
+    problems = report_problems(report)
+    if problems:
+        raise BadInput(
+            f"--report {path}: not a comparison report lpx can read: "
+            f"{describe_problems(problems)}; rerun `lpx compare`."
+        )
     return report

@@ -12,25 +12,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated, Literal
 
 import orjson
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from pipeline.compare.calibration_file import describe
 from pipeline.errors import BadInput
-from pipeline.history.schema import (
-    INT32_MAX,
-    array,
-    boolean,
-    check_fields,
-    compile_fields,
-    describe_problems,
-    finite,
-    integer,
-    name,
-    obj,
-    one_of,
-    optional,
-    text,
-)
+from pipeline.history.schema import INT32_MAX, INT64_MAX
 
 LOCALIZE_DIR = "localize"
 LOCALIZE_FILE = "localize.json"
@@ -50,62 +39,87 @@ BOUNDARY_COLUMNS = (
 )
 SUMMARY_KEYS = ("first", "verification", "margin", "sides", "sequences", "tokens", "seconds")
 
-BOUNDARY_NAME = name(128)  # db/models.py: LocalizeBoundary.boundary
-_SIDE = {
-    "": obj,
-    "spec": text,
-    "engine": optional(text),
-    "dtype": optional(text),
-    "reference_dtype": optional(text),
-    "tp": optional(integer(0, INT32_MAX)),
-    "world_size": optional(integer(0, INT32_MAX)),
-}
-FIELDS = {
-    "schema_version": one_of(1),
-    "verdict": one_of(*VERDICTS),
-    "first": optional(obj),
-    "first.boundary": BOUNDARY_NAME,
-    "first.ratio": finite(),
-    "verification": optional(obj),
-    "verification.verified": boolean,
-    "verification.by": optional(text),
-    "verification.runner": optional(text),
-    "verification.attempts": optional(array),
-    "verification.attempts[]": obj,
-    "margin": finite(),
-    "sides": obj,
-    **{
-        f"sides.{side}.{key}" if key else f"sides.{side}": check
-        for side in ("a", "b")
-        for key, check in _SIDE.items()
-    },
-    "sequences": array,
-    "sequences[]": text,
-    "tokens": integer(),
-    "boundaries": array,
-    "boundaries[]": obj,
-    "boundaries[].boundary": BOUNDARY_NAME,
-    "boundaries[].layer": optional(integer(0, INT32_MAX)),
-    "boundaries[].kind": name(32),
-    "boundaries[].drift": obj,
-    "boundaries[].drift.max": finite(),
-    "boundaries[].drift.rms": finite(),
-    "boundaries[].floor": obj,
-    "boundaries[].floor.max": finite(),
-    "boundaries[].floor.rms": finite(),
-    "boundaries[].ratio": finite(),
-    "boundaries[].beyond": boolean,
-    "seconds": optional(finite()),
-}
-_TREE = compile_fields(FIELDS)
+# A finite number >= 0: localize.json never writes a non-finite one.
+Level = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+BoundaryName = Annotated[str, StringConstraints(min_length=1, max_length=128)]  # its column
+Index = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+class _Open(BaseModel):
+    """Strict types (no "0.1" for 0.1, no true for 1); fields lpx does not know are kept (a
+    newer localize may write more)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class First(_Open):
+    boundary: BoundaryName
+    ratio: Level
+
+
+class Verification(_Open):
+    verified: bool
+    by: str | None = None
+    runner: str | None = None
+    attempts: list[dict[str, object]] | None = None
+
+
+class Side(_Open):
+    spec: str
+    engine: str | None = None
+    dtype: str | None = None
+    reference_dtype: str | None = None
+    tp: Index | None = None
+    world_size: Index | None = None
+
+
+class Sides(_Open):
+    a: Side
+    b: Side
+
+
+class Drift(_Open):
+    max: Level
+    rms: Level
+
+
+class Boundary(_Open):
+    boundary: BoundaryName
+    layer: Index | None = None
+    kind: Annotated[str, StringConstraints(min_length=1, max_length=32)]
+    drift: Drift
+    floor: Drift
+    ratio: Level
+    beyond: bool
+
+
+class LocalizeResult(_Open):
+    """localize.json (localize/run.py); ``lpx_localize`` marks it as lpx's (files before
+    the marker have none)."""
+
+    lpx_localize: Annotated[int, Field(ge=1, le=1)] | None = None
+    schema_version: Annotated[int, Field(ge=1, le=1)]
+    verdict: Literal[VERDICTS]
+    first: First | None = None
+    verification: Verification | None = None
+    margin: Level
+    sides: Sides
+    sequences: list[str]
+    tokens: Annotated[int, Field(ge=0, le=INT64_MAX)]
+    boundaries: list[Boundary]
+    seconds: Level | None = None
 
 
 def localize_problems(result) -> list[str]:
-    """What is wrong with a localize.json's types and ranges, each as "`path` must be
-    EXPECTED, not VALUE"; empty when it can be recorded."""
+    """What is wrong with a localize.json's types and ranges, the first three said in one
+    string ("`path`: what is wrong (got VALUE)"); empty when it can be recorded."""
     if not isinstance(result, dict):
         return ["the file must hold a JSON object"]
-    return check_fields(result, _TREE)
+    try:
+        LocalizeResult.model_validate(result)
+    except ValidationError as error:
+        return [describe(error, shown=3)]
+    return []
 
 
 def localize_contradictions(result: dict) -> list[str]:
@@ -149,9 +163,9 @@ def read_localize(path: Path) -> dict:
     problems = localize_problems(result)
     if problems:
         raise BadInput(
-            f"{path}: not a localize.json as `lpx record` reads it: "
-            f"{describe_problems(problems)}. Rerun `lpx localize` for this pair (or remove its "
-            "localize/ directory); nothing was recorded."
+            f"{path}: not a localize.json as `lpx record` reads it: {problems[0]}. Rerun "
+            "`lpx localize` for this pair (or remove its localize/ directory); nothing was "
+            "recorded."
         )
     return result
 

@@ -1,5 +1,5 @@
 """What `lpx record` accepts: report.json and lpx-run.json checked for types and ranges
-(localize.json: history/localized.py, with the checks defined here).
+(localize.json: the pydantic model of history/localized.py).
 
 Reports are inputs too. A report someone edited, truncated or wrote with another tool must
 not reach the history as a pass: a metric written as the string "0.1" would simply go
@@ -82,26 +82,6 @@ def text(value) -> str | None:
 def scalar(value) -> str | None:
     ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
     return None if ok else "a version string"
-
-
-def finite(lo: float = 0.0) -> Check:
-    """A finite number >= lo (localize.json never writes a non-finite one)."""
-
-    def check(value):
-        ok = _is_number(value) and math.isfinite(value) and value >= lo
-        return None if ok else f"a finite number >= {lo:g}"
-
-    return check
-
-
-def name(limit: int) -> Check:
-    """A non-empty string of at most ``limit`` characters (it fills a column that wide)."""
-
-    def check(value):
-        ok = isinstance(value, str) and 0 < len(value) <= limit
-        return None if ok else f"a string of 1 to {limit} characters"
-
-    return check
 
 
 def boolean(value) -> str | None:
@@ -212,6 +192,8 @@ REPORT_FIELDS: dict[str, Check] = {
     "sequences[]": obj,
     "sequences[].sequence_id": text,
     "sequences[].tokens": optional(integer()),
+    # lpx localize picks a report's worst sequences by it
+    "sequences[].max_abs_diff": optional(NONNEGATIVE),
     "drift_map": optional(obj),
     "drift_map.rows": optional(array),
     "drift_map.rows[]": obj,

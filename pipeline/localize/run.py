@@ -9,6 +9,7 @@ boundary's rows are in memory at a time besides the forward itself.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -22,8 +23,11 @@ from pipeline.localize.verdict import MARGIN, boundary_rows, first_beyond
 from pipeline.progress import progress_bar
 
 SCHEMA_VERSION = 1
+FORMAT_MARKER = "lpx_localize"  # says lpx wrote it: a rerun may replace it (paths.py)
 RESULT_FILE = "localize.json"
 CHART_FILE = "localize.svg"
+CAPTURES = "captures"
+OUTPUTS = (RESULT_FILE, CHART_FILE, CAPTURES)  # what a run writes or removes in --out
 DEFAULT_SEQUENCES = 4
 # Token positions per padded capture batch: enough to amortise a forward's fixed cost over a
 # handful of short sequences, small enough that the forward's own activations stay modest.
@@ -44,7 +48,7 @@ def choose_sequences(table, wanted: list[str], report: dict | None, count: int) 
         return [index[s] for s in dict.fromkeys(wanted)]
     if report and isinstance(report.get("sequences"), list):
         scored = [
-            (float(row.get("max_abs_diff") or 0.0), row.get("sequence_id"))
+            (_drift(row.get("max_abs_diff")), row.get("sequence_id"))
             for row in report["sequences"]
             if isinstance(row, dict) and row.get("sequence_id") in index
         ]
@@ -70,7 +74,7 @@ def localize(
     started = time.perf_counter()
     side_a = open_side(spec_a, model_dir, device=device)
     side_b = open_side(spec_b, model_dir_b or model_dir, device=device)
-    store = CaptureStore(out_dir / "captures")
+    store = CaptureStore(out_dir / CAPTURES)
     try:
         names = _common_boundaries(side_a, side_b)
         sequences = [(table.sequence_ids[row], _token_ids(table, row)) for row in rows_wanted]
@@ -93,6 +97,7 @@ def localize(
         else ("verified" if verification and verification["verified"] else "localized")
     )
     return {
+        FORMAT_MARKER: SCHEMA_VERSION,
         "schema_version": SCHEMA_VERSION,
         "verdict": verdict,
         "first": _first_summary(first),
@@ -107,6 +112,16 @@ def localize(
         "boundaries": rows,
         "seconds": round(time.perf_counter() - started, 2),
     }
+
+
+def _drift(value) -> float:
+    """A report's per-sequence max |d| for ranking: compare writes a NaN or inf as a string,
+    and a sequence whose drift is NaN is as broken as one can be (it ranks first)."""
+    try:
+        drift = float(value or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+    return math.inf if math.isnan(drift) else drift
 
 
 def write(result: dict, out_dir: Path) -> Path:

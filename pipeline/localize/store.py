@@ -8,11 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.paths import mark_lpx_directory
+
 
 class CaptureStore:
     def __init__(self, root: Path):
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        # marked as lpx's: `remove` deletes it whole, and a rerun may (paths.written_by_lpx)
+        mark_lpx_directory(self.root)
 
     def path(self, side: str, sequence: int, boundary: str) -> Path:
         return self.root / side / str(sequence) / f"{boundary}.npy"

@@ -20,7 +20,7 @@ from pydantic import (
 )
 
 from pipeline.errors import BadInput
-from pipeline.names import DTYPE_ALIASES, DTYPES, engine_names
+from pipeline.names import DTYPE_ALIASES, DTYPES, canonical_dtype, engine_names
 from pipeline.paths import safe_name
 
 Dtype = Literal[DTYPES + tuple(DTYPE_ALIASES)]
@@ -72,6 +72,11 @@ class Rollout(_Strict):
     def _known_rollout(cls, name: str) -> str:
         return _known(name, "lpx.rollout_engines")
 
+    @model_validator(mode="after")
+    def _knobs_said_once(self) -> Rollout:
+        _said_once(self, ("dtype", "device") + (("url",) if self.server else ()))
+        return self
+
 
 class Replay(_Strict):
     name: str
@@ -93,6 +98,11 @@ class Replay(_Strict):
     @classmethod
     def _file_name(cls, name: str) -> str:
         return _safe(name, "replay name")
+
+    @model_validator(mode="after")
+    def _knobs_said_once(self) -> Replay:
+        _said_once(self, ("dtype", "device", "nproc"))
+        return self
 
 
 class Calibrate(_Strict):
@@ -194,6 +204,29 @@ def _safe(name: str, what: str) -> str:
         raise ValueError(error.format_message()) from None
 
 
+def _said_once(stage, own: tuple[str, ...]) -> None:
+    """A knob that contradicts one of the stage's own settings: the stage would pass both
+    (`--dtype bf16 --set dtype=fp32`) and the knob would silently win. The same value in both
+    places is only said twice (the http engine reads its declared dtype from its knobs)."""
+    for key in own:
+        if key not in stage.knobs:
+            continue
+        if key == "url":
+            raise ValueError("knobs.url: lpx run fills in the server's address; leave it out")
+        mine, theirs = getattr(stage, key), stage.knobs[key]
+        if key == "dtype":
+            try:
+                same = canonical_dtype(str(theirs)) == canonical_dtype(mine)
+            except ValueError:
+                same = False
+        else:
+            same = str(theirs).lower() == str(mine).lower()
+        if not same:
+            raise ValueError(
+                f"knobs.{key} {theirs!r} contradicts {key}: {mine!r}; give one {key}, as {key}:"
+            )
+
+
 def _spec(spec: str) -> str:
     """A capture spec, ENGINE[:knob=value,...]; the engine and knobs are checked when the
     stage opens it (a third-party adapter may be installed only in the stage's image)."""
@@ -217,7 +250,7 @@ def load_plan(path: Path) -> Plan:
     """Read and validate PLAN.yaml; relative paths in it are relative to the plan's folder."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeys)
     except UnicodeDecodeError:
         raise BadInput(f"{path}: not UTF-8 text; save the plan as UTF-8 YAML.") from None
     except OSError as error:
@@ -240,6 +273,30 @@ def load_plan(path: Path) -> Plan:
             )
         raise BadInput(f"{path}: {where}: {reason} (see docs/orchestrator.md).") from None
     return _resolved(plan, path.parent)
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (`dtype: bf16` and
+    `dtype: fp32` among one replay's knobs): plain YAML keeps the last silently."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, value_node in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"{key!r} is given twice in one mapping ({seen[key]!r} and "
+                    f"{_scalar(value_node)!r}); give it once",
+                    key_node.start_mark,
+                )
+            seen[key] = _scalar(value_node)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _scalar(node) -> str:
+    return node.value if isinstance(node, yaml.ScalarNode) else f"a {node.id}"
 
 
 def _resolved(plan: Plan, base: Path) -> Plan:

@@ -48,12 +48,17 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     engine, _, rest = spec.strip().partition(":")
     if not engine:
         raise BadInput(f"engine spec {spec!r}: name an engine, e.g. hf:dtype=bf16.")
-    knobs = {}
+    knobs, given = {}, {}
     for part in filter(None, (p.strip() for p in rest.split(","))):
         key, sep, value = part.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise BadInput(f"engine spec {spec!r}: {part!r} is not knob=value.")
-        knobs[key.strip()] = value.strip()
+        if key in knobs:  # the later one would silently win; which one was meant is not ours
+            raise BadInput(
+                f"engine spec {spec!r}: {given[key]!r} and {part!r} both set {key}; give it once."
+            )
+        knobs[key], given[key] = value.strip(), part
     return engine, knobs
 
 
