@@ -51,6 +51,12 @@ def check_model(
             "allowed": True,
         }
     recorded = model.get("path")
+    if isinstance(recorded, str) and recorded and _same_place(recorded, model_dir):
+        raise BadInput(
+            f"{fixture_path} records model {model_dir}, which now holds weights {short(have)}, "
+            f"not the {short(want)} it was rolled out with; pass --model DIR with those weights, "
+            f"or {ALLOW_MODEL} to re-score with these on purpose (a stale checkpoint)."
+        )
     fixtures_model = f" ({recorded})" if isinstance(recorded, str) and recorded else ""
     raise BadInput(
         f"{option} {model_dir}: its weights ({short(have)}) are not the weights {fixture_path} "
@@ -188,6 +194,13 @@ def _other_token(fixture, index: dict, row) -> str | None:
             f"{position} is token {token}, the fixture's is {held}"
         )
     return None
+
+
+def _same_place(recorded: str, model_dir) -> bool:
+    try:
+        return Path(recorded).resolve() == Path(model_dir).resolve()
+    except (OSError, RuntimeError, ValueError):  # a loop of links, a NUL in the path
+        return False
 
 
 def _fingerprint(value) -> str | None:

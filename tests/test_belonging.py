@@ -60,6 +60,20 @@ def test_the_fixtures_own_model_passes_and_another_is_refused_naming_both(tmp_pa
     }
 
 
+def test_the_model_a_fixture_records_is_refused_once_it_holds_other_weights(tmp_path):
+    model = _model(tmp_path, "m", b"retrained since")
+    fixture = _fixture("sha256:" + "a" * 64)
+    fixture.metadata["model"]["path"] = str(model)
+    with pytest.raises(BadInput) as refused:
+        check_model(fixture.metadata, "f.parquet", model, False, "the fixture's model")
+    assert refused.value.format_message() == (
+        f"f.parquet records model {model}, which now holds weights "
+        f"{weights_fingerprint(model)[:19]}..., not the sha256:aaaaaaaaaaaa... it was rolled out "
+        "with; pass --model DIR with those weights, or --allow-model-mismatch to re-score with "
+        "these on purpose (a stale checkpoint)."
+    )
+
+
 def test_a_fixture_that_records_no_weights_cannot_be_checked_and_is_taken(tmp_path):
     model = _model(tmp_path, "m", b"w")
     for weights in (None, "none"):

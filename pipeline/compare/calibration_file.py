@@ -230,14 +230,19 @@ def validate_calibration(data, path) -> dict:
     return data
 
 
-def describe(error: ValidationError) -> str:
-    """The first problem of a validation, as "`json.path`: what is wrong (got VALUE)"."""
-    first = error.errors()[0]
-    where = json_path(first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    got = "" if first["type"] == "value_error" else f" (got {_shown(first.get('input'))})"
-    where = f"`{where}`: " if where else ""
-    return for_terminal(" ".join(f"{where}{message}{got}".split()))
+def describe(error: ValidationError, shown: int = 1) -> str:
+    """The first ``shown`` problems of a validation, each as "`json.path`: what is wrong
+    (got VALUE)", on one line with every control character visible."""
+    problems = error.errors()
+    said = []
+    for problem in problems[:shown]:
+        where = json_path(problem["loc"])
+        message = problem["msg"].removeprefix("Value error, ")
+        got = "" if problem["type"] == "value_error" else f" (got {_shown(problem.get('input'))})"
+        said.append(f"`{where}`: {message}{got}" if where else f"{message}{got}")
+    more = len(problems) - shown
+    text = "; ".join(said) + (f" (and {more} more)" if more > 0 else "")
+    return for_terminal(" ".join(text.split()))
 
 
 def json_path(loc) -> str:
