@@ -65,7 +65,7 @@ SCALES = {
     "long": {"model": lambda: models.tiny(), "samples": 1, "tokens": 1024, "prompts": 3},
 }
 # Precision "faults" against a replay in the other precision: nothing beyond the floor.
-PRECISION_KINDS = {"bf16", "fp16", "lm_head_bf16", "dtype", "noise"}
+PRECISION_KINDS = {"bf16", "fp16", "lm_head_bf16", "dtype"}
 BATCH_WIDE = {
     "temperature", "stale_weights", "version_change", "version_change_unrecorded",
     "bos_extra", "bos_missing", "label_shift", "positions_restart", "pad_positions",

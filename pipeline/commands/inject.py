@@ -48,7 +48,7 @@ def inject(path, kind, sequence_ids, from_position, out_path, model_dir, dtype, 
       token_shift    logprobs shifted by one token (off-by-one)
       mask           the pad fill value 0.0 where tokens are active
       dtype          logprobs rounded to bfloat16
-      noise          Gaussian noise of 1e-3 (TF32 or another reduction order)
+      noise          Gaussian noise of 1e-3 on every token alike (no precision does that)
     Model kinds (re-scored by the real model under the bug; docs/compare.md#the-fault-zoo):
       pad_attended, mask_dropped, pad_positions, packed_no_reset, positions_restart,
       position_ids, label_shift, bos_extra, bos_missing, prompt_truncated, temperature,
