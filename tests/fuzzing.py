@@ -257,3 +257,117 @@ def model_with_other_weights(model_dir: Path, out: Path, scale: float = 1.01) ->
         model.model.layers[0].mlp.down_proj.weight.mul_(scale)
     model.save_pretrained(out)
     return out
+
+
+# Numbers no calibration holds where |d| or a moment goes (m3 may be negative: not listed).
+NOT_A_MAGNITUDE = [math.nan, math.inf, -math.inf, -1e-3, "0.1", True, None, [], {}]
+NOT_A_COUNT = [0, -1, 1.5, "3", True, None, 2**64]
+MAGNITUDES = ("mean", "max", "q50", "q90", "q99", "q999", "var", "mean_sq", "var_sq")
+CELL_KEYS = (*MAGNITUDES, "n", "m3", "mean_expm1", "var_expm1", "sketch")
+FLOOR_KEYS = ("tokens", "all", "cells", "surprisal_edges", "position_edges", "spread",
+              "variant_means", "variants", "fitted_on", "design", "tau_exceedance",
+              "sequence_mean_abs_max")  # fmt: skip
+TOP_KEYS = ("lpx_calibration", "key", "created_at", "sequences", "tokens", "micro_batches",
+            "precisions", "pairs")  # fmt: skip
+CALIBRATION_DAMAGE = (
+    "magnitude", "count", "order", "sketch", "edges", "missing", "marker", "pair_key",
+    "design", "tau", "bytes",
+)  # fmt: skip
+
+
+@st.composite
+def calibration_files(draw, precisions=None):
+    """(JSON text of a calibration, what was done to it): a real-shaped calibration of
+    seeded synthetic noise, left valid ("none"), given unknown fields ("extra", still valid),
+    or damaged in one way a reader must refuse (CALIBRATION_DAMAGE)."""
+    import copy as _copy
+
+    chosen = precisions or tuple(
+        sorted(
+            draw(st.sets(st.sampled_from(["bfloat16", "float16", "float32+tf32"]), max_size=2))
+            | {"float32"}
+        )
+    )
+    calibration = synthetic_calibration(
+        seed=draw(st.integers(0, 2**16)),
+        precisions=chosen,
+        sequences=draw(st.integers(1, 5)),
+        length=draw(st.integers(1, 48)),
+        level=draw(st.sampled_from([1e-7, 1e-3, 0.05, 2.0])),
+    )
+    action = draw(st.sampled_from(["none", "extra"] + list(CALIBRATION_DAMAGE)))
+    pair_name = draw(st.sampled_from(sorted(calibration["pairs"])))
+    floor = calibration["pairs"][pair_name]
+    cell_name = draw(st.sampled_from(["all", *sorted(floor["cells"])]))
+    cell = floor["all"] if cell_name == "all" else floor["cells"][cell_name]
+    if action == "extra":
+        target = draw(st.sampled_from([calibration, floor, cell, calibration["key"]]))
+        target[draw(st.sampled_from(["newer", "bootstrap", "z"]))] = draw(JSON_VALUES)
+        calibration["timing_s"] = draw(st.sampled_from([calibration["timing_s"], {}]))
+    elif action == "magnitude":
+        where = draw(st.sampled_from([cell, floor, floor["design"]]))
+        key = draw(
+            st.sampled_from(
+                MAGNITUDES
+                if where is cell
+                else ("spread", "sequence_mean_abs_max")
+                if where is floor
+                else ("icc", "icc_tail", "mean_length", "design_effect")
+            )
+        )
+        where[key] = draw(st.sampled_from(NOT_A_MAGNITUDE))
+    elif action == "count":
+        where, key = draw(
+            st.sampled_from(
+                [(cell, "n"), (floor, "tokens"), (floor, "variants"), (calibration, "tokens"),
+                 (calibration, "sequences"), (floor["design"], "sequences")]
+            )
+        )  # fmt: skip
+        where[key] = draw(st.sampled_from(NOT_A_COUNT))
+    elif action == "order":
+        key = draw(st.sampled_from(["q50", "q90", "q99", "q999", "mean"]))
+        cell[key] = cell["max"] * 2 + 1.0  # past max, and so past every level above it
+    elif action == "sketch":
+        # empty, past max, or decreasing
+        cell["sketch"] = draw(
+            st.sampled_from([[], [cell["max"] * 2 + 1.0], [1.0, 0.0] + cell["sketch"]])
+        )
+    elif action == "edges":
+        edges = floor[draw(st.sampled_from(["surprisal_edges", "position_edges"]))]
+        edges.insert(1, edges[0])  # an edge twice: bins must increase strictly
+    elif action == "missing":
+        where, keys = draw(
+            st.sampled_from([(cell, CELL_KEYS), (floor, FLOOR_KEYS), (calibration, TOP_KEYS)])
+        )
+        where.pop(draw(st.sampled_from(keys)))
+    elif action == "marker":
+        calibration["lpx_calibration"] = draw(st.sampled_from([1, 3, "2", True, None, 2.0]))
+    elif action == "pair_key":
+        a, _, b = pair_name.partition("|")
+        moved = _copy.deepcopy(floor)
+        renamed = draw(st.sampled_from([f"{b}|{a}", "x", f"{a}|float64", f"{a}|{b}|{a}"]))
+        if renamed == f"{b}|{a}" and a == b:
+            renamed = "x"
+        calibration["pairs"][renamed] = moved
+    elif action == "design":
+        floor["design"][draw(st.sampled_from(["icc", "icc_tail"]))] = draw(
+            st.sampled_from([1.5, -0.1, math.nan])
+        )
+    elif action == "tau":
+        over = floor["tau_exceedance"]
+        over["count"] = over["samples"] + draw(st.integers(1, 3))
+    text = dumps_line(calibration)
+    if action == "bytes":
+        text = draw(st.sampled_from([text[: len(text) // 2], "", "\x00\x01", "NaN", "[]"]))
+    return GeneratedFile(text, action)
+
+
+class GeneratedFile(tuple):
+    """(text, action) of a generated file, shown briefly: a calibration's text is some 50 kB
+    (print_blob reproduces a failing one exactly)."""
+
+    def __new__(cls, text: str, action: str):
+        return super().__new__(cls, (text, action))
+
+    def __repr__(self) -> str:
+        return f"GeneratedFile({self[0][:80]!r}..., {self[1]!r})"
