@@ -154,13 +154,30 @@ def test_a_user_limit_exceeded_by_noise_is_named_precision(calibrated_run, tmp_p
     assert "the drift is precision" in finding["evidence"]
 
 
-def test_a_calibration_of_other_weights_is_not_used(calibrated_run, noisy_run, tmp_path):
-    run_lpx(
-        "compare", noisy_run / "fixture.parquet", noisy_run / "replay-bfloat16.parquet",
-        "--calibration", calibrated_run / "calibration.json", "--out", tmp_path / "cmp",
+def test_a_calibration_of_other_weights_is_refused_unless_allowed(
+    calibrated_run, noisy_run, tmp_path
+):
+    args = ["compare", noisy_run / "fixture.parquet", noisy_run / "replay-bfloat16.parquet",
+            "--calibration", calibrated_run / "calibration.json", "--no-verify"]  # fmt: skip
+    result = run_lpx(*args, "--out", tmp_path / "cmp")
+    assert result.exit_code == 2
+    assert f"{calibrated_run / 'calibration.json'}: a calibration of weights" in result.output
+    assert "--allow-calibration-mismatch" in result.output
+    assert not (tmp_path / "cmp" / "report.json").exists()
+    result = run_lpx(*args, "--allow-calibration-mismatch", "--out", tmp_path / "allowed")
+    note = read_report(tmp_path / "allowed")["calibration"]
+    assert note["used"] and note["mismatch_allowed"]["allowed"]
+    assert note["mismatch_allowed"]["calibration"] == str(calibrated_run / "calibration.json")
+
+
+def test_contradicting_calibration_options_are_refused(calibrated_run, tmp_path):
+    result = run_lpx(
+        "compare", calibrated_run / "fixture.parquet", calibrated_run / "replay-bfloat16.parquet",
+        "--calibration", calibrated_run / "calibration.json", "--no-calibration",
+        "--out", tmp_path / "cmp",
     )  # fmt: skip
-    note = read_report(tmp_path / "cmp")["calibration"]
-    assert not note["used"] and "the calibration is for weights" in note["reason"]
+    assert result.exit_code == 2
+    assert "--no-calibration contradict each other" in result.output
 
 
 def test_a_broken_calibration_is_refused_by_name(calibrated_run, tmp_path):
@@ -171,7 +188,8 @@ def test_a_broken_calibration_is_refused_by_name(calibrated_run, tmp_path):
         "--calibration", broken, "--out", tmp_path / "cmp",
     )  # fmt: skip
     assert result.exit_code == 2
-    assert f"{broken}: its `pairs` are missing or malformed" in result.output
+    assert f"Error: {broken}: not a calibration lpx can judge with: `key`" in result.output
+    assert result.output.count("\n") == 1 and "rerun `lpx calibrate`" in result.output
 
 
 def test_calibrations_are_kept_in_the_history_and_reused(calibrated_run, tmp_path):

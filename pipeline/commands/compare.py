@@ -56,6 +56,12 @@ def compare_options(function):
             "--no-calibration", is_flag=True, help="Judge by the profile's constants even so."
         ),
         click.option(
+            "--allow-calibration-mismatch",
+            is_flag=True,
+            help="Judge with a calibration measured on other weights than the fixture's, on "
+            "purpose; the report records it.",
+        ),
+        click.option(
             "--no-verify",
             is_flag=True,
             help="Do not verify the findings by re-scoring. By default they are verified with "
@@ -175,6 +181,7 @@ def run_compare(
     allow_weight_mismatch,
     calibration_path,
     no_calibration,
+    allow_calibration_mismatch,
     no_verify,
     allow_model_mismatch,
     exact,
@@ -184,7 +191,7 @@ def run_compare(
     model_dir=None,
 ):
     from pipeline.errors import BadInput
-    from pipeline.paths import check_output
+    from pipeline.paths import check_output, check_replaceable_in
 
     if calibration_path is not None and no_calibration:
         raise BadInput(
@@ -196,8 +203,10 @@ def run_compare(
             f"--model {model_dir} and --no-verify contradict each other: --model names the model "
             "that verifies the findings; give one of them."
         )
-    for name in ("report.json", "tokens.parquet", "summary.md"):
+    outputs = ("report.json", "tokens.parquet", "summary.md")
+    for name in outputs:
         check_output(out_dir / name, [fixture_path, *replay_paths])
+    check_replaceable_in(out_dir, outputs)
     from pipeline.compare.matrix import render_matrix, write_matrix
     from pipeline.compare.outputs import render_summary, retract_verdicts, write_outputs
     from pipeline.compare.policy import load_policy
@@ -223,6 +232,13 @@ def run_compare(
         calibration, source = find_calibration(
             calibration_path, no_calibration, [Path(replay_path).parent, Path(fixture_path).parent]
         )
+        calibration_mismatch = None
+        if calibration is not None:
+            from pipeline.belonging import check_calibration
+
+            calibration_mismatch = check_calibration(
+                fixture.metadata, fixture_path, calibration, source, allow_calibration_mismatch
+            )
         comparison = compare_tables(
             fixture,
             replay,
@@ -237,6 +253,8 @@ def run_compare(
             calibration_source=source,
             exact=exact,
         )
+        if calibration_mismatch:
+            comparison.report["calibration"]["mismatch_allowed"] = calibration_mismatch
         if needs_verifying(comparison.report["diagnosis"]):
             verified_with = verifying.resolve()
             if verified_with is not None:
@@ -284,6 +302,7 @@ class VerificationModel:
     it). ``note`` says what was used, or why nothing was, for report.json."""
 
     def __init__(self, fixture, fixture_path, model_dir, no_verify: bool, allow_mismatch: bool):
+        from pipeline.belonging import check_model
         from pipeline.engines.model_dir import check_model_dir
 
         self.fixture, self.fixture_path = fixture, fixture_path
@@ -307,6 +326,7 @@ class VerificationModel:
         return None if self.model_dir is None else Path(self.model_dir)
 
     def _fixture_model(self) -> tuple[Path | None, dict]:
+        from pipeline.belonging import check_model
         from pipeline.errors import BadInput
 
         recorded = (self.fixture.metadata.get("model") or {}).get("path")
@@ -325,28 +345,6 @@ class VerificationModel:
         except BadInput as error:
             return None, {"ran": False, "reason": str(error)}
         return Path(recorded), {"ran": True, "model": recorded, "source": "the fixture's model"}
-
-
-def check_model(fixture_meta, fixture_path, model_dir, allow, option="--model"):
-    """TEMPORARY until pipeline.belonging lands."""
-    try:
-        from pipeline.belonging import check_model as checked
-    except ImportError:
-        from pipeline.errors import BadInput
-        from pipeline.fingerprint import weights_fingerprint
-
-        want = (fixture_meta.get("model") or {}).get("weights_fingerprint")
-        have = weights_fingerprint(model_dir)
-        if want and have != want:
-            if allow:
-                return {"fixture_weights": want, "model_weights": have, "allowed": True}
-            raise BadInput(
-                f"{option} {model_dir}: its weights ({have[:19]}...) are not the weights of "
-                f"{fixture_path} ({want[:19]}...); pass the fixture's model, or "
-                "--allow-model-mismatch to verify with these on purpose."
-            ) from None
-        return None
-    return checked(fixture_meta, fixture_path, model_dir, allow, option)
 
 
 def needs_verifying(findings: list[dict]) -> bool:

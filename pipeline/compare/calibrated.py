@@ -12,17 +12,31 @@ and the profile's constants judge.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+# a calibration is read and checked by its schema (calibration_file.py); compare reads it here
+from pipeline.compare.calibration_file import CALIBRATION_FORMAT, read_calibration
 from pipeline.compare.floor import expect
 from pipeline.compare.noise_test import ALPHA, noise_limits, precision_gate
-from pipeline.errors import BadInput
 
-CALIBRATION_FORMAT = 2  # 1 predates the precision gate (no design, no variant levels)
+__all__ = [
+    "CALIBRATION_FILE",
+    "CALIBRATION_FORMAT",
+    "TAU_MARGIN",
+    "TF32",
+    "Calibrated",
+    "calibrated_judging",
+    "effective_limits",
+    "expected_mean_abs",
+    "pair_key",
+    "read_calibration",
+    "side_precision",
+    "token_tau",
+    "usable",
+]
+
 CALIBRATION_FILE = "calibration.json"  # beside the replay or fixture: compare finds it
 TF32 = "float32+tf32"
 # A token drifts beyond precision when |d| exceeds its bucket's q999 by this factor.
@@ -43,32 +57,6 @@ class Calibrated:
     note: dict
 
 
-def read_calibration(path: Path) -> dict:
-    """A calibration.json, checked enough that a broken one is refused by name."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as error:
-        raise BadInput(f"{path}: cannot read the calibration ({error.strerror}).") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise BadInput(
-            f"{path}: not a readable calibration ({error}); rerun `lpx calibrate`."
-        ) from None
-    if isinstance(data, dict) and data.get("lpx_calibration") == 1:
-        raise BadInput(
-            f"{path}: a calibration of format 1, made before the precision gate (it lacks the "
-            "noise's design and variant levels); rerun `lpx calibrate`."
-        )
-    if not isinstance(data, dict) or data.get("lpx_calibration") != CALIBRATION_FORMAT:
-        raise BadInput(
-            f"{path}: not an lpx calibration (`lpx_calibration: {CALIBRATION_FORMAT}`); rerun "
-            "lpx calibrate."
-        )
-    pairs = data.get("pairs")
-    if not isinstance(pairs, dict) or not pairs or not all(_valid_floor(f) for f in pairs.values()):
-        raise BadInput(f"{path}: its `pairs` are missing or malformed; rerun `lpx calibrate`.")
-    return data
-
-
 def side_precision(meta: dict) -> str:
     """float32, float16, bfloat16, or float32+tf32 when that side's fp32 used TF32."""
     dtype = str(meta.get("dtype") or "float32")
@@ -86,13 +74,8 @@ def usable(calibration: dict | None, fixture_meta: dict, replay_meta: dict) -> t
     """(pair key, "") when the calibration covers this comparison, else ("", why not)."""
     if calibration is None:
         return "", "no calibration given or found beside the replay (lpx calibrate)"
-    weights = (fixture_meta.get("model") or {}).get("weights_fingerprint")
-    calibrated = (calibration.get("key") or {}).get("model_fingerprint")
-    if weights and calibrated and weights != calibrated:
-        return "", (
-            f"the calibration is for weights {calibrated[:19]}..., the fixture's are "
-            f"{weights[:19]}...; calibrate this model"
-        )
+    # whether its weights are the fixture's is checked where it is read (pipeline.belonging):
+    # a mismatch is refused, or allowed on purpose and recorded
     pair = pair_key(side_precision(fixture_meta), side_precision(replay_meta))
     if pair not in calibration["pairs"]:
         return "", (
@@ -172,13 +155,3 @@ def effective_limits(profile_limits: dict, calibrated: dict, user_policy: bool) 
         if name in limits:
             limits[name] = max(limits[name], value)
     return limits
-
-
-def _valid_floor(floor) -> bool:
-    return (
-        isinstance(floor, dict)
-        and isinstance(floor.get("all"), dict)
-        and isinstance(floor.get("cells"), dict)
-        and isinstance(floor.get("surprisal_edges"), list)
-        and isinstance(floor.get("position_edges"), list)
-    )

@@ -187,11 +187,22 @@ def _attach_localize(run_dir: Path, pair: PairInput, stage: dict | None) -> list
 
 
 def _calibration(run_dir: Path) -> dict | None:
-    """The run directory's calibration.json (lpx calibrate), validated like compare does."""
+    """The run directory's calibration.json (lpx calibrate), validated like compare does. A
+    run recorded before the precision gate holds one of format 1: the run is still recorded,
+    without it (no later night could reuse it)."""
+    import json
+
     from pipeline.compare.calibrated import CALIBRATION_FILE, read_calibration
 
     path = run_dir / CALIBRATION_FILE
-    return read_calibration(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        if json.loads(path.read_text(encoding="utf-8")).get("lpx_calibration") == 1:
+            return None
+    except (OSError, ValueError, AttributeError):
+        pass  # read_calibration names what is wrong with it
+    return read_calibration(path)
 
 
 def _find_reports(run_dir: Path) -> tuple[list[PairInput], list[Path]]:
