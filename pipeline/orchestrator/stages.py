@@ -150,7 +150,12 @@ def compare_stage(plan: Plan, replay_names: list[str]) -> Stage:
     with `diagnose`, failing pairs' findings are verified by re-scoring with the model."""
     argv = ["compare", FIXTURE, *(replay_file(n) for n in replay_names), "--out", COMPARE]
     argv += ["--policy", plan.policy] if plan.policy else []
-    argv += ["--model", MODEL if plan.model == "tiny" else plan.model] if plan.diagnose else []
+    # compare verifies by default; a plan that says diagnose: false opts out
+    argv += (
+        ["--model", MODEL if plan.model == "tiny" else plan.model]
+        if plan.diagnose
+        else ["--no-verify"]
+    )
     return Stage(
         "compare",
         [*argv, "--quiet"],
