@@ -105,13 +105,21 @@ def mark_lpx_directory(directory: Path) -> None:
     (Path(directory) / OUTPUT_MARKER).touch()
 
 
+# compare's token table (tokens.parquet), which carries no lpx header: told by its columns.
+TOKEN_TABLE_COLUMNS = frozenset(
+    ("sequence_id", "position", "region", "token_id", "logprob_rollout", "logprob_train",
+     "diff", "over_tau")
+)  # fmt: skip
+
+
 def _lpx_parquet(path: Path) -> bool:
     import pyarrow.parquet as pq
 
     try:
-        return b"lpx" in (pq.read_schema(path).metadata or {})
+        schema = pq.read_schema(path)
     except Exception:  # a truncated or foreign Parquet file
         return False
+    return b"lpx" in (schema.metadata or {}) or set(schema.names) == TOKEN_TABLE_COLUMNS
 
 
 # Top-level keys that only lpx's JSON outputs carry together.
@@ -121,6 +129,7 @@ _JSON_SIGNATURES = (
     {"schema_version", "verdict", "boundaries", "sides"},  # localize.json before its marker
     {"verdict", "metrics", "policy", "metadata"},  # a pair's report.json
     {"verdict", "pairs", "metadata"},  # a matrix's report.json
+    {"lpx_run"},  # lpx-run.json, a run's manifest
 )
 
 
@@ -129,7 +138,14 @@ def _lpx_json(path: Path) -> bool:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return False
-    return isinstance(data, dict) and any(keys <= data.keys() for keys in _JSON_SIGNATURES)
+    if not isinstance(data, dict):
+        return False
+    if any(keys <= data.keys() for keys in _JSON_SIGNATURES):
+        return True
+    # smoke.json: each replay dtype's verdict and report path
+    return bool(data) and all(
+        isinstance(v, dict) and {"verdict", "report"} <= v.keys() for v in data.values()
+    )
 
 
 def _lpx_directory(path: Path) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION, BadInput, Interrupted
-from pipeline.paths import output_lock, write_text_atomic
+from pipeline.paths import check_replaceable_in, output_lock, write_text_atomic
 from pipeline.run_manifest import add_stage, finish, new_manifest, write_manifest
 
 SMOKE_SAMPLING = {"max_tokens": 32, "temperature": 1.0, "seed": 0, "samples_per_prompt": 2}
@@ -66,6 +66,7 @@ def run_smoke(
     still records the run, as an error run, before its error is raised."""
     out_dir = Path(out_dir)
     model_dir = user_model_dir(Path(model_dir)) if model_dir else None  # bad input: no run
+    check_replaceable_in(out_dir, smoke_outputs(), "--out")  # a user's file there is kept
     out_dir.mkdir(parents=True, exist_ok=True)
     with output_lock(out_dir):  # a second smoke into the same --out fails at once
         manifest = new_manifest("smoke", f"lpx smoke --out {out_dir}")
@@ -83,6 +84,19 @@ def run_smoke(
     if report_dir is not None:
         _record_and_report(out_dir, db, report_dir)
     return code
+
+
+def smoke_outputs() -> list[str]:
+    """What a smoke writes into --out, by path within it."""
+    from pipeline.run_manifest import MANIFEST
+
+    replays = [f"replay-hf-{dtype}.parquet" for dtype in SMOKE_REPLAY_DTYPES]
+    compares = [
+        f"compare-hf-{dtype}/{name}"
+        for dtype in SMOKE_REPLAY_DTYPES
+        for name in ("report.json", "tokens.parquet", "summary.md")
+    ]
+    return [MANIFEST, "smoke.json", "fixture.parquet", *replays, *compares]
 
 
 def _record_and_report(out_dir: Path, db: str | None, report_dir: Path) -> None:

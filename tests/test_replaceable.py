@@ -41,6 +41,11 @@ def _lpx_files(root):
     (root / "localize.svg").write_text(drift_chart(localize))
     (root / "summary.md").write_text("# lpx compare: PASS\n\n- rollout: hf\n")
     (root / "matrix.md").write_text("# lpx compare matrix: FAIL\n")
+    from pipeline.run_manifest import new_manifest, write_manifest
+
+    write_manifest(root, new_manifest("smoke", "lpx smoke"))
+    verdicts = {"float32": {"verdict": "pass", "report": "compare-hf-float32/report.json"}}
+    (root / "smoke.json").write_text(json.dumps(verdicts))
     return sorted(p.name for p in root.iterdir())
 
 
@@ -71,7 +76,7 @@ def _localize_result() -> dict:
 
 def test_every_file_lpx_writes_is_recognised_as_lpx_s(tmp_path):
     names = _lpx_files(tmp_path)
-    assert len(names) == 9
+    assert len(names) == 11
     for name in names:
         assert written_by_lpx(tmp_path / name), name
         check_replaceable(tmp_path / name, "--out")
@@ -100,6 +105,26 @@ def test_anything_else_under_an_outputs_name_is_refused(tmp_path, name, content)
         "Choose another path, or move that file away first."
     )
     assert path.read_bytes() == content
+
+
+def test_what_lpx_compare_writes_is_recognised_as_lpx_s(tmp_path):
+    from pipeline.fixture.io import write_table
+    from tests.fuzzing import build_pair
+    from tests.helpers import run_lpx
+
+    spec = {"sequence_ids": ["a", "b"], "prompts": [[1], [2, 3]], "completions": [[4], [5, 6]],
+            "masks": [[True], [True, False]], "rollout": [[-1.0], [-0.5, -2.0]],
+            "metadata": {"dtype": "float32"}}  # fmt: skip
+    fixture, replay = build_pair(spec, 1e-3, 0)
+    write_table(fixture, tmp_path / "f.parquet")
+    write_table(replay, tmp_path / "r.parquet")
+    out = tmp_path / "cmp"
+    for _ in range(2):  # the second run replaces the first's outputs
+        result = run_lpx("compare", tmp_path / "f.parquet", tmp_path / "r.parquet", "--out", out)
+        assert result.exit_code in (0, 1), result.output
+    outputs = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    assert outputs == ["report.json", "summary.md", "tokens.parquet"]
+    assert all(written_by_lpx(out / name) for name in outputs)
 
 
 def test_a_parquet_file_another_tool_wrote_is_not_lpx_s(tmp_path):

@@ -321,7 +321,9 @@ def contradictions(report: dict) -> list[str]:
         found.append(f"policy.failing_findings lists {len(policy['failing_findings'])}")
     for name in ("max_abs_diff", "mean_abs_diff"):
         value = as_float(metrics.get(name))
-        if value is not None and not math.isfinite(value):
+        if value is None:  # compare measures both on every comparison: a pass stands on them
+            found.append(f"metrics.{name} is missing")
+        elif not math.isfinite(value):
             found.append(f"metrics.{name} is {metrics[name]}")
     for metric, limit in (policy.get("limits") or {}).items():
         value, bound = as_float(metrics.get(metric)), as_float(limit)
