@@ -635,9 +635,8 @@ REPORT_PATHS = ["own-report.json", "night/compare/report.json", "mine.json", "mi
 # What a user keeps in USERDIR under the names lpx writes into an output directory.
 USER_FILES = ("report.json", "summary.md", "tokens.parquet", "localize.json", "localize.svg",
               "index.html", "lpx-run.json")  # fmt: skip
-# Commands whose --out DIR does not check USERDIR's files yet: compare and diagnose check them
-# with their own change (issue 28); then this set empties.
-OUT_DIR_UNCHECKED = {"compare", "diagnose"}
+# Commands whose --out DIR may replace USERDIR's files (none: every one checks them).
+OUT_DIR_UNCHECKED: set[str] = set()
 WORDS = ["", "x", "a=b", "=", "../x", "\x1b[2J", "hf", "vllm", "float32", "bf16", "1", "-1", "nan"]
 NUMERIC = ("IntRange", "IntParamType", "FiniteFloat", "FloatParamType", "FloatRange")
 OUTPUT_NAMES = ("out", "out_dir", "out_path", "report_dir", "db")
