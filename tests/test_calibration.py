@@ -73,8 +73,11 @@ def test_the_floor_is_measured_per_pair_of_precisions(calibrated_run):
     # against fp64 and two independent fp32 errors; across two precisions 5 ways
     assert pairs["float32|float32"]["variants"] == 6 and pairs["bfloat16|float32"]["variants"] == 5
     assert pairs["bfloat16|bfloat16"]["variants"] == 5  # and each bf16 way against fp32
+    # fitted at the widest level, times the wide variants' own spread (another engine's room)
     widest = max(pairs["bfloat16|float32"]["variant_means"].values())
-    assert mixed["mean"] == pytest.approx(widest, rel=1e-9)  # fitted at the widest level
+    allowance = pairs["bfloat16|float32"]["allowance"]
+    assert 1.0 <= allowance < 1.5
+    assert mixed["mean"] == pytest.approx(widest * allowance, rel=1e-9)
     assert 0 <= pairs["bfloat16|float32"]["design"]["icc"] < 0.2
     assert calibration["key"]["model_fingerprint"].startswith("sha256:")
 
