@@ -8,6 +8,7 @@ compute capability, CUDA, cuDNN, NCCL, driver), so the history sees a GPU or dri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -108,6 +109,25 @@ def cpu_stands_in_for_cuda() -> None:
 
 def collective_backend(device: str) -> str:
     return "nccl" if is_cuda(device) else "gloo"
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """Run the block on ``count`` intra-op torch threads, then restore the count.
+
+    A float32 result's bits depend on the thread count, so what must be bit-exact (the tiny
+    model's training, a reference scored as one thread) runs under this. It calls
+    ``torch._C.set_num_threads``: vLLM's CPU worker replaces ``torch.set_num_threads`` with a
+    no-op in any process it ran in, and a plain call there would leave the count unchanged.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(before)
 
 
 def set_tf32(device: str, allowed: bool) -> dict:

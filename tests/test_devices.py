@@ -257,3 +257,19 @@ def test_no_stage_below_the_engines_imports_them():
         if path.name != "devices.py":
             text = path.read_text()
             assert "torch.cuda" not in text, f"{path.relative_to(REPO)} names torch.cuda"
+
+
+def test_torch_threads_holds_where_vllm_made_set_num_threads_a_no_op(monkeypatch):
+    """vLLM's CPU worker assigns torch.set_num_threads a function that only logs, in every
+    process it ran in (pytest's, lpx localize's): devices.torch_threads still sets the count
+    for the block and gives the old one back."""
+    import torch
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda count: None)  # as vLLM's worker does
+    before = torch.get_num_threads()
+    with devices.torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    if before > 1:  # on one core the no-op is invisible; on CI's two it is what failed
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == before

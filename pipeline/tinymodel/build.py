@@ -6,6 +6,8 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from pipeline import devices
+
 ARCHITECTURES = ("llama", "qwen2")
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
@@ -25,7 +27,6 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0) -> Path:
     distributions are peaked like a real LM's. Everything runs single-threaded with
     fixed seeds, so the same (arch, seed, torch version) always gives the same bytes.
     """
-    import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -36,12 +37,8 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0) -> Path:
     tokenizer = _train_tokenizer()
     token_ids = tokenizer.encode(bundled_corpus()).ids
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with devices.torch_threads(1):  # the same bits on every machine and in every process
         model = _train_model(arch, seed, token_ids)
-    finally:
-        torch.set_num_threads(threads)
     model.save_pretrained(out_dir, safe_serialization=True)
     _save_tokenizer(tokenizer, out_dir)
     (out_dir / "lpx-model.json").write_text(
