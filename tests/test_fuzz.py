@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from hypothesis import Phase, assume, event, given, settings
+from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 from pipeline.compare.diagnosis import KNOWN_CAUSES
@@ -807,31 +807,6 @@ def test_every_command_keeps_the_contract_on_random_arguments(
 # -- calibration.json (issue 28) -----------------------------------------------------------
 
 
-def _compare_reads_the_calibration_schema() -> bool:
-    """Whether `lpx compare` reads calibration.json through its schema: a NaN quantile is
-    refused. (Wired by compare's own change; until then its fuzz below is an expected failure
-    that turns into a real test by itself.)"""
-    from pipeline.compare.calibrated import read_calibration
-    from pipeline.errors import BadInput
-
-    damaged = synthetic_calibration()
-    damaged["pairs"]["bfloat16|float32"]["all"]["q99"] = math.nan
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "calibration.json"
-        path.write_text(dumps_line(damaged))
-        try:
-            read_calibration(path)
-        except BadInput:
-            return True
-    return False
-
-
-def _compare_option(name: str) -> bool:
-    from pipeline.commands.compare import compare
-
-    return any(param.name == name for param in compare.params)
-
-
 @given(generated=calibration_files())
 def test_a_calibration_file_is_read_as_written_or_refused_in_one_line(generated):
     import warnings
@@ -856,18 +831,6 @@ def test_a_calibration_file_is_read_as_written_or_refused_in_one_line(generated)
     assert "\n" not in message and "\x1b" not in message
 
 
-_COMPARE_READS_THE_SCHEMA = _compare_reads_the_calibration_schema()
-
-
-@pytest.mark.xfail(
-    not _COMPARE_READS_THE_SCHEMA,
-    reason="lpx compare does not read calibration.json through calibration_file yet",
-    strict=True,
-)
-# (an expected failure is not worth shrinking: a minute of CI for an example nobody reads)
-@settings(phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink][
-    : 4 if _COMPARE_READS_THE_SCHEMA else 3
-])  # fmt: skip
 @given(
     generated=calibration_files(precisions=("bfloat16", "float32")),
     weights=st.sampled_from(["same", "other", "unrecorded"]),
@@ -883,15 +846,14 @@ def test_compare_judges_with_a_generated_calibration_or_refuses_it(generated, we
     spec["metadata"]["model"]["weights_fingerprint"] = fixture_weights
     fixture, replay = build_pair(spec, data.draw(st.sampled_from([0.0, 1e-4, 0.5])), 0)
     calibration = json.loads(text) if action in ("none", "extra") else None
-    checks_weights = _compare_option("allow_calibration_mismatch")
-    if calibration is not None and checks_weights:
+    if calibration is not None:
         calibration["key"]["model_fingerprint"] = {
             "same": fixture_weights, "other": "sha256:" + "b" * 64, "unrecorded": None
         }[weights]  # fmt: skip
         text = dumps_line(calibration)
-    mismatch = checks_weights and calibration is not None and weights == "other"
+    mismatch = calibration is not None and weights == "other"
     allowed = mismatch and allow
-    event(f"calibration: {action}, weights {weights if checks_weights else 'unchecked'}")
+    event(f"calibration: {action}, weights {weights}")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_table(fixture, root / "f.parquet")
