@@ -9,8 +9,9 @@ the HF engine, and scores the pool teacher-forced:
   bf16 replays of the bf16 rollout (two bf16 engines), and HF fp32;
 - faults: stale weights, the replay scored in bf16 by the model one AdamW step away (the step
   taken on calibration sequences, so never on the tokens it scores), its size chosen so that
-  the drift is about 1.5x, 2x and 4x the clean bf16 replay's mean |d|; the measured ratio is
-  printed.
+  the drift is about 1.5x, 2x and 4x the clean bf16 replay's mean |d|. The table's mean |d|
+  and ratio are over the held-out sequences the batches are drawn from (on the calibration
+  sequences the step was taken on, a 16 x 1024 model's stale weights drift 10x).
 
 The model is calibrated (`lpx calibrate`'s function) on the pool's first 32 sequences. Then
 random batches of held-out sequences at 128, 1,024, 4,096 and 10,240 tokens are judged by the
@@ -218,7 +219,9 @@ def stale_weight_replays(scale: str, work: Path, model_dir: Path, fixture_path: 
     from pipeline.engines.hf_common import load_model
 
     fixture = read_table(fixture_path)
-    clean = _drift(fixture, read_table(work / "replay-bf16.parquet")).mean()
+    clean_held = _drift(fixture, read_table(work / "replay-bf16.parquet"))[
+        _held_out(fixture)
+    ].mean()
     paths = {size: work / f"replay-stale-{size:g}x.parquet" for size in FAULT_SIZES}
     if all(p.is_file() for p in paths.values()):
         return paths
@@ -266,7 +269,8 @@ def stale_weight_replays(scale: str, work: Path, model_dir: Path, fixture_path: 
         # the engine hot-loaded stale weights: its files on record are the fixture's
         replay.metadata["model"] = dict(fixture.metadata["model"])
         write_table(replay, path)
-        achieved = _drift(fixture, replay).mean() / clean
+        held = _held_out(fixture)  # the step was taken on calibration rows: 10x there
+        achieved = _drift(fixture, replay)[held].mean() / clean_held
         print(f"  {scale}: {fraction:.3g} of the weights stale -> {achieved:.2f}x the clean "
               "bf16 drift", flush=True)  # fmt: skip
     return paths
@@ -321,9 +325,10 @@ def rates(scale: str, pool: dict, trials: int) -> list[dict]:
         fixture = fixtures[source]
         replay = read_table(path)
         drift = _drift(fixture, replay)
+        held_mean = drift[_held_out(fixture)].mean()  # what the batches draw from
         train = np.asarray(replay.channels[REPLAY_CHANNEL], dtype=np.float64)
         if name == "hf bf16":
-            clean_bf16 = drift.mean()
+            clean_bf16 = held_mean
         floor = pool["calibrations"][source]["pairs"][pair]
         offsets = np.asarray(fixture.completion_offsets)
         held = np.arange(CALIBRATION_SEQUENCES, fixture.num_sequences)
@@ -337,8 +342,8 @@ def rates(scale: str, pool: dict, trials: int) -> list[dict]:
             cells.append(failed)
             rows.append({"scale": scale, "pair": name, "tokens": count * TOKENS,
                          "failed": failed, "trials": trials, "fault": name.startswith("stale")})  # fmt: skip
-        ratio = drift.mean() / clean_bf16 if clean_bf16 else float("nan")
-        print(f"{name:30s} {drift.mean():9.3g} {ratio:6.2f}  "
+        ratio = held_mean / clean_bf16 if clean_bf16 else float("nan")
+        print(f"{name:30s} {held_mean:9.3g} {ratio:6.2f}  "
               + "  ".join(f"{f:>5d}/{trials:<5d}" for f in cells))  # fmt: skip
     return rows
 
@@ -351,6 +356,13 @@ def _gate(floor, drift, train, offsets, chosen) -> dict:
     surprisal = -train[index]
     tau = TAU_MARGIN * np.maximum(expect(floor, surprisal, positions)["q999"], 1e-12)
     return precision_gate(floor, drift[index], surprisal, positions, batch_offsets, tau)
+
+
+def _held_out(fixture) -> np.ndarray:
+    """Token indices of the sequences after the calibration's: the ones batches are drawn
+    from, and never the ones the stale weights' step was taken on."""
+    offsets = np.asarray(fixture.completion_offsets)
+    return np.arange(offsets[CALIBRATION_SEQUENCES], offsets[-1])
 
 
 def _drift(fixture, replay) -> np.ndarray:
