@@ -5,12 +5,12 @@ from pathlib import Path
 import click
 
 from pipeline.commands.options import OUTPUT_DIR
-from pipeline.tinymodel.build import ARCHITECTURES
+from pipeline.families import families
 
 
 @click.command("make-model")
 @click.argument("out_dir", type=OUTPUT_DIR)
-@click.option("--arch", type=click.Choice(ARCHITECTURES), default="llama", show_default=True)
+@click.option("--arch", type=click.Choice(list(families())), default="llama", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 def make_model(out_dir: Path, arch: str, seed: int) -> None:
     """Build a tiny deterministic causal LM + tokenizer in OUT_DIR, offline.

@@ -40,6 +40,9 @@ class ScoredSequence:
     top_logprob: np.ndarray
     # with [tokens, k] ids only: the logprob of this engine's own most likely token
     best_logprob: np.ndarray | None = None
+    # MoE models: int [prompt + completion - 1, MoE layers, k], the experts each position's
+    # router chose (pipeline.routing)
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class ReplayKnobs:
     # When the fixture recorded top-k ids (k >= 2, e.g. vLLM's logprobs=k), score those ids
     # instead of recording this engine's own top-1, so compare gets a top-k KL (hf only).
     score_top_ids: bool = True
+    # MoE: route every position to the fixture's routed_experts (router replay, R3)
+    router_replay: bool = False
 
     @classmethod
     def from_dict(cls, knobs: dict) -> ReplayKnobs:

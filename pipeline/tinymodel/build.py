@@ -7,8 +7,8 @@ from importlib import resources
 from pathlib import Path
 
 from pipeline import devices
+from pipeline.families import families
 
-ARCHITECTURES = ("llama", "qwen2")
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 TRAIN_STEPS = 150
@@ -30,8 +30,8 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0) -> Path:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if arch not in families():
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(families())}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer()
@@ -64,8 +64,9 @@ def _train_tokenizer():
 
 
 def _model_config(arch: str):
-    from transformers import LlamaConfig, Qwen2Config
+    import transformers
 
+    family = families()[arch]
     common = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
@@ -81,7 +82,7 @@ def _model_config(arch: str):
         bos_token_id=1,
         eos_token_id=2,
     )
-    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
+    config = getattr(transformers, family.config_class)(**{**common, **family.tiny})
     config.dtype = "float32"
     return config
 

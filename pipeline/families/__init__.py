@@ -1,0 +1,91 @@
+"""The model families lpx knows, one module each: what `lpx make-model` builds, what the
+Megatron converter and the capture boundaries read (attention biases, q/k norms, experts).
+
+Adding a family is one module beside these (a `FAMILY = Family(...)`) plus its rows in the
+engine matrix test (tests/test_families.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.errors import BadInput
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How a family names its mixture-of-experts settings in the HF config."""
+
+    count_key: str = "num_experts"
+    top_k_key: str = "num_experts_per_tok"
+    ffn_key: str = "moe_intermediate_size"
+    shared_ffn_key: str | None = None  # Qwen2-MoE's shared expert (with a sigmoid gate)
+    norm_topk_prob_default: bool = False
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # `lpx make-model --arch`, and the HF model_type
+    config_class: str  # the transformers config class make-model builds
+    qkv_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    experts: Experts | None = None
+    tiny: dict = field(default_factory=dict)  # make-model's fields beyond the shared ones
+
+    @property
+    def moe(self) -> bool:
+        return self.experts is not None
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A MoE model's routing settings, read from its HF config."""
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int
+    shared_ffn_hidden_size: int  # 0: no shared expert
+    norm_topk_prob: bool
+    layers: frozenset[int]  # the decoder layers that route (the others are dense MLPs)
+
+
+def families() -> dict[str, Family]:
+    from pipeline.families import llama, qwen2, qwen2_moe, qwen3, qwen3_moe
+
+    return {m.FAMILY.name: m.FAMILY for m in (llama, qwen2, qwen3, qwen2_moe, qwen3_moe)}
+
+
+def family_of(config: dict, source: str = "config.json") -> Family:
+    """The family of an HF config (as a dict); a clear error for one lpx does not know."""
+    model_type = config.get("model_type")
+    known = families()
+    if model_type not in known:
+        raise BadInput(
+            f"{source}: model_type {model_type!r} is not a family lpx knows "
+            f"({', '.join(known)}); add one as a module in pipeline/families/."
+        )
+    return known[model_type]
+
+
+def routing(config: dict) -> Routing | None:
+    """The routing of an HF config's model, None for a dense one. Reads any config that
+    names experts (Mixtral's num_local_experts too), so capture works beyond the registry."""
+    family = families().get(config.get("model_type"))
+    experts = family.experts if family and family.experts else Experts()
+    count = config.get(experts.count_key) or config.get("num_local_experts") or 0
+    if not count:
+        return None
+    step = config.get("decoder_sparse_step") or 1
+    dense = set(config.get("mlp_only_layers") or [])
+    layers = frozenset(
+        i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0
+    )
+    norm = config.get("norm_topk_prob")
+    shared = config.get(experts.shared_ffn_key) if experts.shared_ffn_key else 0
+    return Routing(
+        num_experts=int(count),
+        top_k=int(config.get(experts.top_k_key) or 2),
+        ffn_hidden_size=int(config.get(experts.ffn_key) or config.get("intermediate_size")),
+        shared_ffn_hidden_size=int(shared or 0),
+        norm_topk_prob=experts.norm_topk_prob_default if norm is None else bool(norm),
+        layers=layers,
+    )

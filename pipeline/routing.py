@@ -1,0 +1,101 @@
+"""Routing as data: which experts each token went to, on each MoE layer, and how two sides'
+routing agree.
+
+A table's ``routed_experts`` is int16 [scored positions, MoE layers, k]: for every sequence,
+the positions 0 .. prompt + completion - 2 of its prompt + completion (every position whose
+next-token logits exist), each row the k expert ids that position's router chose, sorted
+ascending (routing is a set: the order a kernel returns them in is not a difference). The
+last ``completion`` rows of a sequence are the positions that produced its completion
+tokens' logprobs. ``metadata["routing"]`` says which layers the columns are, k and the
+expert count. SGLang's return_routed_experts, vLLM's routed-experts capture and the verl
+and slime dumps carry the same rows.
+
+Router replay (R3): a replay engine given ``router_replay=true`` routes every position to
+the fixture's experts, with the gate weights its own router gives those experts; a replay
+that then agrees where the plain one did not shows the gap was routing, not arithmetic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ROUTING_DTYPE = np.int16
+
+
+def routing_offsets(prompt_offsets: np.ndarray, completion_offsets: np.ndarray) -> np.ndarray:
+    """Start of each sequence's rows in ``routed_experts`` (prompt + completion - 1 each)."""
+    lengths = np.diff(prompt_offsets) + np.diff(completion_offsets) - 1
+    return np.concatenate([[0], np.cumsum(np.maximum(lengths, 0))]).astype(np.int64)
+
+
+def completion_rows(prompt_offsets: np.ndarray, completion_offsets: np.ndarray) -> np.ndarray:
+    """Indices into ``routed_experts`` of the rows that produced each completion token's
+    logprob, in completion-token order."""
+    starts = routing_offsets(prompt_offsets, completion_offsets)
+    prompts = np.diff(prompt_offsets)
+    completions = np.diff(completion_offsets)
+    return np.concatenate(
+        [starts[i] + prompts[i] - 1 + np.arange(completions[i]) for i in range(len(completions))]
+        or [np.zeros(0, np.int64)]
+    ).astype(np.int64)
+
+
+def as_sets(experts: np.ndarray) -> np.ndarray:
+    """Expert ids sorted along the last axis, in the stored dtype."""
+    return np.sort(np.asarray(experts), axis=-1).astype(ROUTING_DTYPE)
+
+
+def flipped(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[rows, layers] True where the two sides' top-k sets differ."""
+    return np.any(as_sets(a) != as_sets(b), axis=-1)
+
+
+def agreement(
+    rollout: np.ndarray,
+    replay: np.ndarray,
+    layers: list[int],
+    token_sequence: np.ndarray,
+    token_position: np.ndarray,
+    sequence_ids: list[str],
+    abs_diff: np.ndarray,
+) -> dict:
+    """Routing agreement over completion tokens: per layer the fraction of tokens whose top-k
+    set differs; the first flip (sequence, position, layer) in sequence order; and the
+    logprob drift on tokens with any flip apart from the rest.
+
+    ``rollout``/``replay`` are the completion rows [tokens, layers, k];
+    ``token_sequence``/``token_position`` place each token; ``abs_diff`` is its |dlogp|."""
+    flips = flipped(rollout, replay)
+    any_flip = flips.any(axis=1)
+    per_layer = [
+        {"layer": int(layer), "flip_rate": float(flips[:, i].mean()) if len(flips) else 0.0,
+         "flips": int(flips[:, i].sum())}
+        for i, layer in enumerate(layers)
+    ]  # fmt: skip
+    first = None
+    if any_flip.any():
+        token = int(np.flatnonzero(any_flip)[0])
+        first = {
+            "sequence_id": sequence_ids[int(token_sequence[token])],
+            "position": int(token_position[token]),
+            "layer": int(layers[int(np.flatnonzero(flips[token])[0])]),
+        }
+    diff = np.asarray(abs_diff, dtype=np.float64)
+    finite = np.isfinite(diff)
+
+    def drift(where: np.ndarray) -> dict:
+        chosen = diff[where & finite]
+        if not len(chosen):
+            return {"tokens": 0, "mean_abs_diff": None, "max_abs_diff": None}
+        return {"tokens": int(len(chosen)), "mean_abs_diff": float(chosen.mean()),
+                "max_abs_diff": float(chosen.max())}  # fmt: skip
+
+    return {
+        "layers": per_layer,
+        "tokens": int(len(flips)),
+        "tokens_with_flip": int(any_flip.sum()),
+        "flip_rate": float(any_flip.mean()) if len(flips) else 0.0,
+        "first_flip": first,
+        "drift_on_flipped": drift(any_flip),
+        "drift_on_rest": drift(~any_flip),
+    }
