@@ -99,3 +99,29 @@ def agreement(
         "drift_on_flipped": drift(any_flip),
         "drift_on_rest": drift(~any_flip),
     }
+
+
+def sequence_routing(table, index: int) -> np.ndarray:
+    """Sequence ``index``'s routed_experts rows [prompt + completion - 1, layers, k]; a table
+    without routing is refused (router replay needs the rollout's)."""
+    from pipeline.errors import BadInput
+
+    if table.routed_experts is None:
+        raise BadInput(
+            "router_replay needs the fixture's routed experts, and this fixture has none: record "
+            "them at rollout (an engine that returns them) or ingest them "
+            "(lpx ingest --routed-experts-field)."
+        )
+    starts = routing_offsets(table.prompt_offsets, table.completion_offsets)
+    return table.routed_experts[starts[index] : starts[index + 1]]
+
+
+def routing_metadata(config: dict, source: str) -> dict | None:
+    """metadata["routing"] for a table routed by a model with HF ``config``."""
+    from pipeline.families import routing
+
+    spec = routing(config)
+    if spec is None:
+        return None
+    return {"layers": sorted(spec.layers), "top_k": spec.top_k,
+            "num_experts": spec.num_experts, "source": source}  # fmt: skip

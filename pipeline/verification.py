@@ -193,7 +193,7 @@ class Verifier:
             ruled_out += tried
         if leftover:
             out.append(_unexplained(sorted(set(leftover)), ruled_out, said))
-        return _both_truncations(out)
+        return _one_routing_flip(_both_truncations(out))
 
     def _untestable(self, finding: dict, runner: str | None) -> dict | None:
         """After every reproduction failed: the runner-up when it is an in-flight update (a
@@ -317,6 +317,8 @@ class Verifier:
                 Candidate(cause, "bos_missing", base, {"missing_leading": 1}),
                 *self._truncation(finding),
             ]
+        if cause == "routing_flip":
+            return self._router_replay()
         if cause == "mask_padding":
             if "fill_value" in details:
                 params = {
@@ -331,6 +333,14 @@ class Verifier:
                 for kind in ("pad_attended", "mask_dropped", "packed_no_reset")
             ]
         return []
+
+    def _router_replay(self) -> list[Candidate]:
+        """A MoE whose two sides recorded routing: the reference re-scored with the drifting
+        side's experts forced (router replay); it reproduces that side where routing alone
+        made the drift."""
+        if self.fixture.routed_experts is None or self.replay.routed_experts is None:
+            return []
+        return [Candidate("routing_flip", "router_replay", self.base, {})]
 
     def competitors(self, finding: dict) -> list[Candidate]:
         """Reproducible causes with the shape of a weight change: for drift from a shared
@@ -397,6 +407,7 @@ class Verifier:
         return [
             # the rollout sampled with truncation: processed logprobs on one side
             *(self.candidates({**finding, "cause": "top_k", "details": {}}) if truncated else []),
+            *self._router_replay(),
             *self.competitors(finding),
             *(
                 [Candidate("position_ids", "position_ids", replace(base, at=onset), {"at": onset})]
@@ -482,6 +493,8 @@ class Verifier:
                 candidate = self._search_temperature(candidate, rows[0], observed[0], clean[0])
             if candidate.kind == "prompt_truncated":
                 candidate = self._search_truncation(candidate, rows, observed)
+            if candidate.kind == "router_replay":  # the experts of the side it reproduces
+                candidate = replace(candidate, params={"routing_of": side})
             reproduced = self._rescore(candidate, rows)
             after = {side: _mean_abs(observed, reproduced)}
             if _mean_abs(reproduced, clean) < EXPLAINED * before:
@@ -557,6 +570,8 @@ class Verifier:
         kind, settings = candidate.kind, candidate.settings
         if kind.startswith("store_version"):
             return self._rescore_version(candidate, rows)
+        if kind == "router_replay":
+            return self._rescore_routed(candidate, rows)
         if kind in ("pad_attended", "mask_dropped", "packed_no_reset", "pad_positions"):
             # The micro-batches the engine formed, in fixture order, hold the sequences.
             size = settings.micro_batch
@@ -573,6 +588,24 @@ class Verifier:
             pairs = [(self.fixture.prompt_of(r), self.fixture.completion_of(r)) for r in rows]
             values = rescore(self.model, pairs, kind, settings)
         return [v[self._mask(r)].astype(np.float64) for v, r in zip(values, rows, strict=True)]
+
+    def _rescore_routed(self, candidate: Candidate, rows: list[int]) -> list[np.ndarray]:
+        """The rows in fp32 with every router made to choose the given side's experts."""
+        from pipeline.engines.hf_replay import ReplayKnobs, score_batch
+        from pipeline.routing import sequence_routing
+
+        side = candidate.params["routing_of"]
+        table = self.fixture if side == "rollout" else self.replay
+        own = self.rows if side == "rollout" else self.replay_rows
+        ids = self.fixture.sequence_ids
+        routing = [sequence_routing(table, own[ids[r]]) for r in rows]
+        pairs = [(self.fixture.prompt_of(r), self.fixture.completion_of(r)) for r in rows]
+        settings = ReplayKnobs(device=str(self.device), micro_batch_size=len(rows))
+        scored = score_batch(self.model, pairs, settings, routing=routing)
+        return [
+            s.completion[self._mask(r)].astype(np.float64)
+            for s, r in zip(scored, rows, strict=True)
+        ]
 
     def _rescore_version(self, candidate: Candidate, rows: list[int]) -> list[np.ndarray]:
         """The rows under a published version: whole, or from completion index ``at`` on
@@ -771,6 +804,19 @@ def _both_truncations(findings: list[dict]) -> list[dict]:
             if not any(f["cause"] == cause and f.get("status") == "verified" for f in out):
                 out.append({**finding, "cause": cause})
     return out
+
+
+def _one_routing_flip(findings: list[dict]) -> list[dict]:
+    """Routing flips verified from several findings (the routing claim, and drift another
+    signature named first) are one cause: one finding, the routing claim's, over all their
+    sequences."""
+    verified = [f for f in findings if f["cause"] == "routing_flip" and f["status"] == "verified"]
+    if len(verified) < 2:
+        return findings
+    keep = next((f for f in verified if "first_flip" in (f.get("details") or {})), verified[0])
+    sequences = sorted({s for f in verified for s in f["sequences"]})
+    merged = {**keep, "sequences": sequences}
+    return [merged if f is keep else f for f in findings if f is keep or f not in verified]
 
 
 def _sign_z(rollout: np.ndarray, replay: np.ndarray) -> float:

@@ -22,6 +22,20 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def family_model(tmp_path_factory):
+    """The tiny model of a family (pipeline/families), built once per session on first use."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            folder = tmp_path_factory.mktemp("models") / f"tiny-{arch}"
+            built[arch] = build_tiny_model(folder, arch, 0)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def prompts(tiny_model) -> list[list[int]]:
     return tokenize(tiny_model, smoke_prompt_texts())
 

@@ -88,8 +88,10 @@ def replay(
     Engines: hf, vllm, fsdp, deepspeed, megatron (docs/engines.md). hf/fsdp/deepspeed
     knobs (--set): padding_side=right|left, packing=true|false, attn_implementation=sdpa|eager,
     lm_head_fp32=true|false (hf), top_k=N, top_p=P, allow_tf32=true|false (TF32 matmuls in
-    fp32 on CUDA; off unless asked); fsdp: reduce_dtype; deepspeed: zero_stage=0..3;
-    megatron: tensor_parallel_size=N. Distributed engines run on --nproc ranks, one per GPU
+    fp32 on CUDA; off unless asked), router_replay=true|false (MoE: route every position
+    to the fixture's recorded experts, R3; also megatron); fsdp: reduce_dtype; deepspeed:
+    zero_stage=0..3; megatron: tensor_parallel_size=N, expert_model_parallel_size=N.
+    Distributed engines run on --nproc ranks, one per GPU
     on CUDA (lpx starts torchrun; under an existing torchrun launch it uses that one); each
     rank's log is kept under --rank-logs.
 

@@ -50,6 +50,11 @@ class Aligned:
     # it did not score that token), and how many tokens it left unscored (version missing).
     version_channels: dict[str, np.ndarray] | None = None
     unscored_tokens: int = 0
+    # MoE, when both sides recorded routing over the same layers and k: the experts that
+    # produced each compared completion token, [compared tokens, MoE layers, k] per side
+    routing_rollout: np.ndarray | None = None
+    routing_train: np.ndarray | None = None
+    routing_layers: list[int] | None = None
 
 
 def align(
@@ -106,6 +111,7 @@ def align(
     replay_rows = completion_index[active]
     top1_rollout, top1_train = _top1(fixture, replay, active, replay_rows)
     topk_rollout, topk_train = _same_topk(fixture, replay, active, replay_rows)
+    routing = _same_routing(fixture, replay, active, completion_index)
     return Aligned(
         sequence_ids=fixture.sequence_ids,
         completion=completion,
@@ -125,7 +131,26 @@ def align(
         }
         or None,
         unscored_tokens=unscored,
+        **routing,
     )
+
+
+def _same_routing(fixture: TokenTable, replay: TokenTable, active, completion_index) -> dict:
+    """Both sides' routing of the compared tokens, when both recorded the same layers and k."""
+    from pipeline.routing import completion_rows
+
+    if fixture.routed_experts is None or replay.routed_experts is None:
+        return {}
+    ours, theirs = fixture.metadata.get("routing") or {}, replay.metadata.get("routing") or {}
+    if ours.get("layers") != theirs.get("layers") or ours.get("top_k") != theirs.get("top_k"):
+        return {}
+    fixture_rows = completion_rows(fixture.prompt_offsets, fixture.completion_offsets)
+    replay_rows = completion_rows(replay.prompt_offsets, replay.completion_offsets)
+    return {
+        "routing_rollout": fixture.routed_experts[fixture_rows[active]],
+        "routing_train": replay.routed_experts[replay_rows[completion_index][active]],
+        "routing_layers": list(ours["layers"]),
+    }
 
 
 def _top1(fixture: TokenTable, replay: TokenTable, active, replay_rows):

@@ -16,6 +16,7 @@ FAULT_CAUSES = (
     "version_change",
     "claimed_version",
     "missing_version",
+    "routing_flip",
 )
 KNOWN_CAUSES = (*FAULT_CAUSES, "dtype", "unexplained")  # what a policy's fail_on_findings may name
 STATUSES = ("verified", "plausible", "ruled_out")

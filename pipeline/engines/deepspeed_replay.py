@@ -78,8 +78,8 @@ class DeepSpeedSession:
         self.micro_batch_size = self.settings.micro_batch_size
         self.prompt_logprobs = self.settings.prompt_logprobs
 
-    def score(self, pairs):
-        return score_batch(self.engine.module, pairs, self.settings, full_forward=True)
+    def score(self, pairs, routing=None):
+        return score_batch(self.engine.module, pairs, self.settings, full_forward=True, routing=routing)
 
     def metadata(self) -> dict:
         module = self.engine.module

@@ -230,10 +230,13 @@ def run_worker(
         for step in range(steps):
             batch = mine[step] if step < len(mine) else []
             pairs = [(fixture.prompt_of(i), fixture.completion_of(i)) for i in batch]
+            # Router replay (R3): each pair's rollout routing, [positions, MoE layers, k]
+            forced = forced_routing(fixture, batch or [0], session.settings)
             # Ranks out of work still join the collectives of this step.
             try:
                 scored = session.score(
-                    pairs or [(fixture.prompt_of(0)[:1], fixture.completion_of(0)[:1])]
+                    pairs or [(fixture.prompt_of(0)[:1], fixture.completion_of(0)[:1])],
+                    **({"routing": forced if batch else [forced[0][:1]]} if forced else {}),
                 )
             except Exception as error:
                 if not devices.is_out_of_memory(error):
@@ -265,6 +268,16 @@ def run_worker(
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def forced_routing(fixture, indices, settings) -> list | None:
+    """The fixture's routed experts per sequence when the replay forces them (router_replay),
+    else None; a fixture without routing is refused, naming what records it."""
+    if not getattr(settings, "router_replay", False):
+        return None
+    from pipeline.routing import sequence_routing
+
+    return [sequence_routing(fixture, i) for i in indices]
 
 
 def _worker_error(output: str) -> str:

@@ -57,8 +57,8 @@ class FSDPSession:
         self.prompt_logprobs = self.settings.prompt_logprobs
         self.reduce_dtype = reduce_dtype
 
-    def score(self, pairs):
-        return score_batch(self.model, pairs, self.settings, full_forward=True)
+    def score(self, pairs, routing=None):
+        return score_batch(self.model, pairs, self.settings, full_forward=True, routing=routing)
 
     def metadata(self) -> dict:
         import torch

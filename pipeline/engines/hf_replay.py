@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,6 +18,7 @@ from pipeline.engines.hf_common import (
     process_logits,
     software_versions,
 )
+from pipeline.engines.hf_routing import router_tap
 from pipeline.errors import BadInput
 from pipeline.fixture.table import (
     REPLAY_CHANNEL,
@@ -25,6 +27,7 @@ from pipeline.fixture.table import (
     table_from_sequences,
 )
 from pipeline.progress import progress_bar
+from pipeline.routing import routing_metadata, sequence_routing
 
 PADDING_SIDES = ("right", "left")
 SCORED_TOP_IDS = "at the fixture's top-k ids"  # metadata["top_logprobs"] when score_top_ids acts
@@ -98,6 +101,9 @@ class HFScoringEngine:
             for start in range(0, fixture.num_sequences, size)
         ]
         fixture_top = _fixture_top_ids(fixture, model, settings)
+        forced = None
+        if settings.router_replay:
+            forced = [[sequence_routing(fixture, i) for i in b] for b in batches]
         scored = score_batches(
             model,
             [[(fixture.prompt_of(i), fixture.completion_of(i)) for i in b] for b in batches],
@@ -108,6 +114,7 @@ class HFScoringEngine:
             top_ids=None
             if fixture_top is None
             else [[fixture_top[fixture.completion_slice(i)] for i in b] for b in batches],
+            routing=forced,
         )
         metadata = {
             **replay_metadata(model, model_dir, settings, tf32),
@@ -146,8 +153,12 @@ def score_batches(
     lower: str = "",
     progress=True,
     top_ids: list | None = None,
+    routing: list | None = None,
 ):
     """ScoredSequences of micro-batches of (prompt ids, completion ids) pairs, in order.
+
+    ``routing``, when given, holds per micro-batch one [length - 1, MoE layers, k] array of
+    expert ids per pair, which the MoE routers are made to choose (router replay).
 
     ``top_ids``, when given, holds per micro-batch one [completion tokens, k] id array per
     pair: the ids to score at each completion position instead of the replay's own top-1.
@@ -163,7 +174,11 @@ def score_batches(
     for k, pairs in enumerate(shown):
         try:
             launched = launch_batch(
-                model, pairs, settings, top_ids=None if top_ids is None else top_ids[k]
+                model,
+                pairs,
+                settings,
+                top_ids=None if top_ids is None else top_ids[k],
+                routing=None if routing is None else routing[k],
             )
         except Exception as error:
             if not devices.is_out_of_memory(error):
@@ -215,6 +230,12 @@ def replay_table(
             top_ids, top_logprobs = top_ids[:, None], top_logprobs[:, None]
         table.top_ids = top_ids.astype(np.int32)
         table.top_logprobs = top_logprobs.astype(np.float32)
+    if scored and scored[0].routed_experts is not None:
+        table.routed_experts = np.concatenate([s.routed_experts for s in scored])
+        if "routing" not in metadata:
+            config = json.loads((Path(metadata["model"]["path"]) / "config.json").read_text())
+            engine = (metadata.get("engine") or {}).get("name", "replay")
+            table.metadata = {**metadata, "routing": routing_metadata(config, engine)}
     return table
 
 
@@ -225,6 +246,7 @@ def score_batch(
     position_ids=None,
     full_forward: bool = False,
     top_ids: list | None = None,
+    routing: list | None = None,
 ):
     """Selected-token logprobs for a micro-batch of (prompt ids, completion ids) pairs.
 
@@ -236,8 +258,11 @@ def score_batch(
     DeepSpeed) gather their parameters in hooks on the root module, so they need it.
     ``top_ids`` (one [completion tokens, k] array per pair) are ids to score at each
     completion position instead of the replay's own top-1 (ScoredSequence says which).
+    ``routing`` (one [length - 1, MoE layers, k] array per pair) forces the MoE routers.
     """
-    return finish_batch(launch_batch(model, pairs, settings, position_ids, full_forward, top_ids))
+    return finish_batch(
+        launch_batch(model, pairs, settings, position_ids, full_forward, top_ids, routing)
+    )
 
 
 @dataclass
@@ -252,6 +277,7 @@ class LaunchedBatch:
     values: object
     ready: object  # waits for the copy to land
     scored_ids: int = 0  # k, or 0: the replay's own top-1
+    routed: list | None = None  # MoE: each pair's routing [length - 1, MoE layers, k]
 
 
 def launch_batch(
@@ -261,12 +287,13 @@ def launch_batch(
     position_ids=None,
     full_forward: bool = False,
     top_ids: list | None = None,
+    routing: list | None = None,
 ) -> LaunchedBatch:
     """Queue a micro-batch's scoring on the model's device (score_batch without the wait)."""
     import torch
 
     with torch.no_grad():
-        return _launch_batch(model, pairs, settings, position_ids, full_forward, top_ids)
+        return _launch_batch(model, pairs, settings, position_ids, full_forward, top_ids, routing)
 
 
 def finish_batch(launched: LaunchedBatch) -> list[ScoredSequence]:
@@ -300,12 +327,15 @@ def finish_batch(launched: LaunchedBatch) -> list[ScoredSequence]:
                 top_ids[span],
                 top_logprobs[span],
                 None if best is None else best[span],
+                None if launched.routed is None else launched.routed[len(results)],
             )
         )
     return results
 
 
-def _launch_batch(model, pairs, settings: ReplayKnobs, position_ids, full_forward: bool, top_ids):
+def _launch_batch(
+    model, pairs, settings: ReplayKnobs, position_ids, full_forward: bool, top_ids, routing
+):
     import torch
 
     sequences = [np.concatenate([p, c]).astype(np.int64) for p, c in pairs]
@@ -329,6 +359,11 @@ def _launch_batch(model, pairs, settings: ReplayKnobs, position_ids, full_forwar
     index = np.stack([row_index, column_index, targets])
     if top_ids is not None:
         index = np.concatenate([index, _scored_id_rows(pairs, firsts, top_ids).T])
+    tap = router_tap(model)
+    if routing is not None and tap is None:
+        raise BadInput("router_replay forces MoE routing, and this model has no router.")
+    if tap is not None:
+        tap.begin(int(inputs["input_ids"].shape[1]), starts, [len(s) for s in sequences], routing)
     device = model_device(model)
     inputs = _to_device(inputs, device)
     index = torch.from_numpy(index).to(device)  # one copy for all the index rows
@@ -341,7 +376,8 @@ def _launch_batch(model, pairs, settings: ReplayKnobs, position_ids, full_forwar
         logits = _head_logits(model, hidden[rows, columns], settings)
     values, ready = devices.to_host_later(_selected_logprobs(logits, targets, settings, scored_ids))
     k = 0 if top_ids is None else len(index) - 3
-    return LaunchedBatch(pairs, firsts, settings.prompt_logprobs, values, ready, k)
+    routed = tap.finish() if tap is not None else None
+    return LaunchedBatch(pairs, firsts, settings.prompt_logprobs, values, ready, k, routed)
 
 
 def _scored_id_rows(pairs, firsts, top_ids) -> np.ndarray:

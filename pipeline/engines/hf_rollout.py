@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +15,12 @@ from pipeline.engines.hf_common import (
     process_logits,
     software_versions,
 )
+from pipeline.engines.hf_routing import router_tap
 from pipeline.errors import BadInput
 from pipeline.fixture.table import table_from_sequences
 from pipeline.names import canonical_dtype
 from pipeline.progress import progress_bar
+from pipeline.routing import routing_metadata
 
 DEFAULT_KNOBS = {
     "dtype": "float32",
@@ -123,6 +126,10 @@ class HFRolloutEngine:
         table.top_logprobs = np.array(
             [lp for r in results for lp in r["top_logprob"]], dtype=np.float32
         )[:, None]
+        if results and "routed" in results[0]:
+            table.routed_experts = np.concatenate([r["routed"] for r in results])
+            config = json.loads((Path(model_dir) / "config.json").read_text())
+            table.metadata["routing"] = routing_metadata(config, "hf rollout (decode)")
         return table
 
 
@@ -141,6 +148,9 @@ def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, g
         attention_mask[i, width - len(prompt) :] = 1
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    tap = router_tap(model)
+    if tap is not None:  # MoE: the experts every forward of this decode chose
+        tap.begin_decode()
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -208,6 +218,10 @@ def _generate_batch(model, prompts: list[list[int]], sampling: SamplingParams, g
             use_cache=True,
         )
         next_position = next_position + 1
+    if tap is not None:
+        routed = tap.finish_decode([len(p) for p in prompts], [len(r["tokens"]) for r in rows])
+        for row, routing in zip(rows, routed, strict=True):
+            row["routed"] = routing
     return rows
 
 

@@ -1,0 +1,155 @@
+"""Routing as data on real MoE models: the experts each token went to, recorded by the HF
+rollout (decode) and replay (prefill), stored in the fixture, compared per layer; a seeded
+routing flip named `routing_flip` and verified by re-scoring with the flipped experts forced;
+router replay (R3) removing the flips a bf16 replay makes on its own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.engines.base import SamplingParams
+from pipeline.engines.hf_replay import HFScoringEngine
+from pipeline.engines.hf_rollout import HFRolloutEngine
+from pipeline.errors import BadInput
+from pipeline.fixture.io import read_table, write_table
+from pipeline.fixture.table import select_sequences
+from pipeline.prompts import smoke_prompt_texts, tokenize
+from pipeline.routing import agreement, completion_rows, routing_offsets
+from tests.helpers import read_report, run_lpx
+
+SEEDED_LAYER = 1
+SEEDED_FRACTION = 0.10  # of positions whose second expert the seeded fault swaps
+
+
+def test_agreement_counts_set_differences_per_layer_and_splits_the_drift():
+    rollout = np.array([[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[4, 5], [6, 7]]])
+    replay = np.array([[[1, 0], [2, 3]], [[0, 1], [2, 4]], [[4, 5], [6, 7]]])  # order is no flip
+    result = agreement(rollout, replay, [3, 5], np.array([0, 0, 1]), np.array([0, 1, 0]),
+                       ["a", "b"], np.array([0.01, 0.5, 0.03]))  # fmt: skip
+    assert [layer["flips"] for layer in result["layers"]] == [0, 1]
+    assert result["layers"][1] == {"layer": 5, "flip_rate": pytest.approx(1 / 3), "flips": 1}
+    assert result["first_flip"] == {"sequence_id": "a", "position": 1, "layer": 5}
+    assert result["drift_on_flipped"]["mean_abs_diff"] == pytest.approx(0.5)
+    assert result["drift_on_rest"]["mean_abs_diff"] == pytest.approx(0.02)
+
+
+def test_completion_rows_are_the_positions_that_produced_each_token():
+    prompts, completions = np.array([0, 3, 5]), np.array([0, 2, 5])  # (3 + 2) and (2 + 3)
+    assert routing_offsets(prompts, completions).tolist() == [0, 4, 8]
+    # sequence 0: rows 2, 3 (prompt's last position, then the first completion token)
+    assert completion_rows(prompts, completions).tolist() == [2, 3, 5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def moe_run(family_model, tmp_path_factory):
+    """A Qwen3-MoE fp32 rollout with its routing, its calibration, and three bf16 replays:
+    plain, with a seeded routing flip on one layer (an engine that breaks near-ties another
+    way, hidden as a real engine would), and with the rollout's routing forced (R3)."""
+    model = family_model("qwen3_moe")
+    out = tmp_path_factory.mktemp("routing")
+    sampling = SamplingParams(max_tokens=48, samples_per_prompt=4, seed=0, ignore_eos=True)
+    fixture = HFRolloutEngine().rollout(model, tokenize(model, smoke_prompt_texts()), sampling, {})
+    write_table(fixture, out / "fixture.parquet")
+    bf16 = {"dtype": "bfloat16", "device": "cpu"}
+    write_table(HFScoringEngine().score(fixture, model, bf16), out / "replay-plain.parquet")
+    seeded = read_table(out / "fixture.parquet")
+    seeded.routed_experts = _seeded_flip(seeded.routed_experts)
+    flipped = HFScoringEngine().score(seeded, model, {**bf16, "router_replay": True})
+    flipped.metadata["knobs"]["router_replay"] = False  # the engine does not say it
+    flipped.routed_experts = seeded.routed_experts
+    write_table(flipped, out / "replay-flip.parquet")
+    done = run_lpx("replay", out / "fixture.parquet", "--model", model, "--dtype", "bf16",
+                   "--set", "router_replay=true", "--out", out / "replay-r3.parquet")  # fmt: skip
+    assert done.exit_code == 0, done.output
+    done = run_lpx("calibrate", out / "fixture.parquet", "--out", out / "calibration.json")
+    assert done.exit_code == 0, done.output
+    return out
+
+
+def _seeded_flip(routed: np.ndarray) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    out = routed.copy()
+    chosen = rng.random(len(out)) < SEEDED_FRACTION
+    first, second = out[:, SEEDED_LAYER, 0], out[:, SEEDED_LAYER, 1]
+    other = (second + rng.integers(1, 8, len(out))) % 8
+    other = np.where(other == first, (other + 1) % 8, other)
+    out[chosen, SEEDED_LAYER, 1] = other[chosen]
+    return np.sort(out, axis=-1)
+
+
+def test_decode_and_prefill_record_the_same_experts_in_fp32(moe_run, family_model):
+    fixture = read_table(moe_run / "fixture.parquet")
+    assert fixture.metadata["routing"] == {
+        "layers": [0, 1], "top_k": 2, "num_experts": 8, "source": "hf rollout (decode)"
+    }  # fmt: skip
+    rows = np.diff(routing_offsets(fixture.prompt_offsets, fixture.completion_offsets))
+    assert fixture.routed_experts.shape == (int(rows.sum()), 2, 2)
+    replay = HFScoringEngine().score(fixture, family_model("qwen3_moe"), {"device": "cpu"})
+    # measured: 100 % of 32 x (prompt + 48) positions agree between KV-cache decode and prefill
+    assert np.array_equal(replay.routed_experts, fixture.routed_experts)
+    cut = select_sequences(fixture, [3, 1], completion_lengths=[5, 7])
+    starts = routing_offsets(fixture.prompt_offsets, fixture.completion_offsets)
+    prompt = len(fixture.prompt_of(3))
+    assert np.array_equal(cut.routed_experts[: prompt + 4], fixture.routed_experts[starts[3] :][: prompt + 4])
+
+
+def test_a_bf16_replay_flips_near_ties_within_precision_and_passes(moe_run, tmp_path):
+    done = run_lpx("compare", moe_run / "fixture.parquet", moe_run / "replay-plain.parquet",
+                   "--out", tmp_path)  # fmt: skip
+    report = read_report(tmp_path)
+    assert done.exit_code == 0, report["policy"]
+    routing = report["routing"]
+    # measured: 1.4 % of tokens flip in bf16, with mean |d| ~0.15 on them and ~0.007 elsewhere
+    assert 0 < routing["flip_rate"] < 0.05
+    assert routing["drift_on_flipped"]["mean_abs_diff"] > 5 * routing["drift_on_rest"]["mean_abs_diff"]
+    assert report["metrics"]["routing_flip_rate"] == routing["flip_rate"]
+    assert "layer_1.routing_flip_rate" in report["metrics"]
+    assert not [f for f in report["diagnosis"] if f["cause"] == "routing_flip"]
+
+
+def test_a_seeded_routing_flip_fails_and_is_verified_by_forcing_the_experts(moe_run, tmp_path):
+    done = run_lpx("compare", moe_run / "fixture.parquet", moe_run / "replay-flip.parquet",
+                   "--out", tmp_path)  # fmt: skip
+    report = read_report(tmp_path)
+    assert done.exit_code == 1
+    routing = report["routing"]
+    layers = {layer["layer"]: layer["flip_rate"] for layer in routing["layers"]}
+    assert layers[0] == 0.0  # the fixture's own routing was forced there
+    assert layers[SEEDED_LAYER] == pytest.approx(SEEDED_FRACTION, abs=0.02)
+    assert routing["first_flip"]["layer"] == SEEDED_LAYER
+    assert routing["drift_on_flipped"]["mean_abs_diff"] > 10 * routing["drift_on_rest"]["mean_abs_diff"]
+    (finding,) = [f for f in report["diagnosis"] if f["cause"] == "routing_flip"]
+    assert finding["status"] == "verified" and finding["severity"] == "fault"
+    check = finding["details"]["verified_by"]
+    assert check["kind"] == "router_replay" and check["params"] == {"routing_of": "replay"}
+    assert finding["residual_after"] <= 3 * finding["floor"]
+    assert not [f for f in report["diagnosis"] if f["cause"] == "dtype" and f["status"] == "verified"]
+
+
+def test_router_replay_removes_the_flips_and_leaves_the_numeric_drift(moe_run, tmp_path):
+    plain = run_lpx("compare", moe_run / "fixture.parquet", moe_run / "replay-plain.parquet",
+                    "--out", tmp_path / "plain")  # fmt: skip
+    forced = run_lpx("compare", moe_run / "fixture.parquet", moe_run / "replay-r3.parquet",
+                     "--out", tmp_path / "r3")  # fmt: skip
+    assert plain.exit_code == forced.exit_code == 0
+    plain, forced = read_report(tmp_path / "plain"), read_report(tmp_path / "r3")
+    assert forced["metadata"]["replay"]["knobs"]["router_replay"] is True
+    assert forced["routing"]["flip_rate"] == 0.0 < plain["routing"]["flip_rate"]
+    # what is left is numeric: the plain replay's drift on its unflipped tokens, within 10 %
+    rest = plain["routing"]["drift_on_rest"]["mean_abs_diff"]
+    assert forced["metrics"]["mean_abs_diff"] == pytest.approx(rest, rel=0.1)
+    assert forced["metrics"]["mean_abs_diff"] < plain["metrics"]["mean_abs_diff"]
+
+
+def test_router_replay_needs_a_routed_fixture_and_a_moe(run_dir, moe_run, tiny_model, tmp_path):
+    done = run_lpx("replay", run_dir / "fixture.parquet", "--model", tiny_model, "--set",
+                   "router_replay=true", "--out", tmp_path / "r.parquet")  # fmt: skip
+    assert done.exit_code == 2
+    assert "router_replay needs the fixture's routed experts" in done.output
+    fixture = read_table(moe_run / "fixture.parquet")
+    fixture.routed_experts = fixture.routed_experts.copy()
+    fixture.routed_experts[5, 1, 0] = 8  # 8 experts: ids 0-7
+    write_table(fixture, tmp_path / "damaged.parquet")
+    with pytest.raises(BadInput, match=r"sequence '0-0': routed expert id 8 outside \[0, 8\)"):
+        read_table(tmp_path / "damaged.parquet")
