@@ -153,3 +153,58 @@ def test_router_replay_needs_a_routed_fixture_and_a_moe(run_dir, moe_run, tiny_m
     write_table(fixture, tmp_path / "damaged.parquet")
     with pytest.raises(BadInput, match=r"sequence '0-0': routed expert id 8 outside \[0, 8\)"):
         read_table(tmp_path / "damaged.parquet")
+
+
+def test_history_keeps_routing_series_and_the_run_page_shows_flips_per_layer(moe_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("fixture.parquet", "replay-flip.parquet", "calibration.json"):
+        shutil.copy(moe_run / name, run / name)
+    run_lpx("compare", run / "fixture.parquet", run / "replay-flip.parquet", "--out", run / "compare")
+    db = tmp_path / "lpx.db"
+    assert run_lpx("record", run, "--db", db).exit_code == 0
+    shown = run_lpx("history", "series", "1", "--json", "--db", db)
+    assert shown.exit_code == 0, shown.output
+    rate = read_report(run / "compare")["routing"]["flip_rate"]
+    assert '"routing_flip_rate"' in shown.output and '"layer_1.routing_flip_rate"' in shown.output
+    assert run_lpx("report", "--db", db, "--out", tmp_path / "site").exit_code == 0
+    (page,) = (tmp_path / "site" / "runs").glob("*.html")
+    html = page.read_text()
+    assert '<h3>Routing</h3>' in html and 'data-layer="1"' in html
+    assert f"{100 * rate:.2f}".rstrip("0").rstrip(".") in html
+
+
+def test_ingest_takes_a_dumps_routed_experts(moe_run, family_model, tmp_path):
+    import json
+
+    fixture = read_table(moe_run / "fixture.parquet")
+    starts = routing_offsets(fixture.prompt_offsets, fixture.completion_offsets)
+    lines = []
+    for i in range(fixture.num_sequences):
+        routed = fixture.routed_experts[starts[i] : starts[i + 1]][:, :, ::-1].tolist()
+        lines.append({
+            "prompt_ids": fixture.prompt_of(i).tolist(),
+            "response_ids": fixture.completion_of(i).tolist(),
+            "rollout_log_probs": fixture.channels["rollout"][fixture.completion_slice(i)].tolist(),
+            # as SGLang returns them: every token seen, in the router's order
+            "routed_experts": routed + [routed[-1]],
+        })  # fmt: skip
+    dump = tmp_path / "dump.jsonl"
+    dump.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    model = family_model("qwen3_moe")
+    done = run_lpx("ingest", dump, "--model", model, "--field", "routed_experts=routed_experts",
+                   "--out", tmp_path / "fixture.parquet")  # fmt: skip
+    assert done.exit_code == 0, done.output
+    ingested = read_table(tmp_path / "fixture.parquet")
+    assert np.array_equal(ingested.routed_experts, fixture.routed_experts)
+    assert ingested.metadata["routing"]["layers"] == [0, 1]
+    assert ingested.metadata["routing"]["num_experts"] == 8
+    lines[2]["routed_experts"] = lines[2]["routed_experts"][:-3]
+    dump.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    done = run_lpx("ingest", dump, "--field", "routed_experts=routed_experts",
+                   "--out", tmp_path / "bad.parquet")  # fmt: skip
+    assert done.exit_code == 2
+    assert f"{dump} line 3: field 'routed_experts' has" in done.output
+    assert "prompt + completion - 1" in done.output

@@ -25,7 +25,7 @@ from pipeline.fixture.ingest import PRESETS
     metavar="NAME=JSON_KEY",
     help="Override one field name, repeatable. Names: sequence_id, prompt_ids, "
     "completion_ids, tokens, response_length, rollout, mask, old, ref, current, "
-    "weight_version.",
+    "weight_version, routed_experts (MoE: per position, per layer, the top-k expert ids).",
 )
 @click.option(
     "--model",
@@ -82,9 +82,36 @@ def ingest(
 
         metadata["model"] = model_metadata(model_dir)
     table = ingest_jsonl(jsonl_path, field_map, metadata)
+    if table.routed_experts is not None and model_dir:
+        _routing_from_model(table, model_dir, jsonl_path)
     validate_table(table, jsonl_path, (metadata.get("model") or {}).get("vocab_size"))
     write_table(table, out_path)
     click.echo(
         f"ingested {table.num_sequences} trajectories, {table.num_completion_tokens} "
         f"completion tokens -> {out_path}"
     )
+
+
+def _routing_from_model(table, model_dir: Path, jsonl_path: Path) -> None:
+    """The dump's routing layers and expert count read from the model it came from."""
+    import json
+
+    from pipeline.errors import BadInput
+    from pipeline.families import routing
+
+    spec = routing(json.loads((Path(model_dir) / "config.json").read_text()))
+    layers, k = table.routed_experts.shape[1:]
+    if spec is None or len(spec.layers) != layers or spec.top_k != k:
+        have = (
+            "no MoE layers" if spec is None else f"{len(spec.layers)} MoE layers, top-{spec.top_k}"
+        )
+        raise BadInput(
+            f"{jsonl_path}: the routed experts hold {layers} layers x top-{k}, and {model_dir} "
+            f"has {have}; ingest with the model the rollout used."
+        )
+    if int(table.routed_experts.max()) >= spec.num_experts:
+        raise BadInput(
+            f"{jsonl_path}: a routed expert id is {int(table.routed_experts.max())}, and the "
+            f"model has {spec.num_experts} experts."
+        )
+    table.metadata["routing"].update(layers=sorted(spec.layers), num_experts=spec.num_experts)

@@ -53,6 +53,8 @@ HOW_TO_VERIFY = {
     "version_change": VERIFY_WEIGHTS,
     "missing_version": "Publish the missing versions to the store (or retain more: "
     "`lpx weights publish --keep`) and compare again.",
+    "routing_flip": "Re-scoring forces the drifting side's recorded experts, so both the "
+    f"fixture and the replay must carry routed experts (docs/routing.md). {RESCORING}",
     "claimed_version": "Read from the versions the tokens claim, re-scored under the store's "
     "versions; compare again with `--weights-store STORE` to re-check it.",
 }

@@ -51,6 +51,7 @@ def comparison_details(report: dict, tokens_path: Path | None, tokenizers: dict)
             for name, values in ((report.get("metrics") or {}).get("by_region") or {}).items()
             if name != "completion" and isinstance(values, dict)
         },
+        "routing": report.get("routing") if isinstance(report.get("routing"), dict) else None,
         "kl_input_drift": _scalars((report.get("metrics") or {}).get("kl_input_drift") or {}),
         "decoded": tokenizer is not None,
         "reproduce": {

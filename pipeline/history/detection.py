@@ -106,6 +106,8 @@ CATALOG: dict[str, MetricSpec] = {
     "frac_over_tau": MetricSpec(FRACTION, "lower", 0.0, _fraction),
     "clip_frac": MetricSpec(FRACTION, "lower", 0.0, _fraction),
     "top1_flip_rate": MetricSpec(FRACTION, "lower", 0.0, _fraction),
+    # MoE: tokens routed to other experts on any layer (layer_N.routing_flip_rate per layer)
+    "routing_flip_rate": MetricSpec(FRACTION, "lower", 0.0, _fraction),
     # |d| / |logp| explodes near logp = 0: charted, never judged (as in the policy).
     "max_rel_diff": MetricSpec(RATIO, "lower", 0.0, _diff_tail, detect=False),
     "mean_rel_diff": MetricSpec(RATIO, "lower", 0.0, _diff_tail, detect=False),

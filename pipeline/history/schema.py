@@ -144,6 +144,7 @@ METRICS: dict[str, Check] = {
             "clip_frac",
             "ess",
             "top1_flip_rate",
+            "routing_flip_rate",
             "bitwise_equal_fraction",
             "token_mult_prob_error_frac_above_1_1",
         ),

@@ -170,6 +170,7 @@ def run_page(
                 "details": details,
                 "findings": finding_rows(details.get("diagnosis")),
                 "verification": verification_line(details.get("verification")),
+                "routing": details.get("routing"),
                 "localize": run_localize(comparison, (localize_rows or {}).get(comparison.id, [])),
             }
         )
