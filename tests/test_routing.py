@@ -91,7 +91,9 @@ def test_decode_and_prefill_record_the_same_experts_in_fp32(moe_run, family_mode
     cut = select_sequences(fixture, [3, 1], completion_lengths=[5, 7])
     starts = routing_offsets(fixture.prompt_offsets, fixture.completion_offsets)
     prompt = len(fixture.prompt_of(3))
-    assert np.array_equal(cut.routed_experts[: prompt + 4], fixture.routed_experts[starts[3] :][: prompt + 4])
+    assert np.array_equal(
+        cut.routed_experts[: prompt + 4], fixture.routed_experts[starts[3] :][: prompt + 4]
+    )
 
 
 def test_a_bf16_replay_flips_near_ties_within_precision_and_passes(moe_run, tmp_path):
@@ -102,7 +104,9 @@ def test_a_bf16_replay_flips_near_ties_within_precision_and_passes(moe_run, tmp_
     routing = report["routing"]
     # measured: 1.4 % of tokens flip in bf16, with mean |d| ~0.15 on them and ~0.007 elsewhere
     assert 0 < routing["flip_rate"] < 0.05
-    assert routing["drift_on_flipped"]["mean_abs_diff"] > 5 * routing["drift_on_rest"]["mean_abs_diff"]
+    assert (
+        routing["drift_on_flipped"]["mean_abs_diff"] > 5 * routing["drift_on_rest"]["mean_abs_diff"]
+    )
     assert report["metrics"]["routing_flip_rate"] == routing["flip_rate"]
     assert "layer_1.routing_flip_rate" in report["metrics"]
     assert not [f for f in report["diagnosis"] if f["cause"] == "routing_flip"]
@@ -118,13 +122,18 @@ def test_a_seeded_routing_flip_fails_and_is_verified_by_forcing_the_experts(moe_
     assert layers[0] == 0.0  # the fixture's own routing was forced there
     assert layers[SEEDED_LAYER] == pytest.approx(SEEDED_FRACTION, abs=0.02)
     assert routing["first_flip"]["layer"] == SEEDED_LAYER
-    assert routing["drift_on_flipped"]["mean_abs_diff"] > 10 * routing["drift_on_rest"]["mean_abs_diff"]
+    assert (
+        routing["drift_on_flipped"]["mean_abs_diff"]
+        > 10 * routing["drift_on_rest"]["mean_abs_diff"]
+    )
     (finding,) = [f for f in report["diagnosis"] if f["cause"] == "routing_flip"]
     assert finding["status"] == "verified" and finding["severity"] == "fault"
     check = finding["details"]["verified_by"]
     assert check["kind"] == "router_replay" and check["params"] == {"routing_of": "replay"}
     assert finding["residual_after"] <= 3 * finding["floor"]
-    assert not [f for f in report["diagnosis"] if f["cause"] == "dtype" and f["status"] == "verified"]
+    assert not [
+        f for f in report["diagnosis"] if f["cause"] == "dtype" and f["status"] == "verified"
+    ]
 
 
 def test_router_replay_removes_the_flips_and_leaves_the_numeric_drift(moe_run, tmp_path):
@@ -162,7 +171,9 @@ def test_history_keeps_routing_series_and_the_run_page_shows_flips_per_layer(moe
     run.mkdir()
     for name in ("fixture.parquet", "replay-flip.parquet", "calibration.json"):
         shutil.copy(moe_run / name, run / name)
-    run_lpx("compare", run / "fixture.parquet", run / "replay-flip.parquet", "--out", run / "compare")
+    run_lpx(
+        "compare", run / "fixture.parquet", run / "replay-flip.parquet", "--out", run / "compare"
+    )
     db = tmp_path / "lpx.db"
     assert run_lpx("record", run, "--db", db).exit_code == 0
     shown = run_lpx("history", "series", "1", "--json", "--db", db)
@@ -172,7 +183,7 @@ def test_history_keeps_routing_series_and_the_run_page_shows_flips_per_layer(moe
     assert run_lpx("report", "--db", db, "--out", tmp_path / "site").exit_code == 0
     (page,) = (tmp_path / "site" / "runs").glob("*.html")
     html = page.read_text()
-    assert '<h3>Routing</h3>' in html and 'data-layer="1"' in html
+    assert "<h3>Routing</h3>" in html and 'data-layer="1"' in html
     assert f"{100 * rate:.2f}".rstrip("0").rstrip(".") in html
 
 
