@@ -10,12 +10,13 @@ from pathlib import Path
 from pipeline.engines.base import knobs_from_dict
 from pipeline.engines.hf_common import software_versions
 from pipeline.engines.model_dir import check_model_dir
+from pipeline.engines.vllm_routing import EXTENSION
 from pipeline.errors import BadInput, EngineNotInstalled
 
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 # Knobs that only change how requests are submitted: settings that differ only in these
 # share one engine in a sweep.
-REQUEST_KNOBS = ("batch_size", "top_logprobs", "per_request_seed")
+REQUEST_KNOBS = ("batch_size", "top_logprobs", "per_request_seed", "record_routing")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class VLLMKnobs:
     # One seed per trajectory (sampling independent of batch composition). vLLM-CPU cannot
     # combine it with a prompt split by chunked prefill; off = the engine seed drives sampling.
     per_request_seed: bool = True
+    # MoE models: record the experts vLLM's routers chose per position (pipeline.routing).
+    record_routing: bool = True
 
     @classmethod
     def from_dict(cls, knobs: dict) -> VLLMKnobs:
@@ -93,6 +96,9 @@ def create_llm(model_dir: Path, knobs: VLLMKnobs, seed: int = 0):
         gpu_memory_utilization=knobs.gpu_memory_utilization,
         max_logprobs=max(20, knobs.top_logprobs),
         distributed_executor_backend="uni" if in_process else None,
+        # lpx's calls into the worker (routed experts), reached by name through
+        # collective_rpc in this process or in the engine core's
+        worker_extension_cls=EXTENSION,
         **{name: value for name, value in optional.items() if value is not None},
     )
 
@@ -138,6 +144,7 @@ def applied_knobs(llm, knobs: VLLMKnobs) -> dict:
         "batch_size": knobs.batch_size,
         "top_logprobs": knobs.top_logprobs,
         "per_request_seed": knobs.per_request_seed,
+        "record_routing": knobs.record_routing,
     }
 
 

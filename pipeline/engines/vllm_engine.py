@@ -22,6 +22,7 @@ from pipeline.engines.vllm_common import (
     stop_token_ids,
     vllm_versions,
 )
+from pipeline.engines.vllm_routing import record_for
 from pipeline.errors import BadInput
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable, table_from_sequences
 from pipeline.progress import progress_bar
@@ -67,7 +68,8 @@ def rollout_with(
 
     work = trajectories(prompts, sampling)
     stops = [] if sampling.ignore_eos else stop_token_ids(model_dir)
-    rows = []
+    routing = record_for(llm, model_dir, "rollout", settings.record_routing)
+    rows, routed = [], []
     for batch in progress_bar(chunks(work, settings.batch_size), desc="vllm rollout", unit="batch"):
         requests = [TokensPrompt(prompt_token_ids=prompt) for _, prompt, _ in batch]
         params = [
@@ -86,8 +88,15 @@ def rollout_with(
             )
             for _, _, seed in batch
         ]
-        for output in _generate(llm, requests, params):
-            rows.append(_sampled(output.outputs[0], settings.top_logprobs))
+        outputs = _generate(llm, requests, params)
+        sampled = [_sampled(output.outputs[0], settings.top_logprobs) for output in outputs]
+        rows += sampled
+        if routing is not None:
+            sequences = [
+                list(prompt) + row["tokens"]
+                for (_, prompt, _), row in zip(batch, sampled, strict=True)
+            ]
+            routed += routing.sequences(outputs, sequences)
     channel = f"{settings.logprobs_mode} logprob of the sampled token"
     metadata = {
         "engine": {"name": "vllm", "role": "rollout", "versions": vllm_versions()},
@@ -110,6 +119,14 @@ def rollout_with(
     if settings.top_logprobs:
         table.top_ids = np.concatenate([r["top_ids"] for r in rows]).astype(np.int32)
         table.top_logprobs = np.concatenate([r["top_logprobs"] for r in rows]).astype(np.float32)
+    return _with_routing(table, routing, routed)
+
+
+def _with_routing(table: TokenTable, routing, routed: list) -> TokenTable:
+    """The table with the routed experts vLLM recorded (MoE models), rows in table order."""
+    if routing is not None:
+        table.routed_experts = np.concatenate(routed)
+        table.metadata = {**table.metadata, "routing": routing.metadata}
     return table
 
 
@@ -188,7 +205,8 @@ def score_with(
 
     params = VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
     indices = list(range(fixture.num_sequences))
-    completions, prompts_lp = [], []
+    routing = record_for(llm, model_dir, "replay", settings.record_routing)
+    completions, prompts_lp, routed = [], [], []
     for batch in progress_bar(
         chunks(indices, settings.batch_size), desc="vllm scoring", unit="batch"
     ):
@@ -201,6 +219,8 @@ def score_with(
             for i in batch
         ]
         outputs = llm.generate(requests, params, use_tqdm=False)
+        if routing is not None:
+            routed += routing.sequences(outputs, [r["prompt_token_ids"] for r in requests])
         for i, request, output in zip(batch, requests, outputs, strict=True):
             sequence = request["prompt_token_ids"]
             # prompt_logprobs[t] holds the logprob of token t given tokens < t (None at 0).
@@ -212,7 +232,7 @@ def score_with(
             completions.append(np.asarray(scored[split:], dtype=np.float32))
             prompts_lp.append(np.asarray(scored[:split], dtype=np.float32))
     applied = applied_knobs(llm, settings)
-    return table_from_sequences(
+    table = table_from_sequences(
         "replay",
         fixture.sequence_ids,
         [fixture.prompt_of(i) for i in indices],
@@ -237,3 +257,4 @@ def score_with(
             "position_id_rule": "arange",
         },
     )
+    return _with_routing(table, routing, routed)

