@@ -160,7 +160,9 @@ def test_stale_weights_at_twice_the_noise_fail_and_are_never_precision(
     level = report["precision_gate"]["tests"][0]
     assert not level["passed"] and level["z"] > 3
     assert report["verification"]["ran"]
-    assert not [f for f in report["diagnosis"] if f["cause"] == "dtype" and f["status"] == "verified"]
+    assert not [
+        f for f in report["diagnosis"] if f["cause"] == "dtype" and f["status"] == "verified"
+    ]
     assert any(f["severity"] == "fault" for f in report["diagnosis"])
 
 
@@ -174,7 +176,9 @@ def test_another_router_in_one_moe_layer_fails_and_is_never_precision(
     result, report = compare(out, replay, tmp_path / "cmp")
     assert result.exit_code == 1
     assert not report["precision_gate"]["passed"]
-    assert not [f for f in report["diagnosis"] if f["cause"] == "dtype" and f["status"] == "verified"]
+    assert not [
+        f for f in report["diagnosis"] if f["cause"] == "dtype" and f["status"] == "verified"
+    ]
     assert any(f["severity"] == "fault" for f in report["diagnosis"])
 
 

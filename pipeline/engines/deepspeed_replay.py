@@ -79,7 +79,9 @@ class DeepSpeedSession:
         self.prompt_logprobs = self.settings.prompt_logprobs
 
     def score(self, pairs, routing=None):
-        return score_batch(self.engine.module, pairs, self.settings, full_forward=True, routing=routing)
+        return score_batch(
+            self.engine.module, pairs, self.settings, full_forward=True, routing=routing
+        )
 
     def metadata(self) -> dict:
         module = self.engine.module
