@@ -1,18 +1,56 @@
-"""Hugging Face Llama/Qwen2 weights <-> megatron-core GPTModel shards for tensor parallelism.
+"""Hugging Face weights <-> megatron-core GPTModel shards, for every family lpx registers
+(`pipeline.families`: Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE), with tensor parallelism
+(TP) and, for MoE models, expert parallelism (EP).
 
 Pure tensor functions (no process groups), so the layout rules can be tested on their own:
 - `linear_qkv` interleaves per query group [q heads of the group, k, v], then each TP rank
   takes its contiguous run of groups (the same for the Qwen2 qkv bias);
-- `linear_fc1` is, per rank, cat(gate chunk, up chunk);
-- `linear_proj` and `linear_fc2` split their input dimension (dim 1);
-- word embeddings and the output layer split the vocabulary (dim 0).
+- Qwen3's per-head q/k RMSNorms are `self_attention.q_layernorm` / `k_layernorm`, whole on
+  every rank (one head_dim vector);
+- `linear_fc1` is, per rank, cat(gate chunk, up chunk); `linear_proj` and `linear_fc2` split
+  their input dimension (dim 1); word embeddings and the output layer split the vocabulary;
+- MoE layers: the router (`mlp.router.weight`, [experts, hidden]) is whole on every rank;
+  EP rank r holds experts r * E/ep .. (r + 1) * E/ep - 1 as `mlp.experts.local_experts.j`
+  (megatron's SequentialMLP), each split over the expert-TP ranks like a dense MLP;
+  Qwen2-MoE's shared expert is `mlp.shared_experts` (split over TP) and its sigmoid gate
+  `mlp.shared_experts.gate_weight` ([1, hidden], whole).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-CONVERSION = "hf-llama/qwen2 -> mcore GPTModel (local spec): qkv interleaved per query group, fc1 = [gate; up] per rank"
+from pipeline.errors import BadInput
+
+CONVERSION = (
+    "hf -> mcore GPTModel (local spec): qkv interleaved per query group, fc1 = [gate; up] per "
+    "rank, q/k layernorm per head, experts split over EP ranks (SequentialMLP)"
+)
+DISPATCHER = "alltoall"  # the one megatron token dispatcher that takes uneven ranks (see gpt_model)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How one model is split: TP ranks, EP ranks, and expert-TP ranks (megatron's default:
+    the experts split like the dense layers, `etp` = `tp`)."""
+
+    tp: int = 1
+    ep: int = 1
+    etp: int | None = None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one rank sits: its TP rank, EP rank and expert-TP rank."""
+
+    tp: int = 0
+    ep: int = 0
+    etp: int = 0
 
 
 @dataclass(frozen=True)
@@ -26,9 +64,15 @@ class Shape:
     vocab_size: int
     tied: bool
     qkv_bias: bool
+    family: str = "llama"
+    qk_norm: bool = False
+    routing: object = None  # pipeline.families.Routing for a MoE model, else None
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> Shape:
+    def from_hf_config(cls, config: dict, source: str = "config.json") -> Shape:
+        from pipeline.families import routing
+
+        family = convertible_family(config, source)
         heads = config["num_attention_heads"]
         return cls(
             num_layers=config["num_hidden_layers"],
@@ -39,100 +83,296 @@ class Shape:
             ffn_hidden_size=config["intermediate_size"],
             vocab_size=config["vocab_size"],
             tied=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=config.get("model_type") == "qwen2"
-            or bool(config.get("attention_bias", False)),
+            qkv_bias=family.qkv_bias,
+            family=family.name,
+            qk_norm=family.qk_norm,
+            routing=routing(config) if family.moe else None,
         )
+
+    def moe_layer(self, index: int) -> bool:
+        return self.routing is not None and index in self.routing.layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return sorted(self.routing.layers) if self.routing is not None else []
+
+
+# ---------------------------------------------------------------------------------------
+# What the converter takes, checked before any rank starts
+
+
+def convertible_family(config: dict, source: str = "config.json"):
+    """The config's family when the converter takes it; BadInput naming the family or the
+    setting it cannot take, and what it does take."""
+    from pipeline.families import families
+
+    known = families()
+    model_type = config.get("model_type")
+    if model_type not in known:
+        raise BadInput(
+            f"{source}: megatron converts the families lpx registers ({', '.join(known)}), "
+            f"not model_type {model_type!r}; replay or capture this model with hf, fsdp or "
+            "deepspeed, or add its family in pipeline/families/ and its layout in "
+            "pipeline/engines/megatron_convert.py."
+        )
+    family = known[model_type]
+    unsupported = _unsupported_settings(config, family)
+    if unsupported:
+        raise BadInput(
+            f"{source}: megatron's conversion of {model_type} takes none of "
+            f"{', '.join(unsupported)} (it converts gated-SiLU MLPs, plain RoPE, full "
+            "attention, no o_proj/MLP biases); use hf, fsdp or deepspeed for this model."
+        )
+    return family
+
+
+def _unsupported_settings(config: dict, family) -> list[str]:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    checks = {
+        f"hidden_act={config.get('hidden_act')}": config.get("hidden_act", "silu") != "silu",
+        f"rope_type={rope.get('rope_type')}": rope.get("rope_type", "default") != "default",
+        "use_sliding_window": bool(config.get("use_sliding_window")),
+        "mlp_bias": bool(config.get("mlp_bias")),
+        # Llama's attention_bias also puts a bias on o_proj, which the layout has no place for
+        "attention_bias (o_proj bias)": bool(config.get("attention_bias")) and not family.qkv_bias,
+    }
+    return [name for name, bad in checks.items() if bad]
+
+
+def check_convertible(config: dict, parallel: Parallel, world_size: int, source: str) -> Shape:
+    """Everything a megatron launch needs of the model and the parallel layout, checked in the
+    launching process so a bad one is one `Error:` line, not a failed rank: the family, TP
+    dividing heads/groups/vocab/FFN, EP dividing the experts, the world size fitting both."""
+    shape = Shape.from_hf_config(config, source)
+    tp, ep, etp = parallel.tp, parallel.ep, parallel.expert_tp
+    for name, value in (("tensor_parallel_size", tp), ("expert_model_parallel_size", ep)):
+        if value < 1:
+            raise BadInput(f"{name} must be at least 1, not {value}.")
+    if etp < 1:
+        raise BadInput(f"expert_tensor_parallel_size must be at least 1, not {etp}.")
+    split_by_tp = {
+        "key/value heads": shape.num_query_groups,
+        "attention heads": shape.num_heads,
+        "vocabulary": shape.vocab_size,
+    }
+    if any(not shape.moe_layer(i) for i in range(shape.num_layers)):
+        split_by_tp["intermediate_size"] = shape.ffn_hidden_size
+    if shape.routing is not None and shape.routing.shared_ffn_hidden_size:
+        split_by_tp["shared_expert_intermediate_size"] = shape.routing.shared_ffn_hidden_size
+    bad = [f"{name} ({size})" for name, size in split_by_tp.items() if size % tp]
+    if bad:
+        raise BadInput(
+            f"{source}: tensor parallel size tp={tp} must divide the {', '.join(bad)}; "
+            f"choose one of {_divisors(math.gcd(*split_by_tp.values()))}."
+        )
+    if shape.routing is None and (ep > 1 or parallel.etp not in (None, tp)):
+        raise BadInput(
+            f"{source}: expert parallelism (ep={ep}, expert tensor parallel size "
+            f"{parallel.expert_tp}) needs a mixture-of-experts model, and {shape.family} is "
+            "dense; leave expert_model_parallel_size (ep) at 1."
+        )
+    if shape.routing is not None:
+        experts = shape.routing.num_experts
+        if experts % ep:
+            raise BadInput(
+                f"{source}: expert parallel size ep={ep} must divide the {experts} experts of "
+                f"this {shape.family} model; choose one of {_divisors(experts)}."
+            )
+        if shape.routing.ffn_hidden_size % etp:
+            raise BadInput(
+                f"{source}: expert tensor parallel size etp={etp} must divide "
+                f"moe_intermediate_size ({shape.routing.ffn_hidden_size}); choose one of "
+                f"{_divisors(shape.routing.ffn_hidden_size)}."
+            )
+    for what, size in (("tensor_parallel_size", tp), ("expert_model_parallel_size x expert "
+                       "tensor parallel size", ep * etp)):  # fmt: skip
+        if world_size % size:
+            raise BadInput(
+                f"--nproc {world_size} is not a multiple of {what} ({size}); megatron needs "
+                "every rank in a group of that size."
+            )
+    return shape
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+# ---------------------------------------------------------------------------------------
+# HF -> megatron
 
 
 def hf_to_megatron(
-    hf: dict, shape: Shape, tp_size: int, tp_rank: int, interleave_qkv: bool = True
+    hf: dict,
+    shape: Shape,
+    parallel: Parallel,
+    place: Place = Place(),
+    interleave_qkv: bool = True,
 ) -> dict:
-    """The state dict TP rank `tp_rank` of `tp_size` loads. `interleave_qkv=False` is the
-    classic conversion bug (q, k, v concatenated whole); tests use it to prove lpx sees it."""
+    """The state dict the rank at `place` loads. `interleave_qkv=False` is the classic
+    conversion bug (q, k, v concatenated whole); tests use it to prove lpx sees it."""
+    tp, tp_rank = parallel.tp, place.tp
     out = {
-        "embedding.word_embeddings.weight": _rows(
-            hf["model.embed_tokens.weight"], tp_size, tp_rank
-        ),
+        "embedding.word_embeddings.weight": _rows(hf["model.embed_tokens.weight"], tp, tp_rank),
         "decoder.final_layernorm.weight": hf["model.norm.weight"],
     }
     if not shape.tied:
-        out["output_layer.weight"] = _rows(hf["lm_head.weight"], tp_size, tp_rank)
+        out["output_layer.weight"] = _rows(hf["lm_head.weight"], tp, tp_rank)
     for i in range(shape.num_layers):
         hf_prefix, prefix = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attention = hf_prefix + "self_attn."
-        q, k, v = (hf[attention + f"{n}_proj.weight"] for n in "qkv")
-        out[prefix + "self_attention.linear_qkv.weight"] = _qkv(
-            q, k, v, shape, tp_size, tp_rank, interleave_qkv
-        )
-        if shape.qkv_bias:
-            qb, kb, vb = (hf[attention + f"{n}_proj.bias"][:, None] for n in "qkv")
-            bias = _qkv(qb, kb, vb, shape, tp_size, tp_rank, interleave_qkv)
-            out[prefix + "self_attention.linear_qkv.bias"] = bias[:, 0]
-        out[prefix + "self_attention.linear_proj.weight"] = _columns(
-            hf[attention + "o_proj.weight"], tp_size, tp_rank
-        )
+        out.update(_attention(hf, hf_prefix + "self_attn.", prefix, shape, tp, tp_rank,
+                              interleave_qkv))  # fmt: skip
         out[prefix + "input_layernorm.weight"] = hf[hf_prefix + "input_layernorm.weight"]
         out[prefix + "pre_mlp_layernorm.weight"] = hf[hf_prefix + "post_attention_layernorm.weight"]
-        mlp = hf_prefix + "mlp."
-        gate = _rows(hf[mlp + "gate_proj.weight"], tp_size, tp_rank)
-        up = _rows(hf[mlp + "up_proj.weight"], tp_size, tp_rank)
-        out[prefix + "mlp.linear_fc1.weight"] = _cat([gate, up])
-        out[prefix + "mlp.linear_fc2.weight"] = _columns(
-            hf[mlp + "down_proj.weight"], tp_size, tp_rank
-        )
+        if shape.moe_layer(i):
+            out.update(_moe(hf, hf_prefix + "mlp.", prefix + "mlp.", shape, parallel, place))
+        else:
+            out.update(_mlp(hf, hf_prefix + "mlp.", prefix + "mlp.", tp, tp_rank))
     return out
 
 
-def megatron_to_hf(shards: list[dict], shape: Shape) -> dict:
-    """Reassemble the HF state dict from every TP rank's shard (inverse of hf_to_megatron)."""
+def _attention(hf, hf_prefix, prefix, shape, tp, tp_rank, interleave) -> dict:
+    out = {}
+    q, k, v = (hf[hf_prefix + f"{n}_proj.weight"] for n in "qkv")
+    out[prefix + "self_attention.linear_qkv.weight"] = _qkv(q, k, v, shape, tp, tp_rank, interleave)
+    if shape.qkv_bias:
+        qb, kb, vb = (hf[hf_prefix + f"{n}_proj.bias"][:, None] for n in "qkv")
+        bias = _qkv(qb, kb, vb, shape, tp, tp_rank, interleave)
+        out[prefix + "self_attention.linear_qkv.bias"] = bias[:, 0]
+    if shape.qk_norm:
+        out[prefix + "self_attention.q_layernorm.weight"] = hf[hf_prefix + "q_norm.weight"]
+        out[prefix + "self_attention.k_layernorm.weight"] = hf[hf_prefix + "k_norm.weight"]
+    out[prefix + "self_attention.linear_proj.weight"] = _columns(
+        hf[hf_prefix + "o_proj.weight"], tp, tp_rank
+    )
+    return out
+
+
+def _mlp(hf, hf_prefix, prefix, tp, tp_rank) -> dict:
+    """A gated MLP (gate_proj, up_proj, down_proj) as megatron's linear_fc1/linear_fc2."""
+    gate = _rows(hf[hf_prefix + "gate_proj.weight"], tp, tp_rank)
+    up = _rows(hf[hf_prefix + "up_proj.weight"], tp, tp_rank)
+    return {
+        prefix + "linear_fc1.weight": _cat([gate, up]),
+        prefix + "linear_fc2.weight": _columns(hf[hf_prefix + "down_proj.weight"], tp, tp_rank),
+    }
+
+
+def _moe(hf, hf_prefix, prefix, shape, parallel, place) -> dict:
+    routing = shape.routing
+    out = {prefix + "router.weight": hf[hf_prefix + "gate.weight"]}
+    local = routing.num_experts // parallel.ep
+    for j in range(local):  # megatron's local expert j is HF's expert ep_rank * local + j
+        source = f"{hf_prefix}experts.{place.ep * local + j}."
+        target = f"{prefix}experts.local_experts.{j}."
+        out.update(_mlp(hf, source, target, parallel.expert_tp, place.etp))
+    if routing.shared_ffn_hidden_size:
+        out.update(_mlp(hf, hf_prefix + "shared_expert.", prefix + "shared_experts.",
+                        parallel.tp, place.tp))  # fmt: skip
+        out[prefix + "shared_experts.gate_weight"] = hf[hf_prefix + "shared_expert_gate.weight"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# megatron -> HF
+
+
+def megatron_to_hf(shards: dict, shape: Shape, parallel: Parallel) -> dict:
+    """Reassemble the HF state dict (inverse of hf_to_megatron) from `shards`, a
+    {Place: state dict} holding every TP rank and every (EP, expert-TP) rank at least once."""
     import torch
 
-    tp_size = len(shards)
-    cat0 = lambda name: torch.cat([s[name] for s in shards], dim=0)  # noqa: E731
-    cat1 = lambda name: torch.cat([s[name] for s in shards], dim=1)  # noqa: E731
+    by_tp = [_shard_at(shards, "tp", r) for r in range(parallel.tp)]
+    cat0 = lambda name: torch.cat([s[name] for s in by_tp], dim=0)  # noqa: E731
     hf = {
         "model.embed_tokens.weight": cat0("embedding.word_embeddings.weight"),
-        "model.norm.weight": shards[0]["decoder.final_layernorm.weight"],
+        "model.norm.weight": by_tp[0]["decoder.final_layernorm.weight"],
     }
     hf["lm_head.weight"] = (
         hf["model.embed_tokens.weight"] if shape.tied else cat0("output_layer.weight")
     )
-    groups_per_rank = shape.num_query_groups // tp_size
-    heads_per_group = shape.num_heads // shape.num_query_groups
-    d = shape.head_dim
     for i in range(shape.num_layers):
         prefix, hf_prefix = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for suffix in ("weight", "bias") if shape.qkv_bias else ("weight",):
-            name = prefix + f"self_attention.linear_qkv.{suffix}"
-            q, k, v = [], [], []
-            for shard in shards:
-                per_group = shard[name].reshape(groups_per_rank, (heads_per_group + 2) * d, -1)
-                q.append(per_group[:, : heads_per_group * d].reshape(-1, per_group.shape[-1]))
-                k.append(
-                    per_group[:, heads_per_group * d : (heads_per_group + 1) * d].reshape(
-                        -1, per_group.shape[-1]
-                    )
-                )
-                v.append(per_group[:, (heads_per_group + 1) * d :].reshape(-1, per_group.shape[-1]))
-            for n, parts in zip("qkv", (q, k, v), strict=True):
-                tensor = torch.cat(parts)
-                hf[hf_prefix + f"self_attn.{n}_proj.{suffix}"] = (
-                    tensor[:, 0] if suffix == "bias" else tensor
-                )
-        hf[hf_prefix + "self_attn.o_proj.weight"] = cat1(
-            prefix + "self_attention.linear_proj.weight"
-        )
-        hf[hf_prefix + "input_layernorm.weight"] = shards[0][prefix + "input_layernorm.weight"]
-        hf[hf_prefix + "post_attention_layernorm.weight"] = shards[0][
+        hf.update(_attention_back(by_tp, prefix, hf_prefix + "self_attn.", shape))
+        hf[hf_prefix + "input_layernorm.weight"] = by_tp[0][prefix + "input_layernorm.weight"]
+        hf[hf_prefix + "post_attention_layernorm.weight"] = by_tp[0][
             prefix + "pre_mlp_layernorm.weight"
         ]
-        gates, ups = zip(
-            *(s[prefix + "mlp.linear_fc1.weight"].chunk(2) for s in shards), strict=True
-        )
-        hf[hf_prefix + "mlp.gate_proj.weight"] = torch.cat(gates)
-        hf[hf_prefix + "mlp.up_proj.weight"] = torch.cat(ups)
-        hf[hf_prefix + "mlp.down_proj.weight"] = cat1(prefix + "mlp.linear_fc2.weight")
+        if shape.moe_layer(i):
+            hf.update(
+                _moe_back(shards, by_tp, prefix + "mlp.", hf_prefix + "mlp.", shape, parallel)
+            )
+        else:
+            hf.update(_mlp_back(by_tp, prefix + "mlp.", hf_prefix + "mlp."))
     return hf
+
+
+def _shard_at(shards: dict, axis: str, rank: int, **also) -> dict:
+    for place, shard in shards.items():
+        if getattr(place, axis) == rank and all(getattr(place, k) == v for k, v in also.items()):
+            return shard
+    raise ValueError(f"no shard at {axis} rank {rank} {also or ''} among {sorted(shards)}")
+
+
+def _attention_back(by_tp, prefix, hf_prefix, shape) -> dict:
+    import torch
+
+    out = {}
+    groups_per_rank = shape.num_query_groups // len(by_tp)
+    heads_per_group = shape.num_heads // shape.num_query_groups
+    d = shape.head_dim
+    for suffix in ("weight", "bias") if shape.qkv_bias else ("weight",):
+        name = prefix + f"self_attention.linear_qkv.{suffix}"
+        q, k, v = [], [], []
+        for shard in by_tp:
+            per_group = shard[name].reshape(groups_per_rank, (heads_per_group + 2) * d, -1)
+            width = per_group.shape[-1]
+            q.append(per_group[:, : heads_per_group * d].reshape(-1, width))
+            k.append(
+                per_group[:, heads_per_group * d : (heads_per_group + 1) * d].reshape(-1, width)
+            )
+            v.append(per_group[:, (heads_per_group + 1) * d :].reshape(-1, width))
+        for n, parts in zip("qkv", (q, k, v), strict=True):
+            tensor = torch.cat(parts)
+            out[hf_prefix + f"{n}_proj.{suffix}"] = tensor[:, 0] if suffix == "bias" else tensor
+    if shape.qk_norm:
+        out[hf_prefix + "q_norm.weight"] = by_tp[0][prefix + "self_attention.q_layernorm.weight"]
+        out[hf_prefix + "k_norm.weight"] = by_tp[0][prefix + "self_attention.k_layernorm.weight"]
+    out[hf_prefix + "o_proj.weight"] = torch.cat(
+        [s[prefix + "self_attention.linear_proj.weight"] for s in by_tp], dim=1
+    )
+    return out
+
+
+def _mlp_back(parts, prefix, hf_prefix) -> dict:
+    """One gated MLP from its TP (or expert-TP) shards, in rank order."""
+    import torch
+
+    gates, ups = zip(*(s[prefix + "linear_fc1.weight"].chunk(2) for s in parts), strict=True)
+    return {
+        hf_prefix + "gate_proj.weight": torch.cat(gates),
+        hf_prefix + "up_proj.weight": torch.cat(ups),
+        hf_prefix + "down_proj.weight": torch.cat(
+            [s[prefix + "linear_fc2.weight"] for s in parts], dim=1
+        ),  # fmt: skip
+    }
+
+
+def _moe_back(shards, by_tp, prefix, hf_prefix, shape, parallel) -> dict:
+    routing = shape.routing
+    out = {hf_prefix + "gate.weight": by_tp[0][prefix + "router.weight"]}
+    local = routing.num_experts // parallel.ep
+    for ep_rank in range(parallel.ep):
+        parts = [_shard_at(shards, "ep", ep_rank, etp=r) for r in range(parallel.expert_tp)]
+        for j in range(local):
+            out.update(_mlp_back(parts, f"{prefix}experts.local_experts.{j}.",
+                                 f"{hf_prefix}experts.{ep_rank * local + j}."))  # fmt: skip
+    if routing.shared_ffn_hidden_size:
+        out.update(_mlp_back(by_tp, prefix + "shared_experts.", hf_prefix + "shared_expert."))
+        out[hf_prefix + "shared_expert_gate.weight"] = by_tp[0][
+            prefix + "shared_experts.gate_weight"
+        ]
+    return out
 
 
 def _qkv(q, k, v, shape: Shape, tp_size: int, tp_rank: int, interleave: bool):
@@ -168,15 +408,66 @@ def _cat(parts):
     return torch.cat(parts, dim=0)
 
 
-def gpt_model(config: dict, shape, tp: int, dtype):
-    """An empty Megatron-core GPTModel of the HF model's shape, for `tp` TP ranks, in torch
-    `dtype`, with every fusion off so it runs on the CPU (the replay and the capture side both
-    load their shard of the HF weights into it)."""
+# ---------------------------------------------------------------------------------------
+# The model
+
+
+def moe_settings(shape: Shape, parallel: Parallel) -> dict:
+    """megatron-core's own MoE layer set to route exactly as the HF model does at inference.
+
+    - softmax router; HF takes the top-k of the softmax: with ``norm_topk_prob`` the chosen
+      probabilities are renormalised, which is megatron's default order (top-k of the logits,
+      then a softmax over those k); without it, megatron's ``moe_router_pre_softmax`` (softmax
+      over every expert, then top-k), unscaled;
+    - no load balancing, no aux/z loss, no capacity: every token goes to its k experts;
+    - router logits in the activations' dtype (``moe_router_dtype`` None), as HF's
+      ``F.linear`` computes them; the softmax is fp32 on both sides;
+    - Qwen2-MoE's shared expert with its sigmoid gate (``moe_shared_expert_gate``);
+    - the alltoall dispatcher: EP ranks score different micro-batches (they are data
+      parallel for attention), and only alltoall exchanges uneven token counts;
+    - ``moe_enable_routing_replay``: megatron's RouterReplay records each router's top-k
+      (the routing record) and forces it (router replay, R3).
+    """
+    routing = shape.routing
+    return {
+        "num_moe_experts": routing.num_experts,
+        "moe_router_topk": routing.top_k,
+        "moe_ffn_hidden_size": routing.ffn_hidden_size,
+        "moe_layer_freq": [int(shape.moe_layer(i)) for i in range(shape.num_layers)],
+        "moe_shared_expert_intermediate_size": routing.shared_ffn_hidden_size or None,
+        "moe_shared_expert_gate": bool(routing.shared_ffn_hidden_size),
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not routing.norm_topk_prob,
+        "moe_router_topk_scaling_factor": None,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_z_loss_coeff": None,
+        "moe_input_jitter_eps": None,
+        "moe_expert_capacity_factor": None,
+        "moe_token_dispatcher_type": DISPATCHER,
+        "moe_router_dtype": None,
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+        "moe_router_fusion": False,
+        "moe_enable_routing_replay": True,
+        "expert_model_parallel_size": parallel.ep,
+        "expert_tensor_parallel_size": parallel.expert_tp,
+    }
+
+
+def gpt_model(config: dict, shape: Shape, parallel: Parallel, dtype):
+    """An empty Megatron-core GPTModel of the HF model's shape, split as `parallel` says, in
+    torch `dtype`, with every fusion off so it runs on the CPU (the replay and the capture
+    side both load their shard of the HF weights into it)."""
     import torch
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.transformer import TransformerConfig
 
+    moe = moe_settings(shape, parallel) if shape.routing is not None else {}
     transformer = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -186,13 +477,14 @@ def gpt_model(config: dict, shape, tp: int, dtype):
         ffn_hidden_size=shape.ffn_hidden_size,
         normalization="RMSNorm",
         layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
+        qk_layernorm=shape.qk_norm,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
+        tensor_model_parallel_size=parallel.tp,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -205,10 +497,18 @@ def gpt_model(config: dict, shape, tp: int, dtype):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
+        **moe,
     )
+    if shape.routing is not None:
+        # per-layer specs: MoE layers and the dense ones (mlp_only_layers, decoder_sparse_step)
+        spec = get_gpt_decoder_block_spec(
+            transformer, use_transformer_engine=False, normalization="RMSNorm"
+        )
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
     return GPTModel(
         config=transformer,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=shape.vocab_size,
         max_sequence_length=config.get("max_position_embeddings", 4096),
         position_embedding_type="rope",
@@ -219,3 +519,77 @@ def gpt_model(config: dict, shape, tp: int, dtype):
         share_embeddings_and_output_weights=shape.tied,
         parallel_output=True,
     )
+
+
+def initialize_parallel(parallel: Parallel) -> None:
+    """megatron's process groups for `parallel` (rebuilt when a second model is opened in the
+    same process: megatron keeps them in globals)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    # Each router registers itself in a class-level list; a new model starts a new list.
+    RouterReplay.clear_global_router_replay_instances()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.expert_tp,
+    )
+
+
+def place_of_this_rank() -> Place:
+    from megatron.core import parallel_state
+
+    return Place(
+        tp=parallel_state.get_tensor_model_parallel_rank(),
+        ep=parallel_state.get_expert_model_parallel_rank(),
+        etp=parallel_state.get_expert_tensor_parallel_rank(),
+    )
+
+
+def load_hf_weights(model_dir) -> dict:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(path))
+    return weights
+
+
+def cpu_moe_shims() -> None:
+    """megatron's alltoall token dispatcher copies its split sizes to the host on a CUDA side
+    stream (`torch.cuda.Stream`, `current_stream`, `stream`, an event it synchronizes). On a
+    CPU rank the tensors are already on the host: the stream becomes a no-op and the copy a
+    plain `.numpy()` (what it yields on CUDA). For a process that scores on the CPU only."""
+    import contextlib
+
+    import torch
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # megatron-core 0.16.1 names te_general_gemm only when Transformer Engine imports; the
+    # router's gating linear reads it either way (None: plain torch.mm).
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    class HostStream:
+        def wait_stream(self, other) -> None:
+            pass
+
+        def record_event(self):
+            return self
+
+        def synchronize(self) -> None:
+            pass
+
+    stream = HostStream()
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+    torch.cuda.current_stream = lambda device=None: stream
+    torch.cuda.stream = lambda chosen=None: contextlib.nullcontext()
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.cpu().numpy()
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host

@@ -1,6 +1,14 @@
 """megatron-core replay: a GPTModel built from the HF config, HF weights converted and
-sharded for tensor parallelism, selected logprobs computed vocab-parallel (the full-vocab
+sharded for tensor parallelism (and, for MoE models, expert parallelism through
+megatron-core's own MoE layer), selected logprobs computed vocab-parallel (the full-vocab
 logits are never gathered). Padding is right-side with an explicit boolean mask.
+
+Knobs beyond the HF replay's: tensor_parallel_size (default: every rank),
+expert_model_parallel_size (EP, default 1), expert_tensor_parallel_size (default: the TP
+size, megatron's default), conversion. The model and the layout are checked in the launching
+process (`check_convertible`), so a family or split megatron cannot take is one error line
+before any rank starts. MoE models record each position's experts from megatron's routers
+(ScoredSequence.routed_experts); router_replay=true forces the fixture's.
 """
 
 from __future__ import annotations
@@ -16,11 +24,18 @@ from pipeline.engines.hf_common import model_metadata, software_versions, torch_
 from pipeline.engines.hf_replay import ReplayKnobs, ScoredSequence
 from pipeline.engines.megatron_convert import (
     CONVERSION,
-    Shape,
+    DISPATCHER,
+    Parallel,
+    check_convertible,
+    cpu_moe_shims,
     gpt_model,
     hf_to_megatron,
+    initialize_parallel,
+    load_hf_weights,
     megatron_to_hf,
+    place_of_this_rank,
 )
+from pipeline.engines.megatron_routing import MegatronRouters, batch_targets, sequence_rows
 from pipeline.errors import BadInput, EngineNotInstalled
 from pipeline.fingerprint import tensor_fingerprint
 
@@ -28,8 +43,70 @@ from pipeline.fingerprint import tensor_fingerprint
 class MegatronScoringEngine(DistributedScoringEngine):
     name = "megatron"
 
+    def score(self, fixture, model_dir: Path, knobs: dict):
+        preflight(Path(model_dir), knobs, fixture)  # before torchrun starts a rank
+        return super().score(fixture, model_dir, knobs)
+
     def open(self, model_dir: Path, knobs: dict, rank: int, world_size: int):
         return MegatronSession(model_dir, dict(knobs), world_size)
+
+
+MEGATRON_KNOBS = (
+    "tensor_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "conversion",
+)
+
+
+def parallel_of(knobs: dict, world_size: int) -> Parallel:
+    """The split the knobs ask for (TP defaults to every rank, EP to 1, expert TP to TP)."""
+    etp = knobs.get("expert_tensor_parallel_size")
+    try:
+        return Parallel(
+            tp=int(knobs.get("tensor_parallel_size", world_size)),
+            ep=int(knobs.get("expert_model_parallel_size", 1)),
+            etp=None if etp is None else int(etp),
+        )
+    except (TypeError, ValueError):
+        raise BadInput(
+            "tensor_parallel_size, expert_model_parallel_size and expert_tensor_parallel_size "
+            "take whole numbers, e.g. --set expert_model_parallel_size=2."
+        ) from None
+
+
+def preflight(model_dir: Path, knobs: dict, fixture=None) -> None:
+    """The model's family, the parallel layout and the knobs (router_replay needing the
+    fixture's routing too), checked in the launching process: a refusal here is one `Error:`
+    line and exit 2, and no rank is started."""
+    from pipeline.engines.distributed import plan_ranks, under_launcher
+    from pipeline.engines.model_dir import check_model_dir
+
+    check_model_dir(model_dir)
+    if under_launcher():  # the user's own torchrun: this process is already a rank
+        import os
+
+        world_size = int(os.environ["WORLD_SIZE"])
+    else:
+        world_size = plan_ranks(knobs, knobs.get("nproc", 1))[0]
+    rank_knobs = {k: v for k, v in knobs.items() if k != "nproc"}
+    config = json.loads((model_dir / "config.json").read_text())
+    shape = check_convertible(
+        config, parallel_of(rank_knobs, world_size), world_size, str(model_dir)
+    )
+    settings = ReplayKnobs.from_dict(
+        {k: v for k, v in rank_knobs.items() if k not in MEGATRON_KNOBS}
+    )
+    if settings.router_replay:
+        if shape.routing is None:
+            raise BadInput(
+                f"router_replay forces MoE routing, and {model_dir} is a dense {shape.family} "
+                "model; leave router_replay off."
+            )
+        if fixture is not None:
+            from pipeline.routing import sequence_routing
+
+            sequence_routing(fixture, 0)  # refuses a fixture without routed experts
 
 
 class MegatronSession:
@@ -38,10 +115,14 @@ class MegatronSession:
             from megatron.core import parallel_state
         except ImportError as error:
             raise EngineNotInstalled(
-                f"engine 'megatron' is not installed ({error}); install it with `pip install -e '.[megatron]'`."
+                f"engine 'megatron' is not installed ({error}); install it with "
+                "`pip install -e '.[megatron]'`."
             ) from None
 
-        self.tp = int(knobs.pop("tensor_parallel_size", world_size))
+        self.parallel = parallel_of(knobs, world_size)
+        for name in MEGATRON_KNOBS[:3]:
+            knobs.pop(name, None)
+        self.tp = self.parallel.tp
         self.interleave_qkv = str(knobs.pop("conversion", "correct")) != "no_qkv_interleave"
         self.settings = ReplayKnobs.from_dict(knobs)
         unsupported = {
@@ -52,34 +133,29 @@ class MegatronSession:
         if any(unsupported.values()):
             names = ", ".join(k for k, v in unsupported.items() if v)
             raise BadInput(f"megatron replay does not support {names}.")
-        if world_size % self.tp:
+        self.model_dir = Path(model_dir)
+        config = json.loads((self.model_dir / "config.json").read_text())
+        self.shape = check_convertible(config, self.parallel, world_size, str(model_dir))
+        if self.settings.router_replay and self.shape.routing is None:
             raise BadInput(
-                f"--nproc {world_size} is not a multiple of tensor_parallel_size {self.tp}."
+                f"router_replay forces MoE routing, and {model_dir} is a dense "
+                f"{self.shape.family} model; leave router_replay off."
             )
         self.device = self.settings.device  # this rank's: cpu or cuda:LOCAL_RANK
         if not is_cuda(self.device):
             cpu_stands_in_for_cuda()
-        if parallel_state.model_parallel_is_initialized():
-            # a second session in this process (lpx serve loading a new weight version):
-            # megatron keeps its groups in globals, so they are rebuilt for it
-            parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+            if self.shape.routing is not None:
+                cpu_moe_shims()
+        # a second session in this process (lpx serve loading a new weight version) rebuilds
+        # megatron's groups: it keeps them in globals
+        initialize_parallel(self.parallel)
         from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         self.parallel_state = parallel_state
-        self.model_dir = Path(model_dir)
-        config = json.loads((self.model_dir / "config.json").read_text())
-        if config.get("model_type") not in ("llama", "qwen2"):
-            raise BadInput(
-                f"{model_dir}: megatron replay converts llama and qwen2 models, not {config.get('model_type')!r}."
-            )
-        self.shape = Shape.from_hf_config(config)
-        if self.shape.num_query_groups % self.tp or self.shape.vocab_size % self.tp:
-            raise BadInput(
-                f"tensor_parallel_size {self.tp} must divide the query groups and the vocabulary."
-            )
+        self.place = place_of_this_rank()
         self.model = self._build(config)
+        self.routers = MegatronRouters(self.model)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -88,24 +164,14 @@ class MegatronSession:
         self.prompt_logprobs = self.settings.prompt_logprobs
 
     def _build(self, config: dict):
-        from safetensors.torch import load_file
-
         dtype = torch_dtype(self.settings.dtype)
         shape = self.shape
-        model = gpt_model(config, shape, self.tp, dtype)
-        hf = {}
-        for path in sorted(self.model_dir.glob("*.safetensors")):
-            hf.update(load_file(path))
+        model = gpt_model(config, shape, self.parallel, dtype)
+        hf = load_hf_weights(self.model_dir)
         self.checkpoint_fingerprint = tensor_fingerprint(
             (n, t.to(dtype)) for n, t in hf.items() if n != "lm_head.weight" or not shape.tied
         )
-        shard = hf_to_megatron(
-            hf,
-            shape,
-            self.tp,
-            self.parallel_state.get_tensor_model_parallel_rank(),
-            self.interleave_qkv,
-        )
+        shard = hf_to_megatron(hf, shape, self.parallel, self.place, self.interleave_qkv)
         missing, unexpected = model.load_state_dict(
             {k: v.to(dtype) for k, v in shard.items()}, strict=False
         )
@@ -116,13 +182,20 @@ class MegatronSession:
             )
         return model.to(device=self.device, dtype=dtype).eval()
 
-    def score(self, pairs):
+    def score(self, pairs, routing: list | None = None):
+        """One ScoredSequence per (prompt, completion) pair; ``routing`` (one [length - 1, MoE
+        layers, k] array per pair, router_replay) forces the experts."""
         import torch
 
-        with torch.no_grad():
-            return self._score(pairs)
+        if routing is not None and not self.routers:
+            raise BadInput("router_replay forces MoE routing, and this model has no router.")
+        try:
+            with torch.no_grad():
+                return self._score(pairs, routing)
+        finally:
+            self.routers.end()
 
-    def _score(self, pairs):
+    def _score(self, pairs, routing):
         import torch
 
         sequences = [np.concatenate([p, c]).astype(np.int64) for p, c in pairs]
@@ -137,7 +210,13 @@ class MegatronSession:
         causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=self.device))
         # Megatron's mask: True = masked. Causal, and pad keys never attended to.
         mask = ~(causal[None, None] & valid[:, None, None, :])
+        if self.routers:
+            forced = routing and batch_targets(
+                routing, width, len(self.routers.layers), self.routers.top_k
+            )
+            self.routers.begin(forced or None)
         logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+        routed = self.routers.finish() if self.routers else None
         firsts = [1 if self.settings.prompt_logprobs else len(p) for p, _ in pairs]
         rows = np.concatenate(
             [np.full(len(s) - f, i) for i, (s, f) in enumerate(zip(sequences, firsts, strict=True))]
@@ -156,7 +235,9 @@ class MegatronSession:
             local, torch.from_numpy(targets).to(self.device)
         )
         results, cursor = [], 0
-        for (prompt, _), sequence, first in zip(pairs, sequences, firsts, strict=True):
+        for row, ((prompt, _), sequence, first) in enumerate(
+            zip(pairs, sequences, firsts, strict=True)
+        ):
             count = len(sequence) - first
             values = logprobs[cursor : cursor + count]
             split = len(prompt) - first
@@ -166,9 +247,16 @@ class MegatronSession:
                 if self.settings.prompt_logprobs
                 else None
             )
+            experts = None
+            if routed is not None:
+                experts = sequence_rows(routed, len(sequences), row, len(sequence))
             results.append(
                 ScoredSequence(
-                    values[split:].astype(np.float32), prompt_lp, top_ids[span], top_logprobs[span]
+                    values[split:].astype(np.float32),
+                    prompt_lp,
+                    top_ids[span],
+                    top_logprobs[span],
+                    routed_experts=experts,
                 )
             )
             cursor += count
@@ -210,19 +298,8 @@ class MegatronSession:
 
     def metadata(self) -> dict:
         import megatron.core
-        import torch.distributed as dist
 
-        # Every TP rank's shard, reassembled into HF layout: the weights actually held.
-        shard = {
-            k: v.detach().cpu()
-            for k, v in self.model.state_dict().items()
-            if not k.endswith("_extra_state")
-        }
-        shards = [None] * self.tp
-        dist.all_gather_object(
-            shards, shard, group=self.parallel_state.get_tensor_model_parallel_group()
-        )
-        held = megatron_to_hf(shards, self.shape)
+        held = self.held_weights()
         if self.shape.tied:
             held.pop("lm_head.weight", None)
         dtype = self.settings.dtype
@@ -241,12 +318,17 @@ class MegatronSession:
                 "device": self.device,
                 "allow_tf32": self.settings.allow_tf32,
                 "tensor_parallel_size": self.tp,
+                "expert_model_parallel_size": self.parallel.ep,
+                "expert_tensor_parallel_size": self.parallel.expert_tp,
+                "router_replay": self.settings.router_replay,
                 "conversion": "correct" if self.interleave_qkv else "no_qkv_interleave",
                 "layer_spec": "local (no Transformer Engine), RMSNorm, unfused",
             },
             "layout": {
                 "world_size": self.world_size,
                 "tensor_parallel_size": self.tp,
+                "expert_model_parallel_size": self.parallel.ep,
+                "expert_tensor_parallel_size": self.parallel.expert_tp,
                 "pipeline_parallel_size": 1,
                 "data_parallel_size": self.dp_size,
                 "micro_batch_size": self.settings.micro_batch_size,
@@ -255,6 +337,7 @@ class MegatronSession:
                 "attn_implementation": "megatron local DotProductAttention",
                 "logprobs": "vocab-parallel (logits never gathered)",
                 "conversion": CONVERSION,
+                **self._moe_layout(),
             },
             "model": model_metadata(self.model_dir),
             "weights": {
@@ -263,3 +346,34 @@ class MegatronSession:
             },
             "position_id_rule": "arange",
         }
+
+    def _moe_layout(self) -> dict:
+        if self.shape.routing is None:
+            return {}
+        config = self.model.config
+        return {
+            "moe": "megatron-core MoELayer (TopKRouter, SequentialMLP experts)",
+            "moe_token_dispatcher_type": DISPATCHER,
+            "moe_router_pre_softmax": config.moe_router_pre_softmax,
+            "moe_router_dtype": config.moe_router_dtype or "the activations' dtype",
+            "moe_shared_expert_gate": config.moe_shared_expert_gate,
+        }
+
+    def held_weights(self) -> dict:
+        """Every rank's shard, reassembled into the HF layout: the weights actually held
+        (gathered from the whole world: TP shards, and each EP rank's experts)."""
+        import torch.distributed as dist
+
+        ps = self.parallel_state
+        # One copy of each shard: the data-parallel replicas of the dense layers (rank > 0)
+        # and of the experts (expert data-parallel rank > 0) hold nothing the others lack.
+        unique = ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0
+        shard = unique and {
+            k: v.detach().cpu()
+            for k, v in self.model.state_dict().items()
+            if not k.endswith("_extra_state")
+        }
+        shards = [None] * dist.get_world_size()
+        dist.all_gather_object(shards, (self.place, shard))
+        held = {place: shard for place, shard in shards if shard}
+        return megatron_to_hf(held, self.shape, self.parallel)

@@ -1,43 +1,54 @@
-"""Capture from a megatron-core GPTModel with tensor parallelism, un-sharded to the HF layout.
+"""Capture from a megatron-core GPTModel with tensor (and expert) parallelism, un-sharded to
+the HF layout.
 
-Spec: `megatron:tp=2,dtype=fp32`. The model is built and its HF weights converted as for the
-Megatron replay (`pipeline.engines.megatron_convert`: local layer spec, RMSNorm, RoPE, gated
-SiLU MLP), one TP rank per process. Megatron modules and the boundaries they give:
+Spec: `megatron:tp=2,dtype=fp32`; for MoE models also `ep=2` (expert parallelism) and `etp`
+(expert tensor parallelism, default tp). The ranks are lcm(tp, ep x etp) processes. The
+model is built and its HF weights converted as for the Megatron replay
+(`pipeline.engines.megatron_convert`: local layer spec, RMSNorm, RoPE, gated SiLU MLP, q/k
+norms, megatron-core's own MoE layer), for every family lpx registers. Every rank runs the
+same sequence. Megatron modules and the boundaries they give:
 
 - `embedding` -> embed (the vocab-parallel lookup, already all-reduced);
 - `decoder.layers.i.input_layernorm` -> input_norm, `pre_mlp_layernorm` -> mlp_in;
 - the inputs of `self_attention.core_attention` -> q, k, v: after RoPE, each rank's heads
   gathered over the TP group; ranks hold contiguous runs of query groups, so rank order is HF
   head order ([T, heads * head_dim]);
-- `self_attention` and `mlp` outputs (after their row-parallel all-reduce) -> attn_out, mlp_out;
+- `self_attention` and `mlp` outputs (after their row-parallel all-reduce) -> attn_out, mlp_out
+  (a MoE layer's output after its token combine, shared expert included);
+- MoE layers: the router's gating logits -> router_logits ([T, experts], whole on every rank:
+  routers run before any dispatch); the experts its RouterReplay recorded -> experts (sorted);
 - `decoder.final_layernorm` -> final_norm; `output_layer` -> logits, gathered over the
   vocabulary shards.
 
 Megatron works sequence-first ([T, batch, ...]); rows come out token-first like every
 adapter's. A swap puts the other side's rows in at the same places, each rank taking its own
-heads (q, k, v) or vocabulary slice (logits). The floor of fp32 is measured against fp64:
-with neither `fp16` nor `bf16` set, megatron-core's local attention, softmax and norms run in
-the parameters' dtype, so an fp64 model is fp64 throughout (RoPE angles are computed in fp32,
-as HF computes them too).
+heads (q, k, v) or vocabulary slice (logits); swapped router_logits replace the gating
+logits (top-k and weights follow from them), swapped experts are forced through megatron's
+RouterReplay with this side's router probabilities as gate weights. The floor of fp32 is
+measured against fp64: with neither `fp16` nor `bf16` set, megatron-core's local attention,
+softmax and norms run in the parameters' dtype, so an fp64 model is fp64 throughout (RoPE
+angles are computed in fp32, as HF computes them too).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.engines.base import knobs_from_dict
+from pipeline.engines.megatron_convert import Parallel, check_convertible
 from pipeline.errors import BadInput, EngineNotInstalled
 from pipeline.localize.adapters._workers import WorkerGroup, WorkerSession
-from pipeline.localize.adapters.hf import REFERENCE, CaptureKnobs, HFCapture
-
-ARCHITECTURES = ("llama", "qwen2")
+from pipeline.localize.adapters.hf import REFERENCE, CaptureKnobs, HFCapture, rows
 
 
 @dataclass(frozen=True)
 class MegatronCaptureKnobs:
-    tp: int = field(default=2, metadata={"min": 1})  # tensor-parallel ranks (the world size)
+    tp: int = field(default=2, metadata={"min": 1})  # tensor-parallel ranks
+    ep: int = field(default=1, metadata={"min": 1})  # expert-parallel ranks (MoE models)
+    etp: int = field(default=0, metadata={"min": 0})  # expert tensor parallelism; 0: as tp
     dtype: str = "float32"
     # Seconds to wait for the ranks to start, or for any one reply during a capture.
     timeout: float = field(default=600.0, metadata={"min": 1})
@@ -45,29 +56,24 @@ class MegatronCaptureKnobs:
 
 def open_session(model_dir: Path, knobs: dict, device: str = "cpu", spec: str = "megatron"):
     from pipeline import devices
-    from pipeline.engines.megatron_convert import Shape
     from pipeline.engines.model_dir import check_model_dir
 
     settings = knobs_from_dict(MegatronCaptureKnobs, knobs, "megatron capture")
     model_dir = Path(model_dir)
     check_model_dir(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    if config.get("model_type") not in ARCHITECTURES:
-        raise BadInput(
-            f"{spec}: megatron capture converts {' and '.join(ARCHITECTURES)} models, not "
-            f"{config.get('model_type')!r}; capture this model with hf, fsdp or deepspeed."
-        )
-    shape = Shape.from_hf_config(config)
-    if shape.num_query_groups % settings.tp or shape.vocab_size % settings.tp:
-        raise BadInput(
-            f"{spec}: tp={settings.tp} must divide the key/value heads "
-            f"({shape.num_query_groups}) and the vocabulary ({shape.vocab_size})."
-        )
+    parallel = parallel_of(settings)
+    world_size = math.lcm(parallel.tp, parallel.ep * parallel.expert_tp)
+    # The family and the split, before any rank starts.
+    check_convertible(config, parallel, world_size, spec)
     kind = devices.device_kind(device)
-    devices.check_ranks(settings.tp, devices.resolve_device(device))
-    rank_knobs = {"tp": settings.tp, "dtype": settings.dtype}
-    group = WorkerGroup("megatron", model_dir, rank_knobs, settings.tp, kind, settings.timeout)
-    layout = {"engine": "megatron", "world_size": settings.tp, "tp": settings.tp}
+    devices.check_ranks(world_size, devices.resolve_device(device))
+    rank_knobs = {"tp": parallel.tp, "ep": parallel.ep, "etp": parallel.expert_tp}
+    rank_knobs["dtype"] = settings.dtype
+    group = WorkerGroup("megatron", model_dir, rank_knobs, world_size, kind, settings.timeout)
+    layout = {"engine": "megatron", "world_size": world_size, "tp": parallel.tp}
+    if parallel.ep > 1 or parallel.expert_tp != parallel.tp:
+        layout.update(ep=parallel.ep, etp=parallel.expert_tp)
     layout["dtype"] = settings.dtype
     return WorkerSession(
         spec,
@@ -75,19 +81,24 @@ def open_session(model_dir: Path, knobs: dict, device: str = "cpu", spec: str = 
         settings.dtype,
         REFERENCE[settings.dtype],
         layout,
-        # The HF model's boundaries (read from its config): the same names, dense layers only.
+        # The HF model's boundaries (read from its config): the same names.
         HFCapture(model_dir, CaptureKnobs(dtype=settings.dtype), "cpu").boundaries,
     )
 
 
+def parallel_of(settings: MegatronCaptureKnobs) -> Parallel:
+    return Parallel(tp=settings.tp, ep=settings.ep, etp=settings.etp or None)
+
+
 def open_rank(model_dir: Path, knobs: dict, device: str, world_size: int):
-    return MegatronRank(Path(model_dir), int(knobs["tp"]), knobs["dtype"], device)
+    parallel = Parallel(tp=int(knobs["tp"]), ep=int(knobs.get("ep", 1)), etp=knobs.get("etp"))
+    return MegatronRank(Path(model_dir), parallel, knobs["dtype"], device)
 
 
 class MegatronRank:
-    """One TP rank: a GPTModel per precision, hooked to emit (and swap) HF-layout rows."""
+    """One rank: a GPTModel per precision, hooked to emit (and swap) HF-layout rows."""
 
-    def __init__(self, model_dir: Path, tp: int, dtype: str, device: str):
+    def __init__(self, model_dir: Path, parallel: Parallel, dtype: str, device: str):
         try:
             from megatron.core import parallel_state
             from megatron.core.tensor_parallel.random import initialize_rng_tracker
@@ -97,19 +108,28 @@ class MegatronRank:
                 "`pip install -e '.[megatron]'`."
             ) from None
         from pipeline.devices import cpu_stands_in_for_cuda, is_cuda
-        from pipeline.engines.megatron_convert import Shape
+        from pipeline.engines.megatron_convert import (
+            Shape,
+            cpu_moe_shims,
+            initialize_parallel,
+            place_of_this_rank,
+        )
 
+        self.config = json.loads((model_dir / "config.json").read_text())
+        self.shape = Shape.from_hf_config(self.config, str(model_dir))
         if not is_cuda(device):
             cpu_stands_in_for_cuda()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+            if self.shape.routing is not None:
+                cpu_moe_shims()
+        initialize_parallel(parallel)
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         self.group = parallel_state.get_tensor_model_parallel_group()
-        self.tp, self.tp_rank = tp, parallel_state.get_tensor_model_parallel_rank()
+        self.parallel, self.place = parallel, place_of_this_rank()
+        self.tp, self.tp_rank = parallel.tp, self.place.tp
         self.model_dir, self.device = model_dir, device
-        self.config = json.loads((model_dir / "config.json").read_text())
-        self.shape = Shape.from_hf_config(self.config)
         self.dtypes = {"declared": dtype, "reference": REFERENCE[dtype]}
         self._models: dict[str, object] = {}
+        self._routers: dict[str, object] = {}
         self._pass: dict | None = None  # {"sink", "replace"} while a forward runs
 
     def capture(self, token_ids, precision: str, sink, replace: dict) -> None:
@@ -122,28 +142,41 @@ class MegatronRank:
         # Megatron's mask: True = masked (its default causal mask is made on "cuda").
         mask = ~torch.ones(length, length, dtype=torch.bool, device=self.device).tril()
         self._pass = {"sink": sink, "replace": replace or {}}
+        routers = self._routers[precision]
         try:
+            if routers:
+                routers.begin(self._forced_experts(routers))
             with torch.no_grad():
                 model(input_ids=ids, position_ids=positions, attention_mask=mask[None, None])
         finally:
             self._pass = None
+            routers.end()
+
+    def _forced_experts(self, routers) -> dict:
+        """MoE slot -> the other side's experts ([T, k]) where `experts` is swapped."""
+        replace = self._pass["replace"]
+        names = {slot: f"layers.{layer}.experts" for slot, layer in enumerate(routers.layers)}
+        return {slot: replace[name] for slot, name in names.items() if name in replace}
 
     def _model(self, precision: str):
+        from pipeline.engines.megatron_routing import MegatronRouters
+
         if precision not in self._models:
             model = build_model(
                 self.model_dir,
                 self.config,
                 self.shape,
-                self.tp,
-                self.tp_rank,
+                self.parallel,
+                self.place,
                 self.device,
                 self.dtypes[precision],
             )
-            self._install_hooks(model)
-            self._models[precision] = model
+            routers = MegatronRouters(model)
+            self._install_hooks(model, routers)
+            self._models[precision], self._routers[precision] = model, routers
         return self._models[precision]
 
-    def _install_hooks(self, model) -> None:
+    def _install_hooks(self, model, routers) -> None:
         model.embedding.register_forward_hook(self._hidden("embed"))
         for index, layer in enumerate(model.decoder.layers):
             prefix = f"layers.{index}."
@@ -152,6 +185,8 @@ class MegatronRank:
             attention.core_attention.register_forward_pre_hook(self._qkv(prefix))
             attention.register_forward_hook(self._hidden(prefix + "attn_out", in_tuple=True))
             layer.pre_mlp_layernorm.register_forward_hook(self._hidden(prefix + "mlp_in"))
+            if index in routers.layers:
+                self._hook_router(prefix, layer.mlp.router, routers, routers.layers.index(index))
             layer.mlp.register_forward_hook(self._hidden(prefix + "mlp_out", in_tuple=True))
         model.decoder.final_layernorm.register_forward_hook(self._hidden("final_norm"))
         model.output_layer.register_forward_hook(self._logits)
@@ -168,6 +203,30 @@ class MegatronRank:
             return (swapped, *output[1:]) if in_tuple else swapped
 
         return hook
+
+    def _hook_router(self, prefix: str, router, routers, slot: int) -> None:
+        """router_logits from the router's gating (wrapped on this instance: the router's
+        forward returns probabilities and a routing map, not its logits); experts from its
+        RouterReplay once it has routed."""
+        gating = router.gating
+        name = prefix + "router_logits"
+
+        def gating_with_capture(hidden):
+            logits = gating(hidden)  # [T, 1, experts], whole on every rank
+            swapped = self._swapped(name, logits, dim=None)
+            if swapped is not None:
+                logits = swapped
+            self._emit(name, logits)
+            return logits
+
+        router.gating = gating_with_capture
+
+        def experts(module, args, output):
+            if self._pass is not None:
+                chosen = routers.chosen(slot).sort(dim=-1).values
+                self._pass["sink"](prefix + "experts", rows(chosen))
+
+        router.register_forward_hook(experts)
 
     def _qkv(self, prefix: str):
         """q, k, v ([T, 1, local heads, head_dim]) after RoPE, gathered into HF head order."""
@@ -218,26 +277,20 @@ class MegatronRank:
         return torch.cat(parts, dim=dim)
 
     def _emit(self, name: str, tensor) -> None:
-        from pipeline.localize.adapters.hf import rows
-
         if self._pass is not None:
             self._pass["sink"](name, rows(tensor[:, 0]))
 
 
-def build_model(model_dir: Path, config: dict, shape, tp: int, tp_rank: int, device, dtype: str):
-    """The GPTModel the Megatron replay builds, in `dtype` (fp64 included), with this TP
-    rank's shard of the HF weights."""
+def build_model(model_dir: Path, config: dict, shape, parallel, place, device, dtype: str):
+    """The GPTModel the Megatron replay builds, in `dtype` (fp64 included), with this rank's
+    shard of the HF weights."""
     import torch
-    from safetensors.torch import load_file
 
-    from pipeline.engines.megatron_convert import gpt_model, hf_to_megatron
+    from pipeline.engines.megatron_convert import gpt_model, hf_to_megatron, load_hf_weights
 
     torch_dtype = getattr(torch, dtype)
-    model = gpt_model(config, shape, tp, torch_dtype)
-    weights = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        weights.update(load_file(path))
-    shard = hf_to_megatron(weights, shape, tp, tp_rank)
+    model = gpt_model(config, shape, parallel, torch_dtype)
+    shard = hf_to_megatron(load_hf_weights(model_dir), shape, parallel, place)
     missing, unexpected = model.load_state_dict(
         {k: v.to(torch_dtype) for k, v in shard.items()}, strict=False
     )
