@@ -27,8 +27,19 @@ def capture_spec(engine: str, dtype: str, knobs: dict) -> str:
     """The capture spec for a side as the plan runs it: `megatron:dtype=bf16,tp=2`."""
     parts = [f"dtype={SHORT_DTYPES[canonical_dtype(dtype)]}"]
     tp = knobs.get("tensor_parallel_size") or knobs.get("tp")
-    if engine in TENSOR_PARALLEL and tp is not None and int(tp) > 1:
+    # megatron's capture defaults to tp=2: the replay's size is passed even when it is 1,
+    # with its expert parallelism, so the capture runs the layout the replay ran
+    if engine == "megatron" and tp is not None:
         parts.append(f"tp={int(tp)}")
+    elif engine in TENSOR_PARALLEL and tp is not None and int(tp) > 1:
+        parts.append(f"tp={int(tp)}")
+    if engine == "megatron":
+        for knob, short in (
+            ("expert_model_parallel_size", "ep"),
+            ("expert_tensor_parallel_size", "etp"),
+        ):
+            if knobs.get(knob) is not None:
+                parts.append(f"{short}={int(knobs[knob])}")
     return f"{engine}:{','.join(parts)}"
 
 
