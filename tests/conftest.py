@@ -36,6 +36,27 @@ def family_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def family_rollout(family_model, tmp_path_factory):
+    """A family's fp32 HF rollout (8 prompts x 16 tokens) in its own folder, once per session:
+    `family_rollout(arch) / "fixture.parquet"`."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            model = family_model(arch)
+            out = tmp_path_factory.mktemp(f"rollout-{arch}")
+            sampling = SamplingParams(max_tokens=16, seed=0, samples_per_prompt=1, ignore_eos=True)
+            prompts = tokenize(model, smoke_prompt_texts())
+            write_table(
+                HFRolloutEngine().rollout(model, prompts, sampling, {}), out / "fixture.parquet"
+            )
+            made[arch] = out
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def prompts(tiny_model) -> list[list[int]]:
     return tokenize(tiny_model, smoke_prompt_texts())
 

@@ -15,13 +15,10 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_rollout import HFRolloutEngine
 from pipeline.families import families, family_of, routing
-from pipeline.fixture.io import read_table, write_table
+from pipeline.fixture.io import read_table
 from pipeline.localize.run import localize
 from pipeline.localize.verdict import MARGIN
-from pipeline.prompts import smoke_prompt_texts, tokenize
 from tests.helpers import run_lpx
 
 pytestmark = pytest.mark.distributed
@@ -32,17 +29,12 @@ FP32_TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def family_runs(family_model, tmp_path_factory):
+def family_runs(family_model, family_rollout):
     """Per family: an fp32 HF rollout (8 x 16 tokens) and its fp32 HF replay."""
     runs = {}
     for arch in FAMILIES:
         model = family_model(arch)
-        out = tmp_path_factory.mktemp(arch)
-        sampling = SamplingParams(max_tokens=16, seed=0, samples_per_prompt=1, ignore_eos=True)
-        fixture = HFRolloutEngine().rollout(
-            model, tokenize(model, smoke_prompt_texts()), sampling, {}
-        )
-        write_table(fixture, out / "fixture.parquet")
+        out = family_rollout(arch)
         done = run_lpx("replay", out / "fixture.parquet", "--out", out / "replay-hf.parquet")
         assert done.exit_code == 0, done.output
         runs[arch] = (model, out)

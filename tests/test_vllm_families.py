@@ -17,7 +17,6 @@ import pytest
 from pipeline.compare.run import compare_tables
 from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf_replay import HFScoringEngine
-from pipeline.engines.hf_rollout import HFRolloutEngine
 from pipeline.families import families
 from pipeline.fixture.io import read_table, write_table
 from pipeline.localize.run import localize
@@ -49,18 +48,13 @@ def agreement(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def family_runs(family_model, tmp_path_factory):
+def family_runs(family_model, family_rollout):
     """Per family: an fp32 HF rollout (8 x 16 tokens), its HF replay and `lpx replay
     --engine vllm` of it (one vLLM engine each, ~10-15 s)."""
     runs = {}
     for arch in FAMILIES:
         model = family_model(arch)
-        out = tmp_path_factory.mktemp(arch)
-        sampling = SamplingParams(max_tokens=16, seed=0, samples_per_prompt=1, ignore_eos=True)
-        fixture = HFRolloutEngine().rollout(
-            model, tokenize(model, smoke_prompt_texts()), sampling, {}
-        )
-        write_table(fixture, out / "fixture.parquet")
+        out = family_rollout(arch)
         for engine in ("hf", "vllm"):
             done = run_lpx("replay", out / "fixture.parquet", "--engine", engine,
                            "--dtype", "fp32", "--out", out / f"replay-{engine}.parquet")  # fmt: skip

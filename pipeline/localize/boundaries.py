@@ -118,12 +118,9 @@ def model_boundaries(num_layers: int, moe_layers: set[int]) -> list[str]:
 
 
 def moe_layers(config: dict) -> set[int]:
-    """The layers with a router, from an HF config as a dict (Qwen2-MoE's sparse step and
-    MLP-only layers; Mixtral's num_local_experts)."""
-    experts = config.get("num_experts") or config.get("num_local_experts") or 0
-    if not experts:
-        return set()
-    step = config.get("decoder_sparse_step") or 1
-    dense = set(config.get("mlp_only_layers") or [])
-    layers = config["num_hidden_layers"]
-    return {i for i in range(layers) if i not in dense and (i + 1) % step == 0}
+    """The layers with a router, from an HF config as a dict (pipeline.families.routing:
+    Qwen2/3-MoE's sparse step and MLP-only layers, Mixtral's num_local_experts)."""
+    from pipeline.families import routing
+
+    spec = routing(config)
+    return set(spec.layers) if spec else set()
