@@ -98,6 +98,30 @@ def rank_device(kind: str) -> str:
     return f"cuda:{index}"
 
 
+def cpu_streams_do_nothing():
+    """On a CPU-only process: CUDA streams and their events as no-ops (code that overlaps a
+    device-to-host copy on a side stream, megatron's alltoall dispatcher, runs as is); the
+    stream object, for code that holds one of its own."""
+    import contextlib
+
+    import torch
+
+    class HostStream:
+        def wait_stream(self, other) -> None:
+            pass
+
+        def record_event(self):
+            return self
+
+        def synchronize(self) -> None:
+            pass
+
+    stream = HostStream()
+    torch.cuda.current_stream = lambda device=None: stream
+    torch.cuda.stream = lambda chosen=None: contextlib.nullcontext()
+    return stream
+
+
 def cpu_stands_in_for_cuda() -> None:
     """megatron-core hard-wires CUDA in a few places that scoring on a CPU reaches (RoPE
     moves its frequencies to `torch.cuda.current_device()`): point those at the CPU. For a

@@ -559,33 +559,19 @@ def load_hf_weights(model_dir) -> dict:
 
 def cpu_moe_shims() -> None:
     """megatron's alltoall token dispatcher copies its split sizes to the host on a CUDA side
-    stream (`torch.cuda.Stream`, `current_stream`, `stream`, an event it synchronizes). On a
-    CPU rank the tensors are already on the host: the stream becomes a no-op and the copy a
-    plain `.numpy()` (what it yields on CUDA). For a process that scores on the CPU only."""
-    import contextlib
-
+    stream (a stream, the current stream, an event it synchronizes). On a CPU rank the
+    tensors are already on the host: the stream becomes a no-op (pipeline.devices) and the
+    copy a plain `.numpy()` (what it yields on CUDA). For a process that scores on the CPU."""
     import torch
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    from pipeline.devices import cpu_streams_do_nothing
 
     # megatron-core 0.16.1 names te_general_gemm only when Transformer Engine imports; the
     # router's gating linear reads it either way (None: plain torch.mm).
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-
-    class HostStream:
-        def wait_stream(self, other) -> None:
-            pass
-
-        def record_event(self):
-            return self
-
-        def synchronize(self) -> None:
-            pass
-
-    stream = HostStream()
-    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
-    torch.cuda.current_stream = lambda device=None: stream
-    torch.cuda.stream = lambda chosen=None: contextlib.nullcontext()
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = cpu_streams_do_nothing()
 
     def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
         if torch.is_tensor(tensor) and as_numpy:
