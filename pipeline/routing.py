@@ -7,7 +7,10 @@ next-token logits exist), each row the k expert ids that position's router chose
 ascending (routing is a set: the order a kernel returns them in is not a difference). The
 last ``completion`` rows of a sequence are the positions that produced its completion
 tokens' logprobs. ``metadata["routing"]`` says which layers the columns are, k and the
-expert count. SGLang's return_routed_experts, vLLM's routed-experts capture and the verl
+expert count. A row that is not a set of k distinct experts (an id of -1, or an id twice, as
+the zeros an engine returns for positions it did not route: prefix-cached or skipped
+chunked-prefill tokens) is *unrecorded*: it counts as no flip, comparisons report how many
+there are, and router replay leaves those positions to the replaying router. SGLang's return_routed_experts, vLLM's routed-experts capture and the verl
 and slime dumps carry the same rows.
 
 Router replay (R3): a replay engine given ``router_replay=true`` routes every position to
@@ -45,9 +48,37 @@ def as_sets(experts: np.ndarray) -> np.ndarray:
     return np.sort(np.asarray(experts), axis=-1).astype(ROUTING_DTYPE)
 
 
+def recorded(experts: np.ndarray) -> np.ndarray:
+    """[rows, layers] True where the row is a real top-k choice: k distinct ids, none -1."""
+    sets = as_sets(experts)
+    return (sets[..., 0] >= 0) & np.all(np.diff(sets, axis=-1) != 0, axis=-1)
+
+
 def flipped(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """[rows, layers] True where the two sides' top-k sets differ."""
-    return np.any(as_sets(a) != as_sets(b), axis=-1)
+    """[rows, layers] True where the two sides' top-k sets differ and both recorded one."""
+    return np.any(as_sets(a) != as_sets(b), axis=-1) & recorded(a) & recorded(b)
+
+
+def unrecorded(table) -> dict | None:
+    """How many of a table's routing rows (every position, prompt included) are unrecorded on
+    some layer, and where the first is; None when every row is a real top-k choice."""
+    if table.routed_experts is None:
+        return None
+    missing = ~recorded(table.routed_experts).all(axis=1)
+    if not missing.any():
+        return None
+    starts = routing_offsets(table.prompt_offsets, table.completion_offsets)
+    row = int(np.flatnonzero(missing)[0])
+    sequence = int(np.searchsorted(starts, row, side="right") - 1)
+    return {
+        "rows": int(missing.sum()),
+        "of": int(len(missing)),
+        "sequences": int(len(np.unique(np.searchsorted(starts, np.flatnonzero(missing), "right")))),
+        "first": {
+            "sequence_id": table.sequence_ids[sequence],
+            "position": row - int(starts[sequence]),
+        },
+    }
 
 
 def agreement(
@@ -67,8 +98,10 @@ def agreement(
     ``token_sequence``/``token_position`` place each token; ``abs_diff`` is its |dlogp|."""
     flips = flipped(rollout, replay)
     any_flip = flips.any(axis=1)
+    # a token either side did not route (unrecorded) is no evidence either way: left out
+    compared = recorded(rollout) & recorded(replay)
     per_layer = [
-        {"layer": int(layer), "flip_rate": float(flips[:, i].mean()) if len(flips) else 0.0,
+        {"layer": int(layer), "flip_rate": _rate(flips[:, i].sum(), compared[:, i].sum()),
          "flips": int(flips[:, i].sum())}
         for i, layer in enumerate(layers)
     ]  # fmt: skip
@@ -94,16 +127,25 @@ def agreement(
         "layers": per_layer,
         "tokens": int(len(flips)),
         "tokens_with_flip": int(any_flip.sum()),
-        "flip_rate": float(any_flip.mean()) if len(flips) else 0.0,
+        "flip_rate": _rate(any_flip.sum(), compared.any(axis=1).sum()),
+        "unrecorded_tokens": {
+            "rollout": int((~recorded(rollout).all(axis=1)).sum()),
+            "replay": int((~recorded(replay).all(axis=1)).sum()),
+        },
         "first_flip": first,
         "drift_on_flipped": drift(any_flip),
-        "drift_on_rest": drift(~any_flip),
+        "drift_on_rest": drift(~any_flip & compared.any(axis=1)),
     }
 
 
+def _rate(count, total) -> float:
+    return float(count) / float(total) if total else 0.0
+
+
 def sequence_routing(table, index: int) -> np.ndarray:
-    """Sequence ``index``'s routed_experts rows [prompt + completion - 1, layers, k]; a table
-    without routing is refused (router replay needs the rollout's)."""
+    """Sequence ``index``'s routed_experts rows [prompt + completion - 1, layers, k], -1 in
+    the unrecorded ones; a table without routing is refused (router replay needs the
+    rollout's)."""
     from pipeline.errors import BadInput
 
     if table.routed_experts is None:
@@ -113,7 +155,8 @@ def sequence_routing(table, index: int) -> np.ndarray:
             "(lpx ingest --routed-experts-field)."
         )
     starts = routing_offsets(table.prompt_offsets, table.completion_offsets)
-    return table.routed_experts[starts[index] : starts[index + 1]]
+    rows = table.routed_experts[starts[index] : starts[index + 1]]
+    return np.where(recorded(rows)[..., None], rows, -1).astype(ROUTING_DTYPE)
 
 
 def routing_metadata(config: dict, source: str) -> dict | None:

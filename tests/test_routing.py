@@ -67,10 +67,10 @@ def moe_run(family_model, tmp_path_factory):
     return out
 
 
-def _seeded_flip(routed: np.ndarray) -> np.ndarray:
-    rng = np.random.default_rng(0)
+def _seeded_flip(routed: np.ndarray, fraction=SEEDED_FRACTION, seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
     out = routed.copy()
-    chosen = rng.random(len(out)) < SEEDED_FRACTION
+    chosen = rng.random(len(out)) < fraction
     first, second = out[:, SEEDED_LAYER, 0], out[:, SEEDED_LAYER, 1]
     other = (second + rng.integers(1, 8, len(out))) % 8
     other = np.where(other == first, (other + 1) % 8, other)
@@ -134,6 +134,29 @@ def test_a_seeded_routing_flip_fails_and_is_verified_by_forcing_the_experts(moe_
     assert not [
         f for f in report["diagnosis"] if f["cause"] == "dtype" and f["status"] == "verified"
     ]
+
+
+def test_a_small_misrouting_within_the_floor_fails_once_re_scoring_names_it(
+    moe_run, family_model, tmp_path
+):
+    """3 % of layer 1's tokens misrouted: the drift passes the calibrated gate (bf16 flips
+    1.4 % of tokens on its own), but the drift above tau is not what bf16 gives (dtype ruled
+    out) and forcing the replay's experts reproduces it: a verified routing_flip fails."""
+    seeded = read_table(moe_run / "fixture.parquet")
+    seeded.routed_experts = _seeded_flip(seeded.routed_experts, fraction=0.03, seed=0)
+    bf16 = {"dtype": "bfloat16", "device": "cpu", "router_replay": True}
+    replay = HFScoringEngine().score(seeded, family_model("qwen3_moe"), bf16)
+    replay.metadata["knobs"]["router_replay"] = False  # the engine does not say it
+    write_table(replay, tmp_path / "replay.parquet")
+    done = run_lpx("compare", moe_run / "fixture.parquet", tmp_path / "replay.parquet",
+                   "--out", tmp_path / "out")  # fmt: skip
+    report = read_report(tmp_path / "out")
+    assert report["precision_gate"]["passed"] and not report["policy"]["violations"]
+    # measured: 3.7 % of tokens flip (layer 1: 3.6 %)
+    assert 0.025 < report["routing"]["flip_rate"] < 0.05
+    causes = {f["cause"]: f["status"] for f in report["diagnosis"]}
+    assert causes["routing_flip"] == "verified" and causes.get("dtype") != "verified"
+    assert done.exit_code == 1 and report["policy"]["failing_findings"] == ["routing_flip"]
 
 
 def test_router_replay_removes_the_flips_and_leaves_the_numeric_drift(moe_run, tmp_path):
@@ -212,10 +235,103 @@ def test_ingest_takes_a_dumps_routed_experts(moe_run, family_model, tmp_path):
     assert np.array_equal(ingested.routed_experts, fixture.routed_experts)
     assert ingested.metadata["routing"]["layers"] == [0, 1]
     assert ingested.metadata["routing"]["num_experts"] == 8
+    lines[1]["routed_experts"][0] = [[-1, -1], [-1, -1]]  # a position the engine did not route
+    dump.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    done = run_lpx("ingest", dump, "--field", "routed_experts=routed_experts",
+                   "--out", tmp_path / "gap.parquet")  # fmt: skip
+    assert done.exit_code == 0, done.output
+    from pipeline.routing import unrecorded
+
+    assert unrecorded(read_table(tmp_path / "gap.parquet"))["first"] == {
+        "sequence_id": ingested.sequence_ids[1], "position": 0}  # fmt: skip
     lines[2]["routed_experts"] = lines[2]["routed_experts"][:-3]
     dump.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     done = run_lpx("ingest", dump, "--field", "routed_experts=routed_experts",
                    "--out", tmp_path / "bad.parquet")  # fmt: skip
     assert done.exit_code == 2
     assert f"{dump} line 3: field 'routed_experts' has" in done.output
-    assert "prompt + completion - 1" in done.output
+    assert "prompt + completion - 1" in done.output and "prefix-cached" in done.output
+
+
+def test_rows_without_a_top_k_choice_are_unrecorded_not_flips():
+    from pipeline.routing import flipped, recorded
+
+    rollout = np.array([[[0, 0], [2, 3]], [[-1, -1], [2, 3]], [[1, 2], [4, 5]]])
+    replay = np.array([[[1, 2], [2, 3]], [[1, 2], [2, 4]], [[1, 3], [4, 5]]])
+    assert recorded(rollout).tolist() == [[False, True], [False, True], [True, True]]
+    assert flipped(rollout, replay).tolist() == [[False, False], [False, True], [True, False]]
+    result = agreement(rollout, replay, [0, 1], np.array([0, 0, 0]), np.arange(3), ["a"],
+                       np.array([9.0, 0.5, 0.25]))  # fmt: skip
+    # layer 0: one token compared of three, and it flipped; layer 1: one flip in three
+    assert [layer["flip_rate"] for layer in result["layers"]] == [1.0, pytest.approx(1 / 3)]
+    assert result["unrecorded_tokens"] == {"rollout": 2, "replay": 0}
+    assert result["drift_on_rest"]["tokens"] == 1 and result["drift_on_rest"]["max_abs_diff"] == 9.0
+
+
+@pytest.fixture(scope="module")
+def incomplete(moe_run, tmp_path_factory):
+    """The fp32 rollout with the routing an engine returns under prefix caching: zeros on the
+    first 3 (cached) prompt positions of sequences 0-3, and one completion token of
+    sequence 5 lost the same way."""
+    fixture = read_table(moe_run / "fixture.parquet")
+    fixture.routed_experts = fixture.routed_experts.copy()
+    starts = routing_offsets(fixture.prompt_offsets, fixture.completion_offsets)
+    for i in range(4):
+        fixture.routed_experts[starts[i] : starts[i] + 3] = 0
+    token_row = int(completion_rows(fixture.prompt_offsets, fixture.completion_offsets)[
+        int(fixture.completion_offsets[5]) + 2])  # fmt: skip
+    fixture.routed_experts[token_row] = 0
+    out = tmp_path_factory.mktemp("incomplete") / "fixture.parquet"
+    write_table(fixture, out)
+    return out
+
+
+def test_compare_reports_incomplete_routing_and_does_not_count_it(moe_run, incomplete, tmp_path):
+    done = run_lpx("compare", incomplete, moe_run / "replay-plain.parquet", "--out", tmp_path)
+    assert done.exit_code == 0, done.output
+    routing = read_report(tmp_path)["routing"]
+    assert routing["unrecorded"]["rollout"] == {
+        "rows": 13, "of": int(read_table(incomplete).routed_experts.shape[0]), "sequences": 5,
+        "first": {"sequence_id": "0-0", "position": 0},
+    }  # fmt: skip
+    assert routing["unrecorded"]["replay"] is None
+    assert routing["unrecorded_tokens"] == {"rollout": 1, "replay": 0}
+    whole = run_lpx("compare", moe_run / "fixture.parquet", moe_run / "replay-plain.parquet",
+                    "--out", tmp_path / "whole")  # fmt: skip
+    # the lost token is left out: the same flips, over one token fewer (none flipped on it)
+    assert (
+        routing["tokens_with_flip"]
+        == read_report(tmp_path / "whole")["routing"]["tokens_with_flip"]
+    )
+    assert whole.exit_code == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "the rollout's routing is incomplete: 13 of" in summary
+    assert "sequence 0-0, position 0" in summary
+
+
+def test_router_replay_leaves_unrecorded_positions_to_the_router(moe_run, incomplete, family_model):
+    model = family_model("qwen3_moe")
+    whole = read_table(moe_run / "fixture.parquet")
+    fp32 = {"device": "cpu", "router_replay": True}
+    forced = HFScoringEngine().score(whole, model, fp32)
+    gaps = HFScoringEngine().score(read_table(incomplete), model, fp32)
+    # fp32 prefill routes as the fp32 rollout did (100 %), so leaving the gaps to the router
+    # gives the complete fixture's logprobs; forcing the zeros as experts 0 and 1 would not
+    assert np.max(np.abs(gaps.channels["replay"] - forced.channels["replay"])) < 1e-6
+    wrong = read_table(incomplete)
+    wrong.routed_experts = np.where(wrong.routed_experts == 0, np.arange(2), wrong.routed_experts)
+    wrong.routed_experts = np.sort(wrong.routed_experts, axis=-1).astype(np.int16)
+    misrouted = HFScoringEngine().score(wrong, model, fp32)
+    assert np.max(np.abs(misrouted.channels["replay"] - forced.channels["replay"])) > 1e-3
+
+
+def test_megatron_router_replay_refuses_incomplete_routing_before_any_rank(
+    incomplete, family_model, tmp_path
+):
+    done = run_lpx("replay", incomplete, "--engine", "megatron", "--nproc", "2",
+                   "--model", family_model("qwen3_moe"), "--set", "tensor_parallel_size=2",
+                   "--set", "router_replay=true", "--out", tmp_path / "r.parquet")  # fmt: skip
+    assert done.exit_code == 2, done.output
+    assert "the fixture's routing is incomplete: 13 of" in done.output
+    assert "sequence '0-0', position 0" in done.output and "--engine hf" in done.output
+    assert not (tmp_path / "r.parquet").exists()

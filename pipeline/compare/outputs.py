@@ -126,6 +126,7 @@ def render_summary(report: dict) -> str:
             + (f" ({v['source']})" if v.get("source") else "")
             for v in policy["violations"]
         ]
+    lines += _routing_lines(report.get("routing"))
     lines += ["", "## Diagnosis", ""]
     if not report["diagnosis"]:
         lines.append("- no drift above tau; nothing to explain")
@@ -148,6 +149,32 @@ def render_summary(report: dict) -> str:
             f"{row['logprob_rollout']:.6g} | {row['logprob_train']:.6g} | {row['abs_diff']:.3g} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _routing_lines(routing: dict | None) -> list[str]:
+    """The MoE routing agreement: flips overall and on the worst layer, and any side whose
+    recorded routing is incomplete."""
+    if not routing:
+        return []
+    worst = max(routing["layers"], key=lambda layer: layer["flip_rate"])
+    lines = [
+        "",
+        "## Routing",
+        "",
+        f"- {routing['tokens_with_flip']:,} of {routing['tokens']:,} tokens routed to other "
+        f"experts ({routing['flip_rate']:.2%}); most on layer {worst['layer']} "
+        f"({worst['flip_rate']:.2%})",
+    ]
+    for side, missing in (routing.get("unrecorded") or {}).items():
+        if missing:
+            first = missing["first"]
+            lines.append(
+                f"- the {side}'s routing is incomplete: {missing['rows']:,} of {missing['of']:,} "
+                f"positions hold no top-k choice (first: sequence {_md(first['sequence_id'])}, "
+                f"position {first['position']}), as an engine returns for prefix-cached or "
+                "chunked-prefill tokens"
+            )
+    return lines
 
 
 def bitwise_line(metrics: dict) -> str:

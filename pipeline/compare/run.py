@@ -30,7 +30,7 @@ from pipeline.compare.topk import topk_kl
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table, validate_table
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
-from pipeline.routing import agreement
+from pipeline.routing import agreement, unrecorded
 from pipeline.routing import flipped as routing_flipped
 from pipeline.testbed import describe_testbed
 
@@ -134,6 +134,8 @@ def compare_tables(
         metrics.update(topk_kl(aligned.topk_rollout, aligned.topk_train))
     routing = _routing(aligned)
     if routing is not None:
+        # positions an engine returned no routing for (prefix-cached, chunked prefill)
+        routing["unrecorded"] = {"rollout": unrecorded(fixture), "replay": unrecorded(replay)}
         metrics["routing_flip_rate"] = routing["flip_rate"]
         for layer in routing["layers"]:
             metrics[f"layer_{layer['layer']}.routing_flip_rate"] = layer["flip_rate"]

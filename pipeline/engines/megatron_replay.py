@@ -104,9 +104,21 @@ def preflight(model_dir: Path, knobs: dict, fixture=None) -> None:
                 "model; leave router_replay off."
             )
         if fixture is not None:
-            from pipeline.routing import sequence_routing
+            from pipeline.routing import sequence_routing, unrecorded
 
             sequence_routing(fixture, 0)  # refuses a fixture without routed experts
+            missing = unrecorded(fixture)
+            if missing:  # megatron's RouterReplay forces a whole layer or none of it
+                first = missing["first"]
+                raise BadInput(
+                    f"router_replay on megatron forces every position's experts, and the "
+                    f"fixture's routing is incomplete: {missing['rows']} of {missing['of']} "
+                    f"positions hold no top-k choice (first: sequence {first['sequence_id']!r}, "
+                    f"position {first['position']}; an id of -1 or repeated, as an engine "
+                    "returns for prefix-cached or chunked-prefill tokens). Record the rollout "
+                    "with prefix caching off, or replay with --engine hf, which leaves those "
+                    "positions to its own router."
+                )
 
 
 class MegatronSession:
