@@ -1,5 +1,6 @@
-"""Models the benchmarks build offline, deterministically: the tiny model lpx trains, random
-llamas at a given depth, width and init scale, and a small Qwen2-MoE (routing under bf16).
+"""Models the benchmarks build offline, deterministically: the tiny model lpx trains (and its
+sibling of every family, `lpx make-model --arch`), random llamas at a given depth, width and
+init scale, and random MoEs of both Qwen families (routing under bf16).
 
 The larger ones share the tiny model's tokenizer, so the bundled prompts tokenize for them.
 """
@@ -17,6 +18,16 @@ CACHE = Path.home() / ".cache" / "lpx" / "bench-models"
 
 def tiny() -> Path:
     return ensure_tiny_model(default_model_dir())
+
+
+def family(arch: str) -> Path:
+    """The tiny model of a family (pipeline/families), as `lpx make-model --arch` builds it."""
+    from pipeline.tinymodel.build import install_tiny_model
+
+    out = CACHE / f"tiny-{arch}"
+    if not (out / "config.json").is_file():
+        install_tiny_model(out, arch=arch, seed=0)
+    return out
 
 
 def random_llama(layers: int, width: int, std: float = 0.02, vocab: int | None = None) -> Path:
@@ -40,19 +51,22 @@ def random_llama(layers: int, width: int, std: float = 0.02, vocab: int | None =
     return _save(LlamaForCausalLM, config, out, vocab is None)
 
 
-def random_moe(layers: int = 8, width: int = 512, experts: int = 8, top_k: int = 2, std=0.02):
-    """A random-init Qwen2-MoE: `experts` experts per layer, `top_k` routed per token."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+def random_moe(
+    layers: int = 8, width: int = 512, experts: int = 8, top_k: int = 2, std=0.02, arch="qwen2_moe"
+) -> Path:
+    """A random-init MoE: `experts` experts per layer, `top_k` routed per token. Qwen2-MoE
+    (shared expert, top-k weights not renormalised) or Qwen3-MoE (q/k norms, renormalised)."""
+    import transformers
 
-    out = CACHE / f"qwen2moe-{layers}x{width}-e{experts}k{top_k}-std{std:g}"
+    name = "qwen2moe" if arch == "qwen2_moe" else arch.replace("_", "")
+    out = CACHE / f"{name}-{layers}x{width}-e{experts}k{top_k}-std{std:g}"
     if (out / "config.json").is_file():
         return out
-    config = Qwen2MoeConfig(
+    fields = dict(
         vocab_size=_tiny_vocab(),
         hidden_size=width,
         intermediate_size=width * 2,
         moe_intermediate_size=width,
-        shared_expert_intermediate_size=width,
         num_hidden_layers=layers,
         num_attention_heads=max(1, width // 64),
         num_key_value_heads=max(1, width // 256),
@@ -62,7 +76,11 @@ def random_moe(layers: int = 8, width: int = 512, experts: int = 8, top_k: int =
         initializer_range=std,
         **_special_tokens(),
     )
-    return _save(Qwen2MoeForCausalLM, config, out, True)
+    if arch == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**fields, shared_expert_intermediate_size=width)
+        return _save(transformers.Qwen2MoeForCausalLM, config, out, True)
+    config = transformers.Qwen3MoeConfig(**fields, head_dim=64, norm_topk_prob=True)
+    return _save(transformers.Qwen3MoeForCausalLM, config, out, True)
 
 
 def _save(cls, config, out: Path, with_tokenizer: bool) -> Path:

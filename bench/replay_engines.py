@@ -1,10 +1,18 @@
-"""Replay throughput of every engine on the tiny model vs the HF reference, same batches.
+"""Replay throughput of every family on every engine vs the HF reference, same batches, and
+the HF harness's overhead over a bare forward (MoE routing recorded, as replay records it).
 
-    .venv/bin/python bench/replay_engines.py            # 64 sequences x 64 tokens
+    .venv/bin/python bench/replay_engines.py                       # 5 families, ~12 min
+    .venv/bin/python bench/replay_engines.py --arch qwen3_moe      # one family
 
-Each engine scores the same fixture with micro-batch 8 through `lpx replay` (distributed
-engines on 2 ranks over gloo, launched by lpx). `score_s` is the scoring loop as the engine
-timed it (model load and process start excluded); `wall_s` is the whole command.
+For each family (`lpx make-model --arch`, cached under ~/.cache/lpx/bench-models) an HF fp32
+rollout of 64 sequences x 64 tokens is replayed with micro-batch 8 through the whole `lpx
+replay` command by each engine: hf, vllm (CPU), fsdp and deepspeed ZeRO-3 on 2 ranks,
+megatron TP=2; for a MoE also hf and megatron with router replay (R3), megatron EP=2 and
+TP=2 + EP=2. `score_s` is the scoring loop as the engine timed it (model load and process
+start excluded), `vs hf` its ratio to the HF engine's on the same family, `wall_s` the
+whole command. The overhead line times `score_batch` against `model(input_ids,
+attention_mask)` on an unhooked copy of the model (median of 5, 64 x 128 tokens), and once
+more on a random Qwen3-MoE 8 x 512 where the forward, not Python, dominates.
 """
 
 from __future__ import annotations
@@ -17,73 +25,99 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import models  # noqa: E402
+from run import bench_replay  # noqa: E402
 
 from pipeline.engines.base import SamplingParams  # noqa: E402
 from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
+from pipeline.families import families  # noqa: E402
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
 from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
-from pipeline.smoke import default_model_dir, ensure_tiny_model  # noqa: E402
 
+TWO_RANKS = ["--nproc", "2"]
+R3 = ["--set", "router_replay=true"]
 ENGINES = [
     ("hf", []),
     ("vllm", []),
-    ("fsdp", ["--nproc", "2"]),
-    ("deepspeed", ["--nproc", "2", "--set", "zero_stage=3"]),
-    ("megatron", ["--nproc", "2", "--set", "tensor_parallel_size=2"]),
+    ("fsdp", TWO_RANKS),
+    ("deepspeed", [*TWO_RANKS, "--set", "zero_stage=3"]),
+    ("megatron TP2", [*TWO_RANKS, "--set", "tensor_parallel_size=2"]),
 ]
+MOE_ENGINES = [
+    ("hf R3", R3),
+    ("megatron TP2 R3", [*TWO_RANKS, "--set", "tensor_parallel_size=2", *R3]),
+    ("megatron EP2", [*TWO_RANKS, "--set", "tensor_parallel_size=1",
+                      "--set", "expert_model_parallel_size=2"]),
+    ("megatron TP2+EP2", [*TWO_RANKS, "--set", "tensor_parallel_size=2",
+                          "--set", "expert_model_parallel_size=2",
+                          "--set", "expert_tensor_parallel_size=1"]),
+]  # fmt: skip
+
+
+def replay_rows(model: Path, engines, samples: int, tokens: int) -> tuple[int, dict]:
+    """(completion tokens, {engine: (score_s, load_s, wall_s)}) of one HF rollout replayed by
+    each engine through the whole `lpx replay` command."""
+    sampling = SamplingParams(max_tokens=tokens, samples_per_prompt=samples, ignore_eos=True)
+    fixture = HFRolloutEngine().rollout(model, tokenize(model, smoke_prompt_texts()), sampling, {})
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        fixture_path = write_table(fixture, Path(tmp) / "fixture.parquet")
+        for label, extra in engines:
+            out = Path(tmp) / f"{label.replace(' ', '_')}.parquet"
+            command = [sys.executable, "-m", "pipeline", "replay", str(fixture_path),
+                       "--engine", label.split()[0], "--micro-batch-size", "8", *extra,
+                       "--out", str(out)]  # fmt: skip
+            started = time.perf_counter()
+            done = subprocess.run(command, capture_output=True, text=True)
+            wall = time.perf_counter() - started
+            if done.returncode:
+                print(f"  {label}: exit {done.returncode}: {done.stderr.strip()[-300:]}")
+                continue
+            timing = read_table(out).metadata["timing"]
+            results[label] = (timing["score_s"], timing["load_s"], wall)
+    return fixture.num_completion_tokens, results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--arch", action="append", help="a family (repeatable); default all")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (8 prompts)")
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
-    model = ensure_tiny_model(default_model_dir())
-    sampling = SamplingParams(
-        max_tokens=args.tokens, samples_per_prompt=args.samples, ignore_eos=True
-    )
-    fixture = HFRolloutEngine().rollout(model, tokenize(model, smoke_prompt_texts()), sampling, {})
-    tokens = fixture.num_completion_tokens
-    with tempfile.TemporaryDirectory() as tmp:
-        fixture_path = write_table(fixture, Path(tmp) / "fixture.parquet")
-        results = {}
-        for engine, extra in ENGINES:
-            out = Path(tmp) / f"{engine}.parquet"
-            started = time.perf_counter()
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pipeline",
-                    "replay",
-                    str(fixture_path),
-                    "--engine",
-                    engine,
-                    "--micro-batch-size",
-                    "8",
-                    *extra,
-                    "--out",
-                    str(out),
-                ],
-                check=True,
-                capture_output=True,
-            )
-            wall = time.perf_counter() - started
-            timing = read_table(out).metadata["timing"]
-            results[engine] = (timing["score_s"], timing["load_s"], wall)
-    reference = results["hf"][0]
-    print(
-        f"{tokens:,} completion tokens ({fixture.num_sequences} sequences), micro-batch 8, tiny llama, CPU"
-    )
-    print(
-        f"{'engine':<28} {'score_s':>8} {'tokens/s':>10} {'vs hf':>7} {'load_s':>7} {'wall_s':>7}"
-    )
-    for (engine, extra), (score, load, wall) in zip(ENGINES, results.values(), strict=True):
-        label = engine + (" (2 ranks)" if "--nproc" in extra else "")
+    for arch in args.arch or list(families()):
+        model = models.family(arch)
+        moe = families()[arch].moe
+        tokens, results = replay_rows(
+            model, ENGINES + (MOE_ENGINES if moe else []), args.samples, args.tokens
+        )
+        print(f"\n{arch}: {tokens:,} completion tokens, micro-batch 8, tiny model, CPU")
         print(
-            f"{label:<28} {score:>8.3f} {tokens / score:>10,.0f} {score / reference:>6.2f}x {load:>7.2f} {wall:>7.1f}"
+            f"  {'engine':<26} {'score_s':>8} {'tokens/s':>10} {'vs hf':>7} {'load_s':>7} {'wall_s':>7}"
+        )
+        reference = results.get("hf", (float("nan"),))[0]
+        for label, (score, load, wall) in results.items():
+            print(
+                f"  {label:<26} {score:>8.3f} {tokens / score:>10,.0f} {score / reference:>6.2f}x "
+                f"{load:>7.2f} {wall:>7.1f}"
+            )
+        overhead = bench_replay(model_dir=model)
+        print(
+            f"  hf harness{' (routing recorded)' if moe else ''} {overhead['harness_s'] * 1e3:.1f} ms "
+            f"vs bare forward {overhead['bare_forward_s'] * 1e3:.1f} ms on "
+            f"{overhead['tokens']:,} tokens = {overhead['overhead_ratio']:.3f}x"
+        )
+    if not args.arch:  # the harness where the forward is not tiny: a Qwen3-MoE 8 x 512
+        larger = models.random_moe(8, 512, 8, 2, 0.02, arch="qwen3_moe")
+        overhead = bench_replay(sequences=16, model_dir=larger)
+        print(
+            f"\nqwen3_moe 8 x 512 (8 experts, top-2, random): hf harness (routing recorded) "
+            f"{overhead['harness_s'] * 1e3:.1f} ms vs bare forward "
+            f"{overhead['bare_forward_s'] * 1e3:.1f} ms on {overhead['tokens']:,} tokens "
+            f"= {overhead['overhead_ratio']:.3f}x"
         )
 
 

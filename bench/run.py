@@ -197,17 +197,21 @@ def bench_fixture(tokens: int) -> dict:
     }
 
 
-def bench_replay(sequences: int = 64, completion_tokens: int = 128, repeats: int = 5) -> dict:
-    """HF replay harness (padding, selected-logprob gather, fp32 log-softmax) vs a bare
-    ``model(input_ids, attention_mask)`` forward over the same micro-batches."""
+def bench_replay(
+    sequences: int = 64, completion_tokens: int = 128, repeats: int = 5, model_dir=None
+) -> dict:
+    """HF replay harness (padding, selected-logprob gather, fp32 log-softmax; on a MoE the
+    routing each router chose, recorded as replay records it) vs a bare
+    ``model(input_ids, attention_mask)`` forward over the same micro-batches, on a second
+    copy of the model that carries no routing hooks. The tiny model unless ``model_dir``."""
     import torch
 
     from pipeline.engines.hf_common import load_model
     from pipeline.engines.hf_replay import ReplayKnobs, _padded_inputs, score_batch
     from pipeline.smoke import default_model_dir, ensure_tiny_model
 
-    model_dir = ensure_tiny_model(default_model_dir())
-    model = load_model(model_dir)
+    model_dir = model_dir or ensure_tiny_model(default_model_dir())
+    model, bare_model = load_model(model_dir), load_model(model_dir)
     rng = np.random.default_rng(2)
     pairs = [
         (
@@ -235,7 +239,7 @@ def bench_replay(sequences: int = 64, completion_tokens: int = 128, repeats: int
     def bare():
         with torch.no_grad():
             for inputs in padded:
-                model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+                bare_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
 
     timings = {"harness": [], "bare": []}
     harness(), bare()  # warm up
