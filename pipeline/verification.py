@@ -493,9 +493,21 @@ class Verifier:
                 candidate = self._search_temperature(candidate, rows[0], observed[0], clean[0])
             if candidate.kind == "prompt_truncated":
                 candidate = self._search_truncation(candidate, rows, observed)
+            reproduced = None
             if candidate.kind == "router_replay":  # the experts of the side it reproduces
                 candidate = replace(candidate, params={"routing_of": side})
-            reproduced = self._rescore(candidate, rows)
+                reproduced = self._rescore(candidate, rows)
+                # routing moves only the tokens routed differently: judged on those, or a
+                # few flips among hundreds of noisy tokens could never explain anything
+                routed = self._routed_differently(rows)
+                if any(m.any() for m in routed):
+                    rollout, replay, observed, clean, reproduced, positions = (
+                        [a[m] for a, m in zip(values, routed, strict=True)]
+                        for values in (rollout, replay, observed, clean, reproduced, positions)
+                    )
+                    before = _mean_abs(rollout, replay)
+            if reproduced is None:
+                reproduced = self._rescore(candidate, rows)
             after = {side: _mean_abs(observed, reproduced)}
             if _mean_abs(reproduced, clean) < EXPLAINED * before:
                 # the bug barely changes these sequences: it cannot explain their drift
@@ -737,6 +749,21 @@ class Verifier:
         return [self._clean_scores[r] for r in rows]
 
     # --- observations and floors -----------------------------------------------------------
+
+    def _routed_differently(self, rows: list[int]) -> list[np.ndarray]:
+        """Per row, over its compared tokens: True where the two sides' recorded routing
+        differs on some MoE layer (pipeline.routing.flipped)."""
+        from pipeline.routing import completion_rows, flipped
+
+        ours = completion_rows(self.fixture.prompt_offsets, self.fixture.completion_offsets)
+        theirs = completion_rows(self.replay.prompt_offsets, self.replay.completion_offsets)
+        out = []
+        for row in rows:
+            other = self.replay_rows[self.fixture.sequence_ids[row]]
+            a = self.fixture.routed_experts[ours[self.fixture.completion_slice(row)]]
+            b = self.replay.routed_experts[theirs[self.replay.completion_slice(other)]]
+            out.append(flipped(a, b).any(axis=1)[self._mask(row)])
+        return out
 
     def _observed(self, rows: list[int]):
         rollout, replay, positions = [], [], []

@@ -159,6 +159,30 @@ def test_a_small_misrouting_within_the_floor_fails_once_re_scoring_names_it(
     assert done.exit_code == 1 and report["policy"]["failing_findings"] == ["routing_flip"]
 
 
+def test_a_router_replay_that_routes_elsewhere_fails_whatever_the_gate(
+    moe_run, family_model, tmp_path
+):
+    """A replay that says it forced the rollout's experts (router_replay=true) and still routed
+    1 % of layer 1's tokens elsewhere (an R3 bug: rows misaligned, experts misnumbered across
+    EP ranks): precision never flips a forced router, so the flips fail it even though the
+    drift passes the calibrated gate."""
+    seeded = read_table(moe_run / "fixture.parquet")
+    seeded.routed_experts = _seeded_flip(seeded.routed_experts, fraction=0.01, seed=0)
+    bf16 = {"dtype": "bfloat16", "device": "cpu", "router_replay": True}
+    write_table(HFScoringEngine().score(seeded, family_model("qwen3_moe"), bf16),
+                tmp_path / "replay.parquet")  # fmt: skip
+    done = run_lpx("compare", moe_run / "fixture.parquet", tmp_path / "replay.parquet",
+                   "--out", tmp_path / "out")  # fmt: skip
+    report = read_report(tmp_path / "out")
+    assert report["metadata"]["replay"]["knobs"]["router_replay"] is True
+    assert report["precision_gate"]["passed"] and not report["policy"]["violations"]
+    assert 0 < report["routing"]["flip_rate"] < 0.02
+    (finding,) = [f for f in report["diagnosis"] if f["cause"] == "routing_flip"]
+    assert finding["evidence"].startswith("router replay forced the rollout's experts, yet ")
+    assert finding["status"] == "verified"
+    assert done.exit_code == 1 and report["policy"]["failing_findings"] == ["routing_flip"]
+
+
 def test_router_replay_removes_the_flips_and_leaves_the_numeric_drift(moe_run, tmp_path):
     plain = run_lpx("compare", moe_run / "fixture.parquet", moe_run / "replay-plain.parquet",
                     "--out", tmp_path / "plain")  # fmt: skip

@@ -192,7 +192,8 @@ def compare_tables(
         context,
     )
     findings = [f.as_dict() for f in findings] + _missing_versions(replay, aligned)
-    findings += _routing_flips(routing, gate, aligned, token_tau)
+    forced = bool((replay.metadata.get("knobs") or {}).get("router_replay"))
+    findings += _routing_flips(routing, gate, aligned, token_tau, forced)
     if gate is not None and not gate["passed"]:
         findings += _beyond_precision(gate, findings, aligned)
     judgement = judge(policy, profile, metrics, findings, limits, exact, gate)
@@ -350,22 +351,29 @@ def _routing(aligned: Aligned) -> dict | None:
     )
 
 
-def _routing_flips(routing: dict | None, gate: dict | None, aligned: Aligned, tau) -> list[dict]:
+def _routing_flips(
+    routing: dict | None, gate: dict | None, aligned: Aligned, tau, forced: bool = False
+) -> list[dict]:
     """A `routing_flip` claim where tokens went to other experts and the drift is beyond
-    precision (the gate failed; uncalibrated, a flipped token beyond tau). Plausible until
-    re-scoring with the drifting side's experts forced reproduces that side (verification)."""
+    precision (the gate failed; uncalibrated, a flipped token beyond tau), or where the
+    replay was told the rollout's experts (router replay, ``forced``) and used others: no
+    precision flips a forced router, so any flip there is the replay's router replay broken
+    (misaligned positions, experts misnumbered across EP ranks). Plausible until re-scoring
+    with the drifting side's experts forced reproduces that side (verification)."""
     if not routing or not routing["tokens_with_flip"]:
         return []
     region = aligned.completion
     diff = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
     flipped = routing_flipped(aligned.routing_rollout, aligned.routing_train).any(axis=1)
     beyond = flipped & (diff > tau)
-    # calibrated, the gate decides: bf16 alone flips near-tied routers (~1.4 % of tokens on
-    # the tiny MoEs), large on those tokens, and the calibration measured that
-    if gate["passed"] if gate is not None else not beyond.any():
+    # calibrated, the gate decides: bf16 alone flips near-tied routers (1.4 % of tokens on
+    # the tiny MoE; 11-16 % per layer at 16 x 1024 and 32 x 512, bench/routing.py), large on
+    # those tokens, and the calibration measured that
+    within = gate["passed"] if gate is not None else not beyond.any()
+    if within and not forced:
         return []
     sequence = np.repeat(np.arange(len(region.offsets) - 1), np.diff(region.offsets))
-    chosen = beyond if beyond.any() else flipped
+    chosen = beyond if beyond.any() and not forced else flipped
     ids = [aligned.sequence_ids[i] for i in np.unique(sequence[chosen])]
     worst = max(routing["layers"], key=lambda layer: layer["flip_rate"])
     on, rest = routing["drift_on_flipped"], routing["drift_on_rest"]
@@ -376,7 +384,8 @@ def _routing_flips(routing: dict | None, gate: dict | None, aligned: Aligned, ta
             "sequences": ids,
             "first_position": dict(routing["first_flip"]),
             "evidence": (
-                f"{routing['tokens_with_flip']} of {routing['tokens']} tokens "
+                ("router replay forced the rollout's experts, yet " if forced else "")
+                + f"{routing['tokens_with_flip']} of {routing['tokens']} tokens "
                 f"({routing['flip_rate']:.2%}) were routed to other experts (most on layer "
                 f"{worst['layer']}: {worst['flip_rate']:.2%}); mean |d| {on['mean_abs_diff']:.3g} "
                 f"on them, {rest_text} on the rest"
