@@ -219,6 +219,34 @@ def _batched(model, batch, kind: str):
     return results
 
 
+def left_padded(model, prompt, completion, counts: list[int], shifted: bool, pad_id: int):
+    """One sequence scored as it would be in left-padded batches with no attention mask: one
+    result per pad count in ``counts``. The pads are attended; ``shifted`` counts them in the
+    position ids (positions run from the first pad, as without a mask an engine derives them),
+    else the real tokens keep positions 0.. (the mask was lost after positions were built).
+
+    Every count is one row of a single forward: each row is padded on the right to the
+    widest, and under the causal mask a real token never sees pads that come after it."""
+    import torch
+
+    sequence = np.concatenate([prompt, completion]).astype(np.int64)
+    width = len(sequence) + max(counts)
+    ids = torch.full((len(counts), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(counts), width), dtype=torch.long)
+    for row, count in enumerate(counts):
+        ids[row, count : count + len(sequence)] = torch.from_numpy(sequence)
+        positions[row] = torch.arange(width) if shifted else (torch.arange(width) - count).clamp(0)
+    with torch.no_grad():
+        inputs = _on_device(model, {"input_ids": ids, "position_ids": positions})
+        hidden = model.base_model(**inputs).last_hidden_state
+    return [
+        _selected(
+            model, hidden[row, count + len(prompt) - 1 : count + len(sequence) - 1], completion
+        )
+        for row, count in enumerate(counts)
+    ]
+
+
 def _other_weights(model, pairs, kind: str, settings: FaultSettings):
     """Scores under the weights one AdamW step away (a step on these very sequences, as the
     trainer would take); version_change switches to them at completion index ``at``."""

@@ -13,6 +13,7 @@ FAULT_CAUSES = (
     "top_k",
     "top_p",
     "stale_weights",
+    "weights_differ",  # no store to re-score under: every data and sampling cause ruled out
     "version_change",
     "claimed_version",
     "missing_version",

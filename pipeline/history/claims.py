@@ -50,6 +50,7 @@ VERIFY_WEIGHTS = (
 )
 HOW_TO_VERIFY = {
     "stale_weights": VERIFY_WEIGHTS,
+    "weights_differ": VERIFY_WEIGHTS,
     "version_change": VERIFY_WEIGHTS,
     "missing_version": "Publish the missing versions to the store (or retain more: "
     "`lpx weights publish --keep`) and compare again.",
