@@ -64,6 +64,8 @@ TRUNCATED = 1e-4
 READ_QUANTILES = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5)
 TOP_P_GRID = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.92, 0.95, 0.97, 0.98, 0.99)
 TOP_K_GRID = (1, 2, 3, 5, 8, 10, 16, 20, 32, 40, 50, 64, 100, 128, 200, 256, 500, 1000)
+# A reproduction that leaves this much of the drift moved nothing toward the observation.
+NOTHING_MOVED = 0.9
 PAD_ROWS = 32  # pad counts scored per forward in the padding search
 # Weights causes cannot be re-scored; reproducible causes of the same shape are tried instead
 COMPETED = ("stale_weights", "version_change")
@@ -194,6 +196,12 @@ class Verifier:
             if cause in COMPETED:  # weights stay the signatures' answer, now with what failed
                 out.append(_not_reproduced(finding, tried))
                 continue
+            weights = self._untestable(finding, runner) if _moved_nothing(tried, cause) else None
+            if weights is not None:
+                # the signature's own bug, committed, left the drift where it was, and the
+                # drift has the shape of other weights: that, not the signature, is plausible
+                out.append(_not_reproduced(weights, tried))
+                continue
             if cause not in ("unexplained", "dtype"):
                 # Never worse than the signatures: a real engine commits a bug in more ways
                 # than re-scoring can, so a cause the signature named and nothing verified
@@ -242,7 +250,7 @@ class Verifier:
 
     def _untestable(self, finding: dict, runner: str | None) -> dict | None:
         """After every reproduction failed: the runner-up when it is an in-flight update (a
-        position onset's), or stale weights when the drift covers the batch and moves whole
+        position onset's), or `weights_differ` when the drift covers the batch and moves whole
         sequences one way (the sign test a weight step passes and noise or a prompt change
         does not); else None."""
         if runner == "version_change":
@@ -459,8 +467,14 @@ class Verifier:
         sampling = self.fixture.metadata.get("sampling") or {}
         truncated = int(sampling.get("top_k") or 0) > 0 or float(sampling.get("top_p") or 1) < 1
         return [
-            # the rollout sampled with truncation: processed logprobs on one side
-            *(self.candidates({**finding, "cause": "top_k", "details": {}}) if truncated else []),
+            # the rollout sampled with truncation: processed logprobs on one side (searched
+            # for where the dump does not say: on a flat distribution a top-p moves every
+            # token by about the same, which no signature takes for a truncation)
+            *(
+                self.candidates({**finding, "cause": "top_k", "details": {}})
+                if truncated
+                else [Candidate(c, f"{c}_search", base, {}) for c in ("top_p", "top_k")]
+            ),
             *self._router_replay(),
             *self.competitors(finding),
             *(
@@ -552,6 +566,8 @@ class Verifier:
                 candidate = self._search_sampling(candidate, rows[0], observed[0])
             if candidate.kind == "left_pad_search":
                 candidate = self._search_padding(candidate, rows, observed)
+            elif candidate.kind == "left_pad":  # found on other sequences: their own counts
+                candidate = self._search_padding(candidate, rows, observed, candidate.params)
             reproduced = None
             if candidate.kind == "router_replay":  # the experts of the side it reproduces
                 candidate = replace(candidate, params={"routing_of": side})
@@ -801,7 +817,7 @@ class Verifier:
             {"k": best["top_k"], "searched": True},
         )  # fmt: skip
 
-    def _search_padding(self, candidate, rows: list[int], observed) -> Candidate:
+    def _search_padding(self, candidate, rows: list[int], observed, found=None) -> Candidate:
         """Left padding attended (no attention mask), the pads counted in the positions or
         not, searched per sequence. A sequence's pad count is the longest of its batch less
         its own length, and the batch is the engine's, unknown here: every count another
@@ -835,12 +851,12 @@ class Verifier:
             return out
 
         best = None
-        for shifted in (True, False):
-            for pad_id in pad_ids:
-                tried = gaps(rows[0], observed[0], shifted, pad_id)
-                count = min(tried, key=tried.get)
-                if best is None or tried[count] < best[0]:
-                    best = (tried[count], shifted, pad_id, count)
+        shapes = [(found["shifted"], found["pad_id"])] if found else []
+        for shifted, pad_id in shapes or [(s, p) for s in (True, False) for p in pad_ids]:
+            tried = gaps(rows[0], observed[0], shifted, pad_id)
+            count = min(tried, key=tried.get)
+            if best is None or tried[count] < best[0]:
+                best = (tried[count], shifted, pad_id, count)
         _, shifted, pad_id, first = best
         counts = {ids[rows[0]]: first}
         for row, seen in zip(rows[1:], observed[1:], strict=True):
@@ -995,7 +1011,9 @@ def _one_per_reproduction(findings: list[dict]) -> list[dict]:
         by = (finding.get("details") or {}).get("verified_by")
         key = None
         if finding.get("status") == "verified" and by:
-            key = (finding["cause"], by["kind"], repr(sorted(by["params"].items())), by["side"])
+            # a searched padding's counts are per sequence: its shape is the reproduction
+            params = {k: v for k, v in by["params"].items() if k != "counts"}
+            key = (finding["cause"], by["kind"], repr(sorted(params.items())), by["side"])
         if key in seen:
             first = out[seen[key]]
             first["sequences"] = sorted(set(first["sequences"]) | set(finding["sequences"]))
@@ -1189,6 +1207,15 @@ def _not_reproduced(finding: dict, tried: list[dict]) -> dict:
         "evidence": f"{finding['evidence']}; re-scoring reproduces none of: "
         + ", ".join(t["kind"] for t in tried),
     }
+
+
+def _moved_nothing(tried: list[dict], cause: str) -> bool:
+    """Every re-score of `cause` itself left at least NOTHING_MOVED of the drift: committed,
+    the bug does not go the observation's way at all (a wrong guess, not a variant)."""
+    own = [t for t in tried if t["cause"] == cause and t["kind"] != "precision"]
+    return bool(own) and all(
+        t["residual_after"] >= NOTHING_MOVED * t["residual_before"] for t in own
+    )
 
 
 def _unverified(finding: dict, tried: list[dict]) -> dict:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.fixture.io import read_table, write_table
+from tests.engine_like import left_padded_rollout
 from tests.helpers import read_report, run_lpx
 
 
@@ -21,42 +22,6 @@ def diagnose(fixture, replay, out, *more) -> dict:
 
 def faults_of(report) -> list[dict]:
     return [f for f in report["diagnosis"] if f["severity"] == "fault"]
-
-
-def _rescored_left_padded(model_dir, fixture, order, size, pad_id, counted_positions):
-    """The rollout's logprobs as an engine that lost the attention mask of a left-padded
-    batch gives them: the engine's batches are `order` cut into groups of `size`; the pads
-    (`pad_id`) are attended; with `counted_positions` the positions run from the first pad
-    (transformers' default without a mask), else from the first real token (the mask was
-    dropped after the positions were built from it)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    values = fixture.channels["rollout"].copy()
-    for start in range(0, len(order), size):
-        group = order[start : start + size]
-        sequences = [
-            np.concatenate([fixture.prompt_of(r), fixture.completion_of(r)]) for r in group
-        ]
-        width = max(len(s) for s in sequences)
-        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(group), width), dtype=torch.long)
-        for i, sequence in enumerate(sequences):
-            ids[i, width - len(sequence) :] = torch.as_tensor(sequence)
-            mask[i, width - len(sequence) :] = 1
-        inputs = {"input_ids": ids}
-        if not counted_positions:
-            inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad():
-            logprobs = model(**inputs).logits.float().log_softmax(-1)
-        for i, row in enumerate(group):
-            completion = torch.tensor(fixture.completion_of(row), dtype=torch.long)
-            first = width - len(sequences[i]) + len(fixture.prompt_of(row)) - 1
-            scored = logprobs[i, first : first + len(completion)].gather(-1, completion[:, None])
-            values[fixture.completion_slice(row)] = scored[:, 0].numpy()
-    fixture.channels = {"rollout": values}
-    return fixture
 
 
 @pytest.mark.parametrize(
@@ -80,7 +45,7 @@ def test_attended_left_padding_is_verified_whatever_the_engines_batches(
         order, size, pad_id = list(np.argsort(lengths, kind="stable")[::-1]), 3, 0
     else:
         order, size, pad_id = list(range(fixture.num_sequences))[::-1], 5, 2
-    padded = _rescored_left_padded(tiny_model, fixture, order, size, pad_id, counted_positions)
+    padded = left_padded_rollout(tiny_model, fixture, order, size, pad_id, counted_positions)
     write_table(padded, tmp_path / "padded.parquet")
     report = diagnose(
         tmp_path / "padded.parquet", run_dir / "replay-float32.parquet", tmp_path / "d"
