@@ -17,7 +17,8 @@ from pipeline.errors import BadInput
 from pipeline.localize import swap
 from pipeline.localize.adapters import open_side
 from pipeline.localize.boundaries import in_order
-from pipeline.localize.measure import Summary, token_divergence
+from pipeline.localize.capture import batches, capture_rows, compare_boundary
+from pipeline.localize.measure import Summary
 from pipeline.localize.store import CaptureStore
 from pipeline.localize.verdict import MARGIN, boundary_rows, first_beyond
 from pipeline.progress import progress_bar
@@ -29,9 +30,6 @@ CHART_FILE = "localize.svg"
 CAPTURES = "captures"
 OUTPUTS = (RESULT_FILE, CHART_FILE, CAPTURES)  # what a run writes or removes in --out
 DEFAULT_SEQUENCES = 4
-# Token positions per padded capture batch: enough to amortise a forward's fixed cost over a
-# handful of short sequences, small enough that the forward's own activations stay modest.
-BATCH_TOKENS = 4096
 
 
 def choose_sequences(table, wanted: list[str], report: dict | None, count: int) -> list[int]:
@@ -135,42 +133,6 @@ def write(result: dict, out_dir: Path) -> Path:
     return path
 
 
-def batches(sequences: list, budget: int = BATCH_TOKENS) -> list[list[int]]:
-    """Row indices grouped so each padded batch holds at most `budget` token positions (a
-    longer sequence runs alone): a handful of short sequences share one forward, a long one
-    never makes the others wait in memory."""
-    groups, current, width = [], [], 0
-    for row, (_, ids) in enumerate(sequences):
-        wider = max(width, len(ids))
-        if current and wider * (len(current) + 1) > budget:
-            groups.append(current)
-            current, wider = [], len(ids)
-        current.append(row)
-        width = wider
-    return groups + [current] if current else groups
-
-
-def capture_rows(side, sequences, rows: list[int], precision: str, sink, replace=None) -> None:
-    """Capture `rows` of `sequences` on `side`, calling sink(row, boundary, values); batched
-    where the adapter can, one sequence at a time where it cannot."""
-    batch = [sequences[row][1] for row in rows]
-    if hasattr(side, "capture_batch"):
-        side.capture_batch(
-            batch,
-            precision,
-            lambda index, name, values: sink(rows[index], name, values),
-            None if replace is None else [replace(row) for row in rows],
-        )
-        return
-    for row, ids in zip(rows, batch, strict=True):
-        side.capture(
-            ids,
-            precision,
-            lambda name, values, row=row: sink(row, name, values),
-            None if replace is None else replace(row),
-        )
-
-
 def _measure(side_a, side_b, sequences, names, store: CaptureStore):
     drift = {name: Summary() for name in names}
     floor_a = {name: Summary() for name in names}
@@ -187,7 +149,7 @@ def _measure(side_a, side_b, sequences, names, store: CaptureStore):
     def against(side, out):
         def sink(row, name, values):
             if name in wanted:
-                _compare(store, side, row, sequences[row][0], name, values, out)
+                compare_boundary(store, side, row, sequences[row][0], name, values, out)
 
         return sink
 
@@ -206,20 +168,6 @@ def _measure(side_a, side_b, sequences, names, store: CaptureStore):
         for table in (drift, floor_a, floor_b)
     ]
     return tuple(as_dicts)
-
-
-def _compare(store, side: str, row: int, sequence_id: str, name: str, values, out) -> None:
-    """Add one sequence's divergence at `name` from the stored capture of `side`."""
-    stored = store.read(side, row, name)
-    if stored is None:
-        return
-    if stored.shape != values.shape:
-        raise BadInput(
-            f"boundary {name} of sequence {sequence_id}: shapes differ between the sides "
-            f"({stored.shape} vs {values.shape}); the two engines do not run the same model "
-            "layout (check heads, experts and vocabulary)."
-        )
-    out[name].add(sequence_id, token_divergence(name, stored, values))
 
 
 def _common_boundaries(side_a, side_b) -> list[str]:

@@ -14,6 +14,7 @@ The first that leaves every checked boundary within the floor verifies the local
 from __future__ import annotations
 
 from pipeline.localize.boundaries import family_from, parse
+from pipeline.localize.capture import batches, capture_rows, compare_boundary
 from pipeline.localize.measure import Summary
 from pipeline.localize.store import CaptureStore
 from pipeline.localize.verdict import boundary_rows, first_beyond, within_floor
@@ -93,14 +94,12 @@ class _NoSwap(Exception):
 
 def _rescore(runner, sequences, store, runner_key, donor_key, swapped, module, donor, names):
     """The runner's drift from the donor's stored captures with the swap in place."""
-    from pipeline.localize.run import _compare, batches, capture_rows
-
     wanted = set(names)
     drift = {name: Summary() for name in names}
 
     def sink(row, name, values):
         if name in wanted:
-            _compare(store, donor_key, row, sequences[row][0], name, values, drift)
+            compare_boundary(store, donor_key, row, sequences[row][0], name, values, drift)
 
     def replace(row):
         return {name: store.read(donor_key, row, name) for name in swapped}
