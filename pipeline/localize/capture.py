@@ -62,10 +62,14 @@ def compare_boundary(
     stored = store.read(side, row, name)
     if stored is None:
         return
+    check_shapes(name, sequence_id, stored, values)
+    out[name].add(sequence_id, token_divergence(name, stored, values))
+
+
+def check_shapes(name: str, sequence_id: str, stored, values) -> None:
     if stored.shape != values.shape:
         raise BadInput(
             f"boundary {name} of sequence {sequence_id}: shapes differ between the sides "
             f"({stored.shape} vs {values.shape}); the two engines do not run the same model "
             "layout (check heads, experts and vocabulary)."
         )
-    out[name].add(sequence_id, token_divergence(name, stored, values))

@@ -1,9 +1,8 @@
 """`lpx localize`: capture both sides, measure the floors, name the first boundary beyond them,
 verify it by swapping, and write localize.json (and the chart beside it).
 
-Per sequence, four forwards: A declared (kept on disk), A reference (its floor, compared on
-the fly), B declared (kept, and compared with A on the fly), B reference (B's floor). Only one
-boundary's rows are in memory at a time besides the forward itself.
+The forwards and both rules are judge.py's; `--exact` (exact.py) compares bits and measures no
+floor. Only one boundary's rows are in memory at a time besides the forward itself.
 """
 
 from __future__ import annotations
@@ -14,14 +13,13 @@ import time
 from pathlib import Path
 
 from pipeline.errors import BadInput
+from pipeline.localize import exact as bitwise
 from pipeline.localize import swap
 from pipeline.localize.adapters import open_side
 from pipeline.localize.boundaries import in_order
-from pipeline.localize.capture import batches, capture_rows, compare_boundary
-from pipeline.localize.measure import Summary
+from pipeline.localize.judge import judged_rows
 from pipeline.localize.store import CaptureStore
-from pipeline.localize.verdict import MARGIN, boundary_rows, first_beyond
-from pipeline.progress import progress_bar
+from pipeline.localize.verdict import MARGIN, first_beyond
 
 SCHEMA_VERSION = 1
 FORMAT_MARKER = "lpx_localize"  # says lpx wrote it: a rerun may replace it (paths.py)
@@ -68,22 +66,42 @@ def localize(
     device: str = "cpu",
     model_dir_b: Path | None = None,
     keep_captures: bool = False,
+    exact: bool = False,
+    floor_cache: bool = True,
 ) -> dict:
+    """Localize where side A and side B part on the table's `rows_wanted`.
+
+    `exact`: the first boundary not bitwise equal (no floors); `floor_cache`: take and keep
+    each side's floors in the floor cache (floor_cache.py)."""
     started = time.perf_counter()
     side_a = open_side(spec_a, model_dir, device=device)
     side_b = open_side(spec_b, model_dir_b or model_dir, device=device)
     store = CaptureStore(out_dir / CAPTURES)
+    about = {}
     try:
         names = _common_boundaries(side_a, side_b)
         sequences = [(table.sequence_ids[row], _token_ids(table, row)) for row in rows_wanted]
-        drift, floor_a, floor_b = _measure(side_a, side_b, sequences, names, store)
-        rows = boundary_rows(names, drift, floor_a, floor_b, (side_a.dtype, side_b.dtype))
-        first = first_beyond(rows)
-        verification = (
-            swap.verify(side_a, side_b, sequences, rows, first, store)
-            if first is not None
-            else None
-        )
+        if exact:
+            tallies = bitwise.measure(side_a, side_b, sequences, names, store)
+            rows = bitwise.exact_rows(names, tallies)
+            first = first_beyond(rows)
+            verification = (
+                bitwise.verify(side_a, side_b, sequences, names, first, store)
+                if first is not None
+                else None
+            )
+        else:
+            sides = {"a": side_a, "b": side_b}
+            places = {"a": (spec_a, model_dir), "b": (spec_b, model_dir_b or model_dir)}
+            rows, about = judged_rows(
+                sides, places, device, sequences, names, store, use_cache=floor_cache
+            )
+            first = first_beyond(rows)
+            verification = (
+                swap.verify(side_a, side_b, sequences, rows, first, store)
+                if first is not None
+                else None
+            )
     finally:
         side_a.close()
         side_b.close()
@@ -100,7 +118,10 @@ def localize(
         "verdict": verdict,
         "first": _first_summary(first),
         "verification": verification,
-        "margin": MARGIN,
+        "mode": "exact" if exact else "floors",
+        # exact: any element differing is beyond (a row's ratio is the share that differs)
+        "margin": 0.0 if exact else MARGIN,
+        **about,
         "sides": {
             "a": {"spec": spec_a, **side_a.layout, "reference_dtype": side_a.reference_dtype},
             "b": {"spec": spec_b, **side_b.layout, "reference_dtype": side_b.reference_dtype},
@@ -133,43 +154,6 @@ def write(result: dict, out_dir: Path) -> Path:
     return path
 
 
-def _measure(side_a, side_b, sequences, names, store: CaptureStore):
-    drift = {name: Summary() for name in names}
-    floor_a = {name: Summary() for name in names}
-    floor_b = {name: Summary() for name in names}
-    wanted = set(names)
-
-    def keep(side):
-        def sink(row, name, values):
-            if name in wanted:
-                store.write(side, row, name, values)
-
-        return sink
-
-    def against(side, out):
-        def sink(row, name, values):
-            if name in wanted:
-                compare_boundary(store, side, row, sequences[row][0], name, values, out)
-
-        return sink
-
-    def keep_b_against_a(row, name, values):
-        keep("b")(row, name, values)
-        against("a", drift)(row, name, values)
-
-    groups = batches(sequences)
-    for rows in progress_bar(groups, desc="localize", unit="batch"):
-        capture_rows(side_a, sequences, rows, "declared", keep("a"))
-        capture_rows(side_a, sequences, rows, "reference", against("a", floor_a))
-        capture_rows(side_b, sequences, rows, "declared", keep_b_against_a)
-        capture_rows(side_b, sequences, rows, "reference", against("b", floor_b))
-    as_dicts = [
-        {name: summary.as_dict() for name, summary in table.items() if summary.count}
-        for table in (drift, floor_a, floor_b)
-    ]
-    return tuple(as_dicts)
-
-
 def _common_boundaries(side_a, side_b) -> list[str]:
     a, b = set(side_a.boundaries), set(side_b.boundaries)
     common = in_order(a & b)
@@ -187,7 +171,11 @@ def _token_ids(table, row: int) -> list[int]:
 def _first_summary(first: dict | None) -> dict | None:
     if first is None:
         return None
-    return {key: first[key] for key in ("boundary", "layer", "kind", "ratio")} | {
+    summary = {key: first[key] for key in ("boundary", "layer", "kind", "ratio")} | {
         "drift": first["drift"],
         "floor": first["floor"],
     }
+    for key in ("beyond_by", "local", "differing", "elements", "first_difference"):
+        if key in first:
+            summary[key] = first[key]
+    return summary

@@ -25,14 +25,9 @@ def verify(side_a, side_b, sequences, rows: list[dict], first: dict, store: Capt
     floors = _floors(rows)
     target = first["boundary"]
     try:
-        runner, donor, runner_key, donor_key = _who_runs(side_a, side_b)
-    except _NoSwap:
-        return {
-            "verified": False,
-            "by": None,
-            "why": f"neither {side_a.name} nor {side_b.name} can take the other's activations",
-            "attempts": [],
-        }
+        runner, donor, runner_key, donor_key = who_runs(side_a, side_b)
+    except NoSwap as why:
+        return {"verified": False, "by": None, "why": str(why), "attempts": []}
     attempts = []
 
     def attempt(label: str, swapped: list[str], module: str | None = None) -> dict:
@@ -79,16 +74,17 @@ def verify(side_a, side_b, sequences, rows: list[dict], first: dict, store: Capt
     }
 
 
-def _who_runs(side_a, side_b):
-    """The side that takes the other's activations: A if it can, else B."""
+def who_runs(side_a, side_b):
+    """(runner, donor, runner_key, donor_key): the side that takes the other's activations,
+    A if it can, else B; NoSwap when neither can."""
     if getattr(side_a, "can_replace", False):
         return side_a, side_b, "a", "b"
     if getattr(side_b, "can_replace", False):
         return side_b, side_a, "b", "a"
-    raise _NoSwap
+    raise NoSwap(f"neither {side_a.name} nor {side_b.name} can take the other's activations")
 
 
-class _NoSwap(Exception):
+class NoSwap(LookupError):
     pass
 
 
