@@ -29,7 +29,7 @@ MARGIN = 4.0
 # clean pairs (bench/localize.py --step; docs/localize.md "The step rule"): the largest clean
 # local ratio was STEP_CLEAN_MAX over tiny, 16 x 1024 and 32 x 512, fp32 and bf16, eager vs SDPA,
 # fp32 vs bf16 and identical stacks; the margin is set above it, never fitted to a fault.
-STEP_MARGIN = 4.0
+STEP_MARGIN = 2.0
 
 
 def boundary_rows(names, drift: dict, floor_a: dict, floor_b: dict, dtypes: tuple) -> list[dict]:
