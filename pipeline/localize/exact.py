@@ -3,15 +3,16 @@ captures differ in any bit, the first element that differs there, and a swap tha
 
 No floor is measured: with nothing allowed to differ, one differing element is the verdict.
 Verification runs the runner with the donor's activation at that boundary (then, for two HF
-sides, the donor's module for it): every later boundary must come back bitwise equal, or the
-attempt names the first that still differs.
+sides, the donor's module for it; then the donor's activations for the op's family from there
+on, as swap.py does): every later boundary must come back bitwise equal, or the attempt names
+those that still differ.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pipeline.localize.boundaries import kind_of, layer_of, parse
+from pipeline.localize.boundaries import family_from, kind_of, layer_of, parse
 from pipeline.localize.capture import batches, capture_rows, check_shapes
 from pipeline.localize.measure import Summary, token_divergence
 from pipeline.localize.store import CaptureStore
@@ -117,7 +118,7 @@ def verify(side_a, side_b, sequences, names, first: dict, store: CaptureStore) -
     attempts = []
 
     def attempt(label: str, swapped: list[str], module: str | None) -> dict:
-        later = [n for n in names if parse(n) > parse(target)]
+        later = [n for n in names if parse(n) > parse(target) and n not in swapped]
         checked = later if module is None else [target, *later]
         tallies = _rescore(runner, donor, sequences, store, donor_key, swapped, module, names)
         still = [n for n in checked if n in tallies and tallies[n].differing]
@@ -137,6 +138,10 @@ def verify(side_a, side_b, sequences, names, first: dict, store: CaptureStore) -
     if not record["bitwise_equal"] and hasattr(runner, "module_swap"):
         if type(runner) is type(donor):
             record = attempt(f"{donor_key}'s weights for {target}", [], target)
+    family = family_from(names, target)
+    if not record["bitwise_equal"] and len(family) > 1:
+        # a setting every member of the op's family shares (an eps, a rope theta)
+        record = attempt(f"{donor_key}'s {parse(target).family} from {target} on", family, None)
     return {
         "verified": record["bitwise_equal"],
         "by": record["swap"] if record["bitwise_equal"] else None,
