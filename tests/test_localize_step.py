@@ -151,6 +151,10 @@ def test_a_stale_mlp_in_bf16_is_named_by_the_step_rule_and_verified(scales, scal
     assert result["step"]["runner"] == "a"
     assert result["step"]["local_floor"] == {"a": "measured", "b": "measured"}
     assert result["verification"]["by"] == f"b's activation at {target}"
+    # Everything after it was within the level floor before the swap too: the swap must cut
+    # the worst level ratio after it by the step margin, and here it leaves nothing at all.
+    attempt = result["verification"]["attempts"][0]
+    assert attempt["worst"]["ratio"] == 0 < attempt["worst_ratio_before"]
 
 
 @pytest.mark.parametrize("scale", ["tiny", "16x1024"])
