@@ -14,6 +14,12 @@ must stay under the margin.
     .venv/bin/python bench/localize.py                      # every scale (about 15 min on 2 cores)
     .venv/bin/python bench/localize.py --scales tiny --clean-only
     .venv/bin/python bench/localize.py --timing             # 8 sequences, 16 x 1024, both sides
+    .venv/bin/python bench/localize.py --step               # the step rule's clean ratios and
+                                                            # stale layers, three scales
+
+Every case prints the level ratio (drift / summed floors) and the step ratio (the op's own
+drift with its inputs forced equal / summed local floors) at the boundary that matters, and
+which rule put the first boundary beyond.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from models import random_llama, random_moe, tiny  # noqa: E402
 from pipeline.fixture.table import table_from_sequences  # noqa: E402
 from pipeline.localize.run import localize  # noqa: E402
 from pipeline.localize.seeded import FAULTS, expected_boundary  # noqa: E402
-from pipeline.localize.verdict import MARGIN  # noqa: E402
+from pipeline.localize.verdict import MARGIN, STEP_MARGIN  # noqa: E402
 
 SCALES = {
     "tiny": lambda: tiny(),
@@ -70,10 +76,29 @@ SEQUENCES = 8
 ONLY_HF = False  # --hf-only: clean pairs of the HF side's two kernels only (faster at scale)
 
 
-def run(model: Path, spec_a: str, spec_b: str, table, count: int | None = None) -> dict:
+def run(model: Path, spec_a: str, spec_b: str, table, count: int | None = None, **options) -> dict:
     count = SEQUENCES if count is None else count
+    options.setdefault("floor_cache", False)  # each case measures its floors, unless timed
     with tempfile.TemporaryDirectory() as work:
-        return localize(table, model, spec_a, spec_b, list(range(count)), Path(work))
+        return localize(table, model, spec_a, spec_b, list(range(count)), Path(work), **options)
+
+
+def ratios_at(result: dict, boundary: str | None) -> tuple[float | None, float | None]:
+    """(level ratio, step ratio) at `boundary`."""
+    row = next((r for r in result["boundaries"] if r["boundary"] == boundary), None)
+    if row is None:
+        return None, None
+    return row["ratio"], (row.get("local") or {}).get("ratio")
+
+
+def worst_step(result: dict) -> tuple[float, str | None]:
+    rows = [r for r in result["boundaries"] if r.get("local")]
+    worst = max(rows, key=lambda r: r["local"]["ratio"], default=None)
+    return (worst["local"]["ratio"], worst["boundary"]) if worst else (0.0, None)
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
 
 
 def fault_cases(scale: str, layers: int, moe: bool):
@@ -143,6 +168,8 @@ def bench_scale(scale: str, faults: bool, clean: bool) -> dict:
                 "verified": bool(verification.get("verified")),
                 "by": verification.get("by"),
                 "ratio": (result["first"] or {}).get("ratio"),
+                "rules": (result["first"] or {}).get("beyond_by"),
+                "level_step": ratios_at(result, expected),
                 "seconds": result["seconds"],
                 "drift": next(
                     (b["drift"] for b in result["boundaries"] if b["boundary"] == expected), None
@@ -156,7 +183,9 @@ def bench_scale(scale: str, faults: bool, clean: bool) -> dict:
                 f"  {scale:9} {kind:18} {dtype:4}{hidden} expected {expected:20} named {named!s:20} "
                 f"{'EXACT' if row['exact'] else 'WRONG'} "
                 f"{'verified' if row['verified'] else 'NOT verified'} "
-                f"({row['ratio'] or 0:.3g} x floor, {row['seconds']:.1f} s) by {row['by']}",
+                f"({row['ratio'] or 0:.3g} x floor, {row['seconds']:.1f} s) by {row['by']}; "
+                f"at {expected}: level {_fmt(row['level_step'][0])}, step "
+                f"{_fmt(row['level_step'][1])}, fired {row['rules']}",
                 flush=True,
             )
     if clean:
@@ -167,33 +196,97 @@ def bench_scale(scale: str, faults: bool, clean: bool) -> dict:
                 print(f"  {scale:9} clean {spec_a} vs {spec_b}: skipped ({error})".strip()[:160])
                 continue
             worst = max(result["boundaries"], key=lambda r: r["ratio"])
+            step, step_at = worst_step(result)
             row = {
                 "a": spec_a,
                 "b": spec_b,
                 "verdict": result["verdict"],
                 "max_ratio": worst["ratio"],
                 "at": worst["boundary"],
+                "max_step": step,
+                "step_at": step_at,
                 "seconds": result["seconds"],
             }
             out["clean"].append(row)
             print(
                 f"  {scale:9} clean {spec_a:16} vs {spec_b:30} {row['verdict']:9} max ratio "
-                f"{row['max_ratio']:.2f} at {row['at']} ({row['seconds']:.1f} s)",
+                f"{row['max_ratio']:.2f} at {row['at']}, max step ratio {step:.2f} at {step_at} "
+                f"({row['seconds']:.1f} s)",
                 flush=True,
             )
     return out
+
+
+STEP_SCALES = ("tiny", "16x1024", "32x512")
+STEP_CLEAN = [
+    ("hf", "hf:attention=eager"),
+    ("hf:dtype=bf16", "hf:dtype=bf16,attention=eager"),
+    ("hf", "hf:dtype=bf16"),
+    ("hf:dtype=bf16", "hf:dtype=bf16"),
+    ("hf:dtype=bf16", "fsdp:nproc=2,dtype=bf16"),
+]
+STALE_STEPS = (0.02, 0.03)  # seeded.STALE_STEP, and a 3 % variant
+
+
+def step_bench(scales) -> None:
+    """The step rule's clean local ratios at three scales (what STEP_MARGIN rests on), then
+    stale layers in bf16 and which rule names them."""
+    largest = {}
+    for scale in scales:
+        model = SCALES[scale]()
+        table = token_table(sequences=SEQUENCES)
+        layer = 1 if scale == "tiny" else 3
+        for spec_a, spec_b in STEP_CLEAN:
+            if spec_b.startswith("fsdp") and scale != "tiny":
+                continue  # two torchrun ranks per case: quick on the tiny model only
+            try:
+                result = run(model, spec_a, spec_b, table)
+            except Exception as error:  # an engine that is not installed here
+                print(f"  {scale:9} clean {spec_a} vs {spec_b}: skipped ({error})"[:160])
+                continue
+            step, at = worst_step(result)
+            level = max(r["ratio"] for r in result["boundaries"])
+            largest[scale] = max(largest.get(scale, 0.0), step)
+            print(
+                f"  {scale:9} clean {spec_a:14} vs {spec_b:30} {result['verdict']:8} level "
+                f"{level:.2f}, step {step:.2f} at {at} ({result['seconds']:.1f} s)",
+                flush=True,
+            )
+        for size in STALE_STEPS:
+            spec_b = f"hf:dtype=bf16,fault=stale_layer,fault_layer={layer},fault_step={size}"
+            result = run(model, "hf:dtype=bf16", spec_b, table)
+            expected = expected_boundary("stale_layer", layer)
+            level, step = ratios_at(result, expected)
+            first = result["first"] or {}
+            print(
+                f"  {scale:9} stale_layer {size:g} bf16 at {expected}: level {_fmt(level)}, "
+                f"step {_fmt(step)}; {result['verdict']} at {first.get('boundary')} by "
+                f"{first.get('beyond_by')} ({result['seconds']:.1f} s)",
+                flush=True,
+            )
+    print(
+        "largest clean step ratio: "
+        + ", ".join(f"{scale} {value:.2f}" for scale, value in largest.items())
+        + f" (STEP_MARGIN {STEP_MARGIN:g})"
+    )
 
 
 def timing() -> None:
     model = SCALES["16x1024"]()
     table = token_table(sequences=8, length=96)
     started = time.perf_counter()
-    result = run(model, "hf:dtype=bf16", "hf:dtype=bf16,attention=eager", table)
-    seconds = time.perf_counter() - started
-    print(
-        f"timing: 8 sequences x 96 tokens, 16 x 1024, bf16 both sides: {seconds:.1f} s "
-        f"(target < 30 s: ratio {seconds / 30:.2f}); verdict {result['verdict']}"
-    )
+    for label, options in (("no floor cache", {}), ("floors cached", {"floor_cache": True})):
+        if options:  # the first run fills the cache; the second is timed
+            run(model, "hf:dtype=bf16", "hf:dtype=bf16,attention=eager", table, **options)
+        started = time.perf_counter()
+        result = run(model, "hf:dtype=bf16", "hf:dtype=bf16,attention=eager", table, **options)
+        seconds = time.perf_counter() - started
+        print(
+            f"timing ({label}): 8 sequences x 96 tokens, 16 x 1024, bf16 both sides: "
+            f"{seconds:.1f} s (target < 30 s: ratio {seconds / 30:.2f}); verdict "
+            f"{result['verdict']}; floors {result['floors']['source']}",
+            flush=True,
+        )
     long = token_table(sequences=1, length=2048, prompt=64)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
@@ -214,6 +307,7 @@ def main() -> int:
     parser.add_argument("--clean-only", action="store_true")
     parser.add_argument("--faults-only", action="store_true")
     parser.add_argument("--timing", action="store_true")
+    parser.add_argument("--step", action="store_true", help="the step rule's clean ratios")
     parser.add_argument("--sequences", type=int, default=8, help="per case (8)")
     parser.add_argument("--hf-only", action="store_true", help="clean pairs: HF kernels only")
     args = parser.parse_args()
@@ -221,6 +315,10 @@ def main() -> int:
     ONLY_HF = args.hf_only
     if args.timing:
         timing()
+        return 0
+    if args.step:
+        given = args.scales != ",".join(SCALES)
+        step_bench(args.scales.split(",") if given else STEP_SCALES)
         return 0
     totals = {"hidden": 0, "cases": 0, "exact": 0, "verified": 0, "clean": 0, "clean_localized": 0}
     worst_clean = 0.0

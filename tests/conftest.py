@@ -16,6 +16,16 @@ from pipeline.prompts import smoke_prompt_texts, tokenize
 from pipeline.tinymodel.build import build_tiny_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def floor_cache_of_the_session(tmp_path_factory):
+    """lpx localize keeps floors in a cache under the home directory; tests keep theirs in the
+    session's temporary directory, so no run reads another's or leaves files behind."""
+    with pytest.MonkeyPatch.context() as patch:
+        folder = tmp_path_factory.mktemp("localize-floors")
+        patch.setenv("LPX_LOCALIZE_FLOOR_CACHE", str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama", 0)

@@ -36,20 +36,32 @@ from pipeline.commands.options import COUNT, device_option
 @click.option("--keep-captures", is_flag=True,
               help="Keep the captured rows (DIR/captures, one .npy per side, sequence and "
               "boundary) instead of deleting them at the end.")  # fmt: skip
+@click.option("--exact", is_flag=True,
+              help="For stacks meant to be bitwise equal: name the first boundary whose "
+              "captures differ in any bit (and the first element that does); no floors.")  # fmt: skip
+@click.option("--no-floor-cache", "no_floor_cache", is_flag=True,
+              help="Measure both sides' floors afresh instead of taking them from (and keeping "
+              "them in) the floor cache ($LPX_LOCALIZE_FLOOR_CACHE, else "
+              "$LPX_CACHE/localize-floors, else ~/.cache/lpx/localize-floors).")  # fmt: skip
 @device_option
 def localize(
     fixture_path, spec_a, spec_b, sequence_ids, report_path, allow_report_mismatch, count,
-    model_dir, allow_model_mismatch, model_dir_b, out_dir, keep_captures, device,
+    model_dir, allow_model_mismatch, model_dir_b, out_dir, keep_captures, exact,
+    no_floor_cache, device,
 ) -> None:  # fmt: skip
     """Name the first layer and op where two engines part, and verify it by swapping.
 
     Both sides run the chosen sequences with every boundary captured (embeddings; each
     layer's input norm, q/k/v after RoPE, attention output, MLP input and output, router
     logits and chosen experts; the final norm; the logits). Each side also runs in a higher
-    precision, which measures its precision floor at every boundary. The first boundary whose
-    drift exceeds the two floors is `localized`; running side A with side B's activation
-    (or weights) there and seeing everything downstream fall back within the floor makes it
-    `verified`. Writes DIR/localize.json and DIR/localize.svg (drift by layer).
+    precision, which measures its precision floor at every boundary (kept in the floor cache
+    for the next run over the same weights and sequences). A boundary is beyond when its
+    drift exceeds the two floors (the level rule), or when its op's own drift, with every
+    input forced to the other side's, exceeds the two local floors (the step rule). The
+    first boundary beyond is `localized`; running side A with side B's activation (or
+    weights) there and seeing everything downstream fall back within the floor makes it
+    `verified`. With --exact the first boundary not bitwise equal is named instead. Writes
+    DIR/localize.json and DIR/localize.svg (drift by layer).
     Exit 0 when nothing is beyond the floor, 1 when a boundary is.
 
     \b
@@ -57,6 +69,7 @@ def localize(
       lpx localize run/fixture.parquet --a hf --b vllm --out run/localize
       lpx localize run/fixture.parquet --a hf:dtype=bf16 --b megatron:tp=2,dtype=bf16 \\
           --report run/compare/report.json --out run/localize
+      lpx localize run/fixture.parquet --a fsdp:nproc=2 --b hf --exact --out run/localize
     """
     from pipeline.belonging import check_model, check_report
     from pipeline.devices import resolve_device
@@ -105,6 +118,8 @@ def localize(
         device=resolve_device(device),
         model_dir_b=model_dir_b,
         keep_captures=keep_captures,
+        exact=exact,
+        floor_cache=not no_floor_cache,
     )
     allowed = {what: record for what, record in allowed.items() if record is not None}
     if allowed:
@@ -121,16 +136,41 @@ def summary_line(result: dict) -> str:
         f"localize: {len(result['sequences'])} sequences, {result['tokens']} tokens, "
         f"{len(result['boundaries'])} boundaries in {result['seconds']:.1f} s"
     )
+    if result.get("mode") == "exact":
+        return head + ": " + _exact_summary(result)
     if first is None:
         worst = max(result["boundaries"], key=lambda r: r["ratio"], default=None)
         tail = f"; worst {worst['boundary']} at {worst['ratio']:.2g} x floor" if worst else ""
         return f"{head}: clean, nothing beyond the precision floor{tail}"
-    line = f"{head}: {result['verdict']} at {first['boundary']} ({first['ratio']:.3g} x floor)"
+    line = f"{head}: {result['verdict']} at {first['boundary']} ({first['ratio']:.3g} x floor"
+    local = first.get("local")
+    if local and "step" in first.get("beyond_by", []):
+        line += f"; its own step {local['ratio']:.3g} x the local floor"
+    line += ")"
     verification = result.get("verification") or {}
     if verification.get("verified"):
         line += f"; verified by swapping {verification['by']}"
     elif verification:
         line += "; not verified by any swap (see localize.json)"
+    return line
+
+
+def _exact_summary(result: dict) -> str:
+    first = result.get("first")
+    if first is None:
+        return "clean, every boundary bitwise equal"
+    where = first.get("first_difference") or {}
+    line = (
+        f"{result['verdict']} at {first['boundary']}, the first boundary not bitwise equal "
+        f"({first['differing']} of {first['elements']} elements differ; the first at sequence "
+        f"{where.get('sequence_id')} position {where.get('position')} feature "
+        f"{where.get('feature')}: {where.get('a')} vs {where.get('b')})"
+    )
+    verification = result.get("verification") or {}
+    if verification.get("verified"):
+        line += f"; verified by swapping {verification['by']}"
+    elif verification:
+        line += "; no swap made everything after it bitwise equal (see localize.json)"
     return line
 
 

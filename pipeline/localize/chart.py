@@ -27,7 +27,9 @@ COLORS = {
 
 def drift_chart(result: dict) -> str:
     rows = result.get("boundaries") or []
-    margin = float(result.get("margin") or 4.0)
+    # --exact: a row's ratio is the share of elements that differ, and any share is beyond
+    exact = result.get("mode") == "exact"
+    margin = 1e-3 if exact else float(result.get("margin") or 4.0)
     layers = [row["layer"] for row in rows if row.get("layer") is not None]
     last = max(layers, default=0)
     ratios = [max(float(row["ratio"]), 1e-3) for row in rows] or [1.0]
@@ -58,7 +60,12 @@ def drift_chart(result: dict) -> str:
         f'<rect x="{PAD_LEFT}" y="{y(margin):.1f}" width="{WIDTH - PAD_LEFT - PAD_RIGHT}" '
         f'height="{HEIGHT - PAD_BOTTOM - y(margin):.1f}" fill="#e8f4e8" class="floor-band"/>',
         f'<text x="{PAD_LEFT + 4}" y="{y(margin) + 12:.1f}" font-size="10" fill="#2a7a2a">'
-        f"within precision (drift &lt; {margin:g} x floor)</text>",
+        + (
+            "bitwise equal (ratio: share of elements that differ)"
+            if exact
+            else f"within precision (drift &lt; {margin:g} x floor)"
+        )
+        + "</text>",
     ]
     for decade in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1):
         value = 10.0**decade

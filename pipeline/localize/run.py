@@ -1,9 +1,8 @@
 """`lpx localize`: capture both sides, measure the floors, name the first boundary beyond them,
 verify it by swapping, and write localize.json (and the chart beside it).
 
-Per sequence, four forwards: A declared (kept on disk), A reference (its floor, compared on
-the fly), B declared (kept, and compared with A on the fly), B reference (B's floor). Only one
-boundary's rows are in memory at a time besides the forward itself.
+The forwards and both rules are judge.py's; `--exact` (exact.py) compares bits and measures no
+floor. Only one boundary's rows are in memory at a time besides the forward itself.
 """
 
 from __future__ import annotations
@@ -14,13 +13,13 @@ import time
 from pathlib import Path
 
 from pipeline.errors import BadInput
+from pipeline.localize import exact as bitwise
 from pipeline.localize import swap
 from pipeline.localize.adapters import open_side
 from pipeline.localize.boundaries import in_order
-from pipeline.localize.measure import Summary, token_divergence
+from pipeline.localize.judge import judged_rows
 from pipeline.localize.store import CaptureStore
-from pipeline.localize.verdict import MARGIN, boundary_rows, first_beyond
-from pipeline.progress import progress_bar
+from pipeline.localize.verdict import MARGIN, first_beyond
 
 SCHEMA_VERSION = 1
 FORMAT_MARKER = "lpx_localize"  # says lpx wrote it: a rerun may replace it (paths.py)
@@ -29,9 +28,6 @@ CHART_FILE = "localize.svg"
 CAPTURES = "captures"
 OUTPUTS = (RESULT_FILE, CHART_FILE, CAPTURES)  # what a run writes or removes in --out
 DEFAULT_SEQUENCES = 4
-# Token positions per padded capture batch: enough to amortise a forward's fixed cost over a
-# handful of short sequences, small enough that the forward's own activations stay modest.
-BATCH_TOKENS = 4096
 
 
 def choose_sequences(table, wanted: list[str], report: dict | None, count: int) -> list[int]:
@@ -70,22 +66,42 @@ def localize(
     device: str = "cpu",
     model_dir_b: Path | None = None,
     keep_captures: bool = False,
+    exact: bool = False,
+    floor_cache: bool = True,
 ) -> dict:
+    """Localize where side A and side B part on the table's `rows_wanted`.
+
+    `exact`: the first boundary not bitwise equal (no floors); `floor_cache`: take and keep
+    each side's floors in the floor cache (floor_cache.py)."""
     started = time.perf_counter()
     side_a = open_side(spec_a, model_dir, device=device)
     side_b = open_side(spec_b, model_dir_b or model_dir, device=device)
     store = CaptureStore(out_dir / CAPTURES)
+    about = {}
     try:
         names = _common_boundaries(side_a, side_b)
         sequences = [(table.sequence_ids[row], _token_ids(table, row)) for row in rows_wanted]
-        drift, floor_a, floor_b = _measure(side_a, side_b, sequences, names, store)
-        rows = boundary_rows(names, drift, floor_a, floor_b, (side_a.dtype, side_b.dtype))
-        first = first_beyond(rows)
-        verification = (
-            swap.verify(side_a, side_b, sequences, rows, first, store)
-            if first is not None
-            else None
-        )
+        if exact:
+            tallies = bitwise.measure(side_a, side_b, sequences, names, store)
+            rows = bitwise.exact_rows(names, tallies)
+            first = first_beyond(rows)
+            verification = (
+                bitwise.verify(side_a, side_b, sequences, names, first, store)
+                if first is not None
+                else None
+            )
+        else:
+            sides = {"a": side_a, "b": side_b}
+            places = {"a": (spec_a, model_dir), "b": (spec_b, model_dir_b or model_dir)}
+            rows, about = judged_rows(
+                sides, places, device, sequences, names, store, use_cache=floor_cache
+            )
+            first = first_beyond(rows)
+            verification = (
+                swap.verify(side_a, side_b, sequences, rows, first, store)
+                if first is not None
+                else None
+            )
     finally:
         side_a.close()
         side_b.close()
@@ -102,7 +118,10 @@ def localize(
         "verdict": verdict,
         "first": _first_summary(first),
         "verification": verification,
-        "margin": MARGIN,
+        "mode": "exact" if exact else "floors",
+        # exact: any element differing is beyond (a row's ratio is the share that differs)
+        "margin": 0.0 if exact else MARGIN,
+        **about,
         "sides": {
             "a": {"spec": spec_a, **side_a.layout, "reference_dtype": side_a.reference_dtype},
             "b": {"spec": spec_b, **side_b.layout, "reference_dtype": side_b.reference_dtype},
@@ -135,93 +154,6 @@ def write(result: dict, out_dir: Path) -> Path:
     return path
 
 
-def batches(sequences: list, budget: int = BATCH_TOKENS) -> list[list[int]]:
-    """Row indices grouped so each padded batch holds at most `budget` token positions (a
-    longer sequence runs alone): a handful of short sequences share one forward, a long one
-    never makes the others wait in memory."""
-    groups, current, width = [], [], 0
-    for row, (_, ids) in enumerate(sequences):
-        wider = max(width, len(ids))
-        if current and wider * (len(current) + 1) > budget:
-            groups.append(current)
-            current, wider = [], len(ids)
-        current.append(row)
-        width = wider
-    return groups + [current] if current else groups
-
-
-def capture_rows(side, sequences, rows: list[int], precision: str, sink, replace=None) -> None:
-    """Capture `rows` of `sequences` on `side`, calling sink(row, boundary, values); batched
-    where the adapter can, one sequence at a time where it cannot."""
-    batch = [sequences[row][1] for row in rows]
-    if hasattr(side, "capture_batch"):
-        side.capture_batch(
-            batch,
-            precision,
-            lambda index, name, values: sink(rows[index], name, values),
-            None if replace is None else [replace(row) for row in rows],
-        )
-        return
-    for row, ids in zip(rows, batch, strict=True):
-        side.capture(
-            ids,
-            precision,
-            lambda name, values, row=row: sink(row, name, values),
-            None if replace is None else replace(row),
-        )
-
-
-def _measure(side_a, side_b, sequences, names, store: CaptureStore):
-    drift = {name: Summary() for name in names}
-    floor_a = {name: Summary() for name in names}
-    floor_b = {name: Summary() for name in names}
-    wanted = set(names)
-
-    def keep(side):
-        def sink(row, name, values):
-            if name in wanted:
-                store.write(side, row, name, values)
-
-        return sink
-
-    def against(side, out):
-        def sink(row, name, values):
-            if name in wanted:
-                _compare(store, side, row, sequences[row][0], name, values, out)
-
-        return sink
-
-    def keep_b_against_a(row, name, values):
-        keep("b")(row, name, values)
-        against("a", drift)(row, name, values)
-
-    groups = batches(sequences)
-    for rows in progress_bar(groups, desc="localize", unit="batch"):
-        capture_rows(side_a, sequences, rows, "declared", keep("a"))
-        capture_rows(side_a, sequences, rows, "reference", against("a", floor_a))
-        capture_rows(side_b, sequences, rows, "declared", keep_b_against_a)
-        capture_rows(side_b, sequences, rows, "reference", against("b", floor_b))
-    as_dicts = [
-        {name: summary.as_dict() for name, summary in table.items() if summary.count}
-        for table in (drift, floor_a, floor_b)
-    ]
-    return tuple(as_dicts)
-
-
-def _compare(store, side: str, row: int, sequence_id: str, name: str, values, out) -> None:
-    """Add one sequence's divergence at `name` from the stored capture of `side`."""
-    stored = store.read(side, row, name)
-    if stored is None:
-        return
-    if stored.shape != values.shape:
-        raise BadInput(
-            f"boundary {name} of sequence {sequence_id}: shapes differ between the sides "
-            f"({stored.shape} vs {values.shape}); the two engines do not run the same model "
-            "layout (check heads, experts and vocabulary)."
-        )
-    out[name].add(sequence_id, token_divergence(name, stored, values))
-
-
 def _common_boundaries(side_a, side_b) -> list[str]:
     a, b = set(side_a.boundaries), set(side_b.boundaries)
     common = in_order(a & b)
@@ -239,7 +171,11 @@ def _token_ids(table, row: int) -> list[int]:
 def _first_summary(first: dict | None) -> dict | None:
     if first is None:
         return None
-    return {key: first[key] for key in ("boundary", "layer", "kind", "ratio")} | {
+    summary = {key: first[key] for key in ("boundary", "layer", "kind", "ratio")} | {
         "drift": first["drift"],
         "floor": first["floor"],
     }
+    for key in ("beyond_by", "local", "differing", "elements", "first_difference"):
+        if key in first:
+            summary[key] = first[key]
+    return summary

@@ -55,8 +55,9 @@ def configure(config, kind: str | None) -> None:
             config.rope_theta = ROPE_THETA_WRONG
 
 
-def apply(model, kind: str | None, layer: int) -> None:
-    """Faults that live in the weights or the forward, applied to a loaded model."""
+def apply(model, kind: str | None, layer: int, size: float | None = None) -> None:
+    """Faults that live in the weights or the forward, applied to a loaded model (`size`:
+    stale_layer's step, default STALE_STEP)."""
     import torch
 
     if kind == "stale_layer":
@@ -64,7 +65,7 @@ def apply(model, kind: str | None, layer: int) -> None:
         with torch.no_grad():
             for parameter in model.model.layers[layer].mlp.parameters():
                 step = torch.randn(parameter.shape, generator=generator).sign()
-                scale = parameter.float().pow(2).mean().sqrt() * STALE_STEP
+                scale = parameter.float().pow(2).mean().sqrt() * (size or STALE_STEP)
                 parameter.add_((step * scale).to(parameter.dtype))
     elif kind == "lm_head_bf16":
         _run_in_bfloat16(model.lm_head)

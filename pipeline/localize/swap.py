@@ -9,29 +9,31 @@ The attempts, smallest first:
 4. as 3, plus the next op that is still beyond the floor (a fault with two sites, such as a
    row-parallel all-reduce that both attention and MLP outputs go through).
 The first that leaves every checked boundary within the floor verifies the localisation.
+
+A boundary only the step rule put beyond had everything after it within the level floor
+before any swap, so the level floor alone cannot show a swap did anything: such a swap must
+also cut the worst level ratio after it by the step margin (to 0, for two stacks that differ
+only there).
 """
 
 from __future__ import annotations
 
 from pipeline.localize.boundaries import family_from, parse
+from pipeline.localize.capture import batches, capture_rows, compare_boundary
 from pipeline.localize.measure import Summary
 from pipeline.localize.store import CaptureStore
-from pipeline.localize.verdict import boundary_rows, first_beyond, within_floor
+from pipeline.localize.verdict import STEP_MARGIN, boundary_rows, first_beyond, within_floor
 
 
 def verify(side_a, side_b, sequences, rows: list[dict], first: dict, store: CaptureStore):
     names = [row["boundary"] for row in rows]
     floors = _floors(rows)
     target = first["boundary"]
+    step_only = first.get("beyond_by") == ["step"]
     try:
-        runner, donor, runner_key, donor_key = _who_runs(side_a, side_b)
-    except _NoSwap:
-        return {
-            "verified": False,
-            "by": None,
-            "why": f"neither {side_a.name} nor {side_b.name} can take the other's activations",
-            "attempts": [],
-        }
+        runner, donor, runner_key, donor_key = who_runs(side_a, side_b)
+    except NoSwap as why:
+        return {"verified": False, "by": None, "why": str(why), "attempts": []}
     attempts = []
 
     def attempt(label: str, swapped: list[str], module: str | None = None) -> dict:
@@ -43,6 +45,9 @@ def verify(side_a, side_b, sequences, rows: list[dict], first: dict, store: Capt
         )
         after_rows = boundary_rows(names, after, *floors, (side_a.dtype, side_b.dtype))
         ok, worst = within_floor(after_rows, checked)
+        before = max((r["ratio"] for r in rows if r["boundary"] in set(checked)), default=0.0)
+        if step_only and worst is not None:
+            ok = ok and worst["ratio"] <= before / STEP_MARGIN
         remaining = first_beyond([r for r in after_rows if r["boundary"] in set(checked)])
         record = {
             "swap": label,
@@ -50,6 +55,7 @@ def verify(side_a, side_b, sequences, rows: list[dict], first: dict, store: Capt
             "checked": len(checked),
             "within_floor": ok,
             "worst": None if worst is None else _brief(worst),
+            "worst_ratio_before": before,
             "first_remaining": None if remaining is None else _brief(remaining),
             "logits_ratio": _ratio_of(after_rows, "logits"),
         }
@@ -78,29 +84,28 @@ def verify(side_a, side_b, sequences, rows: list[dict], first: dict, store: Capt
     }
 
 
-def _who_runs(side_a, side_b):
-    """The side that takes the other's activations: A if it can, else B."""
+def who_runs(side_a, side_b):
+    """(runner, donor, runner_key, donor_key): the side that takes the other's activations,
+    A if it can, else B; NoSwap when neither can."""
     if getattr(side_a, "can_replace", False):
         return side_a, side_b, "a", "b"
     if getattr(side_b, "can_replace", False):
         return side_b, side_a, "b", "a"
-    raise _NoSwap
+    raise NoSwap(f"neither {side_a.name} nor {side_b.name} can take the other's activations")
 
 
-class _NoSwap(Exception):
+class NoSwap(LookupError):
     pass
 
 
 def _rescore(runner, sequences, store, runner_key, donor_key, swapped, module, donor, names):
     """The runner's drift from the donor's stored captures with the swap in place."""
-    from pipeline.localize.run import _compare, batches, capture_rows
-
     wanted = set(names)
     drift = {name: Summary() for name in names}
 
     def sink(row, name, values):
         if name in wanted:
-            _compare(store, donor_key, row, sequences[row][0], name, values, drift)
+            compare_boundary(store, donor_key, row, sequences[row][0], name, values, drift)
 
     def replace(row):
         return {name: store.read(donor_key, row, name) for name in swapped}

@@ -86,6 +86,7 @@ def localize_stage(plan: Plan, replay: Replay, pair_dir: str) -> Stage | str:
     argv += ["--report", f"{pair_dir}/report.json", "--out", out, "--model", model]
     argv += ["--sequences", str(options.sequences)]
     argv += ["--device", options.device] if options.device != "auto" else []
+    argv += ["--exact"] if options.exact else []
     return Stage(
         f"localize-{replay.name}",
         argv,

@@ -125,6 +125,7 @@ class Localize(_Strict):
     replays: dict[str, str] = {}  # side A's capture spec by replay name
     device: Device = "auto"
     image: str | None = None  # container runners; default: the replay's image
+    exact: bool = False  # stacks meant to be bitwise equal: the first boundary that is not
 
     @field_validator("rollout")
     @classmethod

@@ -48,7 +48,9 @@ def serve(engine: str, model_dir: Path, knobs: dict, device_kind: str, folder: P
             if request["op"] == "stop":
                 break
             sink = _sender(connection, request["id"]) if rank == 0 else _ignore
-            ranks.capture(request["tokens"], request["precision"], sink, request["replace"])
+            # only ranks that can report a replaced op's own output are asked to
+            own = {"own_first": True} if request.get("own_first") else {}
+            ranks.capture(request["tokens"], request["precision"], sink, request["replace"], **own)
             if rank == 0:
                 connection.send(("done", request["id"]))
     finally:

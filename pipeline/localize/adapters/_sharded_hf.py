@@ -44,7 +44,13 @@ def open_sharded_session(engine: str, knob_class, model_dir, knobs: dict, device
     if settings.fault:
         layout.update(fault=settings.fault, fault_layer=settings.fault_layer)
     return WorkerSession(
-        spec, group, settings.dtype, model.reference_dtype, layout, model.boundaries
+        spec,
+        group,
+        settings.dtype,
+        model.reference_dtype,
+        layout,
+        model.boundaries,
+        scores_own=True,
     )
 
 
@@ -68,7 +74,7 @@ class ShardedHFRank:
         self.shard = shard
         self._engines: dict[str, object] = {}  # what the engine returned, kept alive
 
-    def capture(self, token_ids, precision: str, sink, replace: dict) -> None:
+    def capture(self, token_ids, precision: str, sink, replace: dict, own_first=False) -> None:
         model = self.hf.model(precision)
         if precision not in self._engines:
             dtype = self.hf.dtype if precision == "declared" else self.hf.reference_dtype
@@ -79,6 +85,7 @@ class ShardedHFRank:
                 precision,
                 lambda index, name, rows: sink(name, rows),
                 [replace] if replace else None,
+                own_first=own_first,
             )
         else:
-            self.hf.capture(token_ids, precision, sink, replace or None)
+            self.hf.capture(token_ids, precision, sink, replace or None, own_first=own_first)

@@ -248,7 +248,10 @@ class WorkerSession:
         reference_dtype: str,
         layout: dict,
         boundaries: list[str],
+        scores_own: bool = False,
     ):
+        # whether its ranks can report a replaced op's own output first (the HF hooks can)
+        self.scores_own = scores_own
         self.name = name
         self.group = group
         self.dtype = dtype
@@ -256,7 +259,9 @@ class WorkerSession:
         self.layout = layout
         self.boundaries = boundaries
 
-    def capture(self, token_ids, precision: str, sink, replace: dict | None = None) -> None:
+    def capture(
+        self, token_ids, precision: str, sink, replace: dict | None = None, own_first=False
+    ) -> None:
         if replace and not self.can_replace:
             raise BadInput(f"{self.name} cannot take another side's activations.")
         message = {
@@ -264,6 +269,7 @@ class WorkerSession:
             "precision": precision,
             "tokens": [int(t) for t in token_ids],
             "replace": dict(replace or {}),
+            "own_first": bool(own_first),
         }
         self.group.request(message, sink)
 

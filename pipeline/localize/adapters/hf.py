@@ -30,17 +30,23 @@ class CaptureKnobs:
     dtype: str = "float32"
     fault: str = ""  # a seeded fault (pipeline.localize.seeded), for proving the localiser
     fault_layer: int = 0
+    fault_step: float = 0.0  # stale_layer's step relative to each matrix's RMS (0: seeded's)
     attention: str = "sdpa"  # sdpa or eager: two kernels of one model, for clean pairs
 
 
 @dataclass
 class _Pass:
     """What the hooks do during one forward of a right-padded batch: where each sequence's
-    rows go (`sink(index, boundary, rows)`), and what replaces them on a swap."""
+    rows go (`sink(index, boundary, rows)`), and what replaces them on a swap.
+
+    By default a replaced boundary reports the rows it was replaced with (what flows on). With
+    `own_first` it reports the op's own output, computed from the (replaced) inputs before it
+    is replaced: that op's own contribution given matched inputs (the step rule, verdict.py)."""
 
     sink: object
     lengths: list
     replace: list = field(default_factory=list)
+    own_first: bool = False
 
     def swapped(self, name: str) -> bool:
         return bool(self.replace) and all(name in r for r in self.replace)
@@ -58,6 +64,16 @@ class _Pass:
 
     def _feature_shape(self, name: str) -> tuple:
         return tuple(self.replace[0][name].shape[1:])
+
+    def passed(self, name: str, tensor):
+        """Emit `name`'s rows of a [B, T, ...] tensor and return what flows on: on a swap the
+        replacement (reported as such, or with `own_first` after the op's own rows)."""
+        if not self.swapped(name):
+            self.emit(name, tensor)
+            return tensor
+        replaced = self.padded(name, tensor)
+        self.emit(name, tensor if self.own_first else replaced)
+        return replaced
 
     def emit(self, name: str, tensor) -> None:
         """Each sequence's rows of a [B, T, ...] tensor, cut to its own length."""
@@ -91,6 +107,7 @@ def rows(tensor) -> np.ndarray:
 
 class HFCapture:
     can_replace = True
+    scores_own = True  # a replaced boundary can report its own output first (own_first)
 
     def __init__(self, model_dir: Path, settings: CaptureKnobs, device: str, name: str = "hf"):
         self.model_dir = model_dir
@@ -113,18 +130,28 @@ class HFCapture:
         if settings.fault:
             self.layout["fault"] = settings.fault
             self.layout["fault_layer"] = settings.fault_layer
+        if settings.fault_step:
+            self.layout["fault_step"] = settings.fault_step
 
     @property
     def boundaries(self) -> list[str]:
         return model_boundaries(self.num_layers, self.moe_layers)
 
-    def capture(self, token_ids, precision: str, sink, replace: dict | None = None) -> None:
+    def capture(
+        self, token_ids, precision: str, sink, replace: dict | None = None, own_first=False
+    ) -> None:
         model = self.model(precision)
-        captured_forward(model, token_ids, sink, replace, self.device, self.settings.fault)
+        captured_forward(
+            model, token_ids, sink, replace, self.device, self.settings.fault, own_first
+        )
 
-    def capture_batch(self, batch, precision: str, sink, replace: list | None = None) -> None:
+    def capture_batch(
+        self, batch, precision: str, sink, replace: list | None = None, own_first=False
+    ) -> None:
         model = self.model(precision)
-        captured_batch_forward(model, batch, sink, replace, self.device, self.settings.fault)
+        captured_batch_forward(
+            model, batch, sink, replace, self.device, self.settings.fault, own_first
+        )
 
     @contextlib.contextmanager
     def module_swap(self, boundary: str, donor: HFCapture):
@@ -198,13 +225,19 @@ def load_hooked_model(model_dir: Path, settings: CaptureKnobs, dtype: str, devic
     model.eval().requires_grad_(False)
     if device != "cpu":
         model.to(device)
-    seeded.apply(model, settings.fault or None, settings.fault_layer)
+    seeded.apply(model, settings.fault or None, settings.fault_layer, settings.fault_step or None)
     _install_hooks(model, settings)
     return model
 
 
 def captured_forward(
-    model, token_ids, sink, replace: dict | None = None, device: str = "cpu", fault: str = ""
+    model,
+    token_ids,
+    sink,
+    replace: dict | None = None,
+    device: str = "cpu",
+    fault: str = "",
+    own_first: bool = False,
 ) -> None:
     """One forward of one sequence through a hooked model (`load_hooked_model`): each
     boundary's rows go to `sink(boundary, rows)`, and the boundaries named in `replace` are
@@ -216,15 +249,22 @@ def captured_forward(
         None if replace is None else [replace],
         device,
         fault,
+        own_first,
     )
 
 
 def captured_batch_forward(
-    model, batch, sink, replace: list | None = None, device: str = "cpu", fault: str = ""
+    model,
+    batch,
+    sink,
+    replace: list | None = None,
+    device: str = "cpu",
+    fault: str = "",
+    own_first: bool = False,
 ) -> None:
     """One forward of several sequences, right-padded: under a causal mask no real token sees
     a pad, so each sequence's rows are those of its own forward. `sink(index, boundary, rows)`;
-    `replace[index]` maps boundaries to that sequence's rows to swap in."""
+    `replace[index]` maps boundaries to that sequence's rows to swap in; `own_first` as _Pass."""
     import torch
 
     lengths = [len(ids) for ids in batch]
@@ -232,7 +272,7 @@ def captured_batch_forward(
     pad = model.config.pad_token_id or 0
     ids = torch.tensor([list(t) + [pad] * (width - len(t)) for t in batch], device=device)
     positions = seeded.position_ids(lengths, width, fault or None)
-    _ACTIVE.append(_Pass(sink, lengths, list(replace or [])))
+    _ACTIVE.append(_Pass(sink, lengths, list(replace or []), own_first))
     try:
         with torch.no_grad():
             model(
@@ -291,12 +331,9 @@ def _output_hook(name: str, tuple_index: int | None = None):
         current = _ACTIVE[-1] if _ACTIVE else None
         if current is None:
             return None
-        tensor = output if tuple_index is None else output[tuple_index]
-        swapped = current.swapped(name)
-        if swapped:
-            tensor = current.padded(name, tensor)
-        current.emit(name, tensor)
-        if not swapped:
+        own = output if tuple_index is None else output[tuple_index]
+        tensor = current.passed(name, own)
+        if tensor is own:
             return None
         return tensor if tuple_index is None else (tensor, *output[1:])
 
@@ -315,20 +352,19 @@ def _router_hook(prefix: str, gate, flip: bool):
             indices = seeded.flip_routing(logits, indices, gate.top_k)
         if current is not None:
             batch, length = len(current.lengths), max(current.lengths)
-            name = prefix + "router_logits"
-            if current.swapped(name):
-                logits = current.padded(name, logits).reshape(logits.shape)
-            current.emit(name, logits.reshape(batch, length, -1))
+            flowing = current.passed(prefix + "router_logits", logits.reshape(batch, length, -1))
+            logits = flowing.reshape(logits.shape)
             name = prefix + "experts"
             if current.swapped(name):
+                if current.own_first:
+                    current.emit(name, _chosen(indices, batch, length))
                 indices = current.padded(name, indices).reshape(indices.shape)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         scores = torch.gather(probs, -1, indices)
         if getattr(gate, "norm_topk_prob", False):
             scores = scores / scores.sum(dim=-1, keepdim=True)
-        if current is not None:
-            chosen = torch.sort(indices, dim=-1).values.reshape(batch, length, -1)
-            current.emit(prefix + "experts", chosen)
+        if current is not None and not (current.own_first and current.swapped(prefix + "experts")):
+            current.emit(prefix + "experts", _chosen(indices, batch, length))
         return logits, scores.to(logits.dtype), indices
 
     return hook
@@ -336,7 +372,7 @@ def _router_hook(prefix: str, gate, flip: bool):
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
     """SDPA (or eager attention), with q/k (after RoPE) and v captured, and replaced on a
-    swap."""
+    swap (own rows first with `own_first`)."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -347,11 +383,10 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         tensors = {"q": query, "k": key, "v": value}
         for kind, tensor in tensors.items():
             name = prefix + kind
-            as_rows = _heads_to_rows(tensor)
-            if current.swapped(name):
-                as_rows = current.padded(name, as_rows)
-                tensors[kind] = _rows_to_heads(as_rows, tensor)
-            current.emit(name, as_rows)
+            own = _heads_to_rows(tensor)
+            flowing = current.passed(name, own)
+            if flowing is not own:
+                tensors[kind] = _rows_to_heads(flowing, tensor)
         query, key, value = tensors["q"], tensors["k"], tensors["v"]
     mask = seeded.attention_mask(query.shape[2], getattr(module, "lpx_fault", None), query.device)
     if mask is not None:
@@ -386,6 +421,13 @@ def _register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, _attention)
+
+
+def _chosen(indices, batch: int, length: int):
+    """The chosen experts of a [B*T, k] routing as sorted [B, T, k] rows."""
+    import torch
+
+    return torch.sort(indices, dim=-1).values.reshape(batch, length, -1)
 
 
 def _heads_to_rows(tensor):
