@@ -25,6 +25,7 @@ which rule put the first boundary beyond.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import sys
 import tempfile
@@ -41,10 +42,13 @@ from pipeline.localize.run import localize  # noqa: E402
 from pipeline.localize.seeded import FAULTS, expected_boundary  # noqa: E402
 from pipeline.localize.verdict import MARGIN, STEP_MARGIN  # noqa: E402
 
+# Where the captures run: the CPU, or `LPX_LOCALIZE_DEVICE=cuda` on a GPU host.
+DEVICE = os.environ.get("LPX_LOCALIZE_DEVICE", "cpu")
 SCALES = {
     "tiny": lambda: tiny(),
     "16x1024": lambda: random_llama(16, 1024, std=0.05),
     "32x512": lambda: random_llama(32, 512, std=0.05),
+    "24x2048": lambda: random_llama(24, 2048, std=0.05),  # on a GPU: LPX_LOCALIZE_DEVICE=cuda
     "moe-2x128": lambda: random_moe(layers=2, width=128, experts=8, top_k=2),
     "moe-8x512": lambda: random_moe(layers=8, width=512, experts=8, top_k=2),
 }
@@ -80,6 +84,7 @@ def run(model: Path, spec_a: str, spec_b: str, table, count: int | None = None, 
     count = SEQUENCES if count is None else count
     options.setdefault("floor_cache", False)  # each case measures its floors, unless timed
     with tempfile.TemporaryDirectory() as work:
+        options.setdefault("device", DEVICE)
         return localize(table, model, spec_a, spec_b, list(range(count)), Path(work), **options)
 
 

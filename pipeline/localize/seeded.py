@@ -64,7 +64,7 @@ def apply(model, kind: str | None, layer: int, size: float | None = None) -> Non
         generator = torch.Generator().manual_seed(1234 + layer)
         with torch.no_grad():
             for parameter in model.model.layers[layer].mlp.parameters():
-                step = torch.randn(parameter.shape, generator=generator).sign()
+                step = torch.randn(parameter.shape, generator=generator).sign().to(parameter.device)
                 scale = parameter.float().pow(2).mean().sqrt() * (size or STALE_STEP)
                 parameter.add_((step * scale).to(parameter.dtype))
     elif kind == "lm_head_bf16":
