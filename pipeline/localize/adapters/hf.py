@@ -52,18 +52,16 @@ class _Pass:
         return bool(self.replace) and all(name in r for r in self.replace)
 
     def padded(self, name: str, like):
-        """The replacement rows of every sequence as one [B, T, F] tensor like `like`."""
+        """The replacement rows of every sequence as one [B, T, F] tensor like `like`: padded
+        in numpy and cast once (one small torch op per sequence costs more than the copy)."""
         import torch
 
         batch, length = len(self.lengths), max(self.lengths)
-        out = torch.zeros((batch, length, *self._feature_shape(name)), dtype=like.dtype)
-        for index, rows in enumerate(r[name] for r in self.replace):
-            values = torch.as_tensor(rows).to(like.dtype)
+        every = [r[name] for r in self.replace]
+        out = np.zeros((batch, length, *every[0].shape[1:]), dtype=every[0].dtype)
+        for index, values in enumerate(every):
             out[index, : values.shape[0]] = values.reshape(values.shape[0], *out.shape[2:])
-        return out.to(like.device)
-
-    def _feature_shape(self, name: str) -> tuple:
-        return tuple(self.replace[0][name].shape[1:])
+        return torch.from_numpy(out).to(device=like.device, dtype=like.dtype)
 
     def passed(self, name: str, tensor):
         """Emit `name`'s rows of a [B, T, ...] tensor and return what flows on: on a swap the
@@ -76,9 +74,12 @@ class _Pass:
         return replaced
 
     def emit(self, name: str, tensor) -> None:
-        """Each sequence's rows of a [B, T, ...] tensor, cut to its own length."""
+        """Each sequence's rows of a [B, T, ...] tensor, cut to its own length (converted to
+        numpy once for the batch)."""
+        values = rows(tensor.reshape(-1, *tensor.shape[2:]))
+        values = values.reshape(tensor.shape[0], tensor.shape[1], -1)
         for index, length in enumerate(self.lengths):
-            self.sink(index, name, rows(tensor[index, :length]))
+            self.sink(index, name, values[index, :length])
 
 
 _ACTIVE: list[_Pass] = []  # the pass in flight (hooks are module-level; forwards do not nest)
