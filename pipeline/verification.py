@@ -767,6 +767,17 @@ class Verifier:
                 best, best_gap = replace(trial, params={"max_prompt": limit}), gap
         return best
 
+    def _search_logits(self, row: int, observed):
+        """One forward's fp32 logits for a search that re-processes them (a temperature, a
+        truncation): of as many leading completion tokens as SEARCH_LOGITS holds, with their
+        mask and the observed logprobs cut to match."""
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        keep = max(8, SEARCH_LOGITS // vocab)
+        completion = self.fixture.completion_of(row)[:keep]
+        logits = completion_logits(self.model, self.fixture.prompt_of(row), completion)
+        mask = self._mask(row)[:keep]
+        return completion, logits, mask, observed[: int(mask.sum())]
+
     def _search_sampling(self, candidate, row: int, observed) -> Candidate:
         """The top-p (or top-k) that reproduces one sequence best, for a dump that does not
         say what it sampled with. A sampled token's processed logprob is its raw one less the
@@ -775,12 +786,8 @@ class Verifier:
         so, and the usual settings, are each re-processed from one forward's logits."""
         import torch
 
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        keep = max(8, SEARCH_LOGITS // vocab)
-        completion = self.fixture.completion_of(row)[:keep]
-        logits = completion_logits(self.model, self.fixture.prompt_of(row), completion)
-        mask = self._mask(row)[:keep]
-        observed = observed[: int(mask.sum())]
+        completion, logits, mask, observed = self._search_logits(row, observed)
+        vocab = logits.shape[-1]
         raw = select_processed(logits, completion)[mask].astype(np.float64)
         kept = np.exp(np.minimum(raw - observed, 0.0))  # the mass each token's truncation kept
         truncated = kept < 1.0 - TRUNCATED
@@ -875,14 +882,8 @@ class Verifier:
             float(given) if given and float(given) != 1.0 else _slope_temperature(observed, clean)
         )
         settings = candidate.settings
-        # one forward: each temperature tried is a log-softmax of the same logits, of as
-        # many leading tokens as SEARCH_LOGITS holds (a temperature scales every token)
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        keep = max(8, SEARCH_LOGITS // vocab)
-        completion = self.fixture.completion_of(row)[:keep]
-        logits = completion_logits(self.model, self.fixture.prompt_of(row), completion)
-        mask = self._mask(row)[:keep]
-        observed = observed[: int(mask.sum())]
+        # one forward: each temperature tried is a log-softmax of the same logits
+        completion, logits, mask, observed = self._search_logits(row, observed)
 
         def gap(log_t: float) -> float:
             processing = {"temperature": float(np.exp(log_t))}

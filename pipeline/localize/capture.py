@@ -54,6 +54,22 @@ def capture_rows(
         )
 
 
+def capture_swapped(runner, donor, sequences, store, donor_key: str, swapped, module, sink):
+    """The runner's declared forward of every sequence with a swap in place: the donor's
+    stored activations at the `swapped` boundaries, or (`module`) the donor's weights for the
+    module computing that boundary. `sink(row, boundary, rows)` sees what the runner computes."""
+
+    def replace(row):
+        return {name: store.read(donor_key, row, name) for name in swapped}
+
+    for rows in batches(sequences):
+        if module is not None:
+            with runner.module_swap(module, donor):
+                capture_rows(runner, sequences, rows, "declared", sink)
+        else:
+            capture_rows(runner, sequences, rows, "declared", sink, replace=replace)
+
+
 def compare_boundary(
     store: CaptureStore, side: str, row: int, sequence_id: str, name: str, values, out
 ) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.localize.boundaries import family_from, kind_of, layer_of, parse
-from pipeline.localize.capture import batches, capture_rows, check_shapes
+from pipeline.localize.capture import batches, capture_rows, capture_swapped, check_shapes
 from pipeline.localize.measure import Summary, token_divergence
 from pipeline.localize.store import CaptureStore
 
@@ -158,15 +158,7 @@ def _rescore(runner, donor, sequences, store, donor_key, swapped, module, names)
         if name in wanted:
             _tally(store, donor_key, row, sequences[row][0], name, values, tallies)
 
-    def replace(row):
-        return {name: store.read(donor_key, row, name) for name in swapped}
-
-    for rows in batches(sequences):
-        if module is not None:
-            with runner.module_swap(module, donor):
-                capture_rows(runner, sequences, rows, "declared", sink)
-        else:
-            capture_rows(runner, sequences, rows, "declared", sink, replace=replace)
+    capture_swapped(runner, donor, sequences, store, donor_key, swapped, module, sink)
     return tallies
 
 

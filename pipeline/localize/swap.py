@@ -19,7 +19,7 @@ only there).
 from __future__ import annotations
 
 from pipeline.localize.boundaries import family_from, parse
-from pipeline.localize.capture import batches, capture_rows, compare_boundary
+from pipeline.localize.capture import capture_swapped, compare_boundary
 from pipeline.localize.measure import Summary
 from pipeline.localize.store import CaptureStore
 from pipeline.localize.verdict import STEP_MARGIN, boundary_rows, first_beyond, within_floor
@@ -107,15 +107,7 @@ def _rescore(runner, sequences, store, runner_key, donor_key, swapped, module, d
         if name in wanted:
             compare_boundary(store, donor_key, row, sequences[row][0], name, values, drift)
 
-    def replace(row):
-        return {name: store.read(donor_key, row, name) for name in swapped}
-
-    for rows in batches(sequences):
-        if module is not None:
-            with runner.module_swap(module, donor):
-                capture_rows(runner, sequences, rows, "declared", sink)
-        else:
-            capture_rows(runner, sequences, rows, "declared", sink, replace=replace)
+    capture_swapped(runner, donor, sequences, store, donor_key, swapped, module, sink)
     return {name: s.as_dict() for name, s in drift.items() if s.count}
 
 
