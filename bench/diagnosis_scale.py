@@ -44,9 +44,7 @@ import models  # noqa: E402
 from diagnosis import DATA_FAULTS, expected  # noqa: E402
 
 from pipeline.calibrate.run import calibrate  # noqa: E402
-from pipeline.commands.compare import needs_verifying  # noqa: E402
-from pipeline.compare.policy import load_policy  # noqa: E402
-from pipeline.compare.run import compare_tables, rejudge  # noqa: E402
+from pipeline.compare.run import compare_tables  # noqa: E402
 from pipeline.engines.base import SamplingParams  # noqa: E402
 from pipeline.engines.hf_common import load_model  # noqa: E402
 from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
@@ -55,7 +53,7 @@ from pipeline.faults import FAULTS  # noqa: E402
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
 from pipeline.inject import inject_fault  # noqa: E402
 from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
-from pipeline.verification import Verifier  # noqa: E402
+from pipeline.verify import verify_report  # noqa: E402
 
 CACHE = Path(os.environ.get("LPX_ZOO_CACHE") or Path.home() / ".cache" / "lpx" / "bench-zoo")
 # Where the engines run: the CPU by default; `LPX_ZOO_DEVICE=cuda` on a GPU host (bf16 noise
@@ -227,17 +225,15 @@ def run_case(setup, direction, kinds, choices, position, fp32_model, inject_mode
     compared = time.perf_counter() - started
     findings = comparison.report["diagnosis"]
     signature = [_brief(f) for f in findings]  # what the signatures alone said
-    if needs_verifying(findings):
-        findings = Verifier(
-            faulted,
-            replay,
-            setup["model_dir"],
-            calibration=setup["calibration"],
-            model=fp32_model,
-            device=DEVICE,
-        ).verify(findings)
-        comparison.report["diagnosis"] = findings
-        rejudge(comparison.report, load_policy())
+    verify_report(
+        comparison.report,
+        faulted,
+        replay,
+        setup["model_dir"],
+        calibration=setup["calibration"],
+        model=fp32_model,
+        device=DEVICE,
+    )
     return {
         "verdict": comparison.report["verdict"],
         "kinds": list(kinds),

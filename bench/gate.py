@@ -376,10 +376,8 @@ def _drift(fixture, replay) -> np.ndarray:
 def whole_comparisons(scale: str, pool: dict) -> None:
     """`lpx compare` (calibrated, verified by re-scoring) on batches of held-out sequences:
     every clean pair at the largest size, each fault at 1,024 and 10,240 tokens."""
-    from pipeline.commands.compare import needs_verifying
-    from pipeline.compare.policy import load_policy
-    from pipeline.compare.run import compare_tables, rejudge
-    from pipeline.verification import Verifier
+    from pipeline.compare.run import compare_tables
+    from pipeline.verify import verify_report
 
     work = pool["work"]
     print(f"whole comparisons ({scale}):")
@@ -406,12 +404,14 @@ def whole_comparisons(scale: str, pool: dict) -> None:
         comparison = compare_tables(fixture_part, replay_part, "fixture", "replay",
                                     calibration=calibration, calibration_source="bench")  # fmt: skip
         report = comparison.report
-        if needs_verifying(report["diagnosis"]):
-            verifier = Verifier(
-                fixture_part, replay_part, pool["model_dir"], calibration=calibration, device="cpu"
-            )
-            report["diagnosis"] = verifier.verify(report["diagnosis"])
-            rejudge(report, load_policy())
+        verify_report(
+            report,
+            fixture_part,
+            replay_part,
+            pool["model_dir"],
+            calibration=calibration,
+            device="cpu",
+        )
         found = (
             ", ".join(f"{f['cause']} ({f.get('status', 'plausible')})" for f in report["diagnosis"])
             or "none"

@@ -44,16 +44,14 @@ import models  # noqa: E402
 
 import pipeline.engines.hf_replay as hf_replay  # noqa: E402
 from pipeline.calibrate.run import calibrate  # noqa: E402
-from pipeline.commands.compare import needs_verifying  # noqa: E402
-from pipeline.compare.policy import load_policy  # noqa: E402
-from pipeline.compare.run import compare_tables, rejudge  # noqa: E402
+from pipeline.compare.run import compare_tables  # noqa: E402
 from pipeline.engines.base import SamplingParams  # noqa: E402
 from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
 from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
 from pipeline.families import routing  # noqa: E402
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
 from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
-from pipeline.verification import Verifier  # noqa: E402
+from pipeline.verify import verify_report  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "lpx" / "bench-routing"
 SCALES = {
@@ -121,11 +119,7 @@ def judged(fixture, replay, model_dir, calibration) -> dict:
         fixture, replay, "rollout", "replay", calibration=calibration, calibration_source="bench"
     )
     report = comparison.report
-    if needs_verifying(report["diagnosis"]):
-        report["diagnosis"] = Verifier(fixture, replay, model_dir, calibration=calibration).verify(
-            report["diagnosis"]
-        )
-        rejudge(report, load_policy())
+    verify_report(report, fixture, replay, model_dir, calibration=calibration)
     routing = report["routing"]
     return {
         "verdict": report["verdict"],

@@ -41,8 +41,12 @@ def plan_of(**changes) -> Plan:
         ("deepspeed", "bf16", {}, "deepspeed:dtype=bf16"),
         ("megatron", "bf16", {"tensor_parallel_size": 2}, "megatron:dtype=bf16,tp=2"),
         ("megatron", "fp16", {"tensor_parallel_size": 1}, "megatron:dtype=fp16,tp=1"),
-        ("megatron", "bf16", {"tensor_parallel_size": 1, "expert_model_parallel_size": 2},
-         "megatron:dtype=bf16,tp=1,ep=2"),  # fmt: skip
+        (
+            "megatron",
+            "bf16",
+            {"tensor_parallel_size": 1, "expert_model_parallel_size": 2},
+            "megatron:dtype=bf16,tp=1,ep=2",
+        ),  # fmt: skip
         ("vllm", "fp32", {"tensor_parallel_size": 4}, "vllm:dtype=fp32,tp=4"),
         ("logprob-server", "bf16", {}, "logprob-server:dtype=bf16"),
     ],

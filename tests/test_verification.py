@@ -240,7 +240,7 @@ def test_a_truncation_is_named_by_what_the_rollout_recorded(
 ):
     """The signature guesses top-k or top-p; the re-score uses the fixture's recorded
     truncation, and a reproduction names that (top-k then top-p: both, by _both_truncations)."""
-    from pipeline.verification import Verifier
+    from pipeline.verify import Verifier
 
     fixture = read_table(run_dir / "fixture.parquet")
     fixture.metadata = {**fixture.metadata, "sampling": {**recorded}}
@@ -261,7 +261,7 @@ def test_a_shift_starts_at_its_change_point_under_noise(shift, onset):
     """Logprobs moved one token from `onset` on, against a replay with noise of 0.02 nats:
     the change point finds the onset exactly, also where the first shifted tokens score
     within 0.1 of their neighbours, too little to drift past a bf16 tau."""
-    from pipeline.verification import shift_onset
+    from pipeline.verify import shift_onset
 
     rng = np.random.default_rng(onset)
     true = -np.abs(rng.normal(0, 2, 48)) - 1.0

@@ -210,8 +210,9 @@ def run_compare(
     from pipeline.compare.matrix import render_matrix, write_matrix
     from pipeline.compare.outputs import render_summary, retract_verdicts, write_outputs
     from pipeline.compare.policy import load_policy
-    from pipeline.compare.run import compare_tables, rejudge
+    from pipeline.compare.run import compare_tables
     from pipeline.fixture.io import read_table
+    from pipeline.verify import needs_verifying, verify_report
 
     retract_verdicts(out_dir)
     fixture = read_table(fixture_path, expect_kind="fixture")  # once, however many replays
@@ -258,21 +259,18 @@ def run_compare(
         if needs_verifying(comparison.report["diagnosis"]):
             verified_with = verifying.resolve()
             if verified_with is not None:
-                from pipeline.verification import Verifier
-
-                verifier = Verifier(
+                verify_report(
+                    comparison.report,
                     fixture,
                     replay,
                     verified_with,
-                    channel,
-                    calibration,
-                    device,
+                    policy,
+                    channel=channel,
+                    calibration=calibration,
+                    device=device,
                     say=lambda line: click.echo(line, err=True),
                     weights_store=weights_store,
                 )
-                report = comparison.report
-                report["diagnosis"] = verifier.verify(report["diagnosis"])
-                rejudge(report, policy)
             comparison.report["verification"] = verifying.note
         else:
             comparison.report["verification"] = {
@@ -345,15 +343,6 @@ class VerificationModel:
         except BadInput as error:
             return None, {"ran": False, "reason": str(error)}
         return Path(recorded), {"ran": True, "model": recorded, "source": "the fixture's model"}
-
-
-def needs_verifying(findings: list[dict]) -> bool:
-    """Whether any finding is a fault, unexplained drift or a precision claim a re-score
-    could decide."""
-    return any(
-        f.get("severity") == "fault" or (f.get("cause") == "dtype" and f.get("sequences"))
-        for f in findings
-    )
 
 
 def find_calibration(given: Path | None, off: bool, beside: list[Path]) -> tuple[dict | None, str]:

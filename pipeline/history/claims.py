@@ -35,7 +35,7 @@ MEANINGS = {
     "so it is not the cause.",
 }
 # How to turn a plausible claim into a verified or ruled-out one. The causes named here are
-# the ones a plain re-score of the fixture's model cannot decide (pipeline/verification.py's
+# the ones a plain re-score of the fixture's model cannot decide (pipeline/verify/flow.py's
 # NOT_REPRODUCIBLE; history/ may not import it, so the advice is kept here).
 RESCORING = (
     "`lpx compare` re-scores by default when the fixture's model is on this machine with the "

@@ -1,0 +1,45 @@
+"""The hypothesis families, in the order their alternatives are tried on drift no signature
+explained: the sampler's (the rollout's processing) and routing first, then what edits the
+input, what moves positions, labels or padding, and other weights last (they explain any
+drift, so every cheaper reading goes first). Data bugs (no model) are tried before all of
+them by the flow."""
+
+from __future__ import annotations
+
+from pipeline.verify.families.inflight import InFlight
+from pipeline.verify.families.padding import Padding
+from pipeline.verify.families.positions import Positions
+from pipeline.verify.families.precision import Precision
+from pipeline.verify.families.prompt import Prompt
+from pipeline.verify.families.routing import Routing
+from pipeline.verify.families.shifts import Shifts
+from pipeline.verify.families.temperature import Temperature
+from pipeline.verify.families.truncation import Truncation
+from pipeline.verify.families.weights import Weights
+from pipeline.verify.hypothesis import Family
+
+FAMILIES: tuple[Family, ...] = (
+    Truncation(),
+    Routing(),
+    Temperature(),
+    Prompt(),
+    Positions(),
+    Shifts(),
+    Padding(),
+    Precision(),
+    Weights(),
+    InFlight(),
+)
+_BY_KIND = {kind: family for family in FAMILIES for kind in family.kinds}
+_BY_CAUSE = {cause: family for family in FAMILIES for cause in family.causes}
+_PLAIN = Family()  # a kind faults.rescore commits as it is
+
+
+def family_of(kind: str) -> Family:
+    """The family that commits a fault kind (a plain one for faults.py's own kinds)."""
+    return _BY_KIND.get(kind, _PLAIN)
+
+
+def for_cause(cause: str) -> Family | None:
+    """The family whose hypotheses a finding of this cause calls for."""
+    return _BY_CAUSE.get(cause)

@@ -1,0 +1,61 @@
+"""Temperature: one side's logprobs of logits divided by T. The signatures' linear fit is an
+estimate; the reproduction must hold to the noise floor, so T is searched (golden section
+on log T around the estimate, each try re-processing one forward's logits)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.verify.hypothesis import Candidate, Family
+from pipeline.verify.search import Processed, golden_section, with_settings
+
+LOG_SPAN = 0.7  # log T searched this far either side of the estimate (T x/÷ 2)
+
+
+class Temperature(Family):
+    name = "temperature"
+    causes = ("temperature",)
+    kinds = ("temperature",)
+
+    def hypotheses(self, ref, finding: dict) -> list[Candidate]:
+        fit = (finding.get("details") or {}).get("temperature_fit") or {}
+        sampling = ref.fixture.metadata.get("sampling") or {}
+        t = fit.get("estimated_temperature") or sampling.get("temperature")
+        if not t or float(t) == 1.0:
+            return []
+        return [_at(ref.base, float(t))]
+
+    def alternatives(self, ref, finding: dict) -> list[Candidate]:
+        return [Candidate("temperature", "temperature", ref.base, {})]  # T from the drift
+
+    def search(self, ref, candidate, rows, observed, clean, side) -> Candidate:
+        given = candidate.params.get("T")
+        guess = (
+            float(given)
+            if given and float(given) != 1.0
+            else slope_temperature(observed[0], clean[0])
+        )
+        processed = Processed(ref, rows[0], observed[0])
+        log_t = golden_section(
+            lambda x: processed.gap({"temperature": float(np.exp(x))}),
+            np.log(guess) - LOG_SPAN,
+            np.log(guess) + LOG_SPAN,
+        )
+        t = float(np.exp(log_t))
+        return with_settings(candidate, {"T": round(t, 5)}, temperature=t)
+
+
+def _at(base, t: float) -> Candidate:
+    return with_settings(
+        Candidate("temperature", "temperature", base, {}), {"T": round(t, 4)}, temperature=t
+    )
+
+
+def slope_temperature(processed, raw) -> float:
+    """T from the slope of the processed logprobs on the raw ones (processed = raw / T + c)."""
+    x, y = np.asarray(raw, dtype=np.float64), np.asarray(processed, dtype=np.float64)
+    keep = np.isfinite(x) & np.isfinite(y)
+    if keep.sum() < 3 or x[keep].var() <= 0:
+        return 1.0
+    slope = np.cov(x[keep], y[keep])[0, 1] / x[keep].var()
+    return float(1.0 / slope) if 0.2 <= slope <= 5.0 else 1.0

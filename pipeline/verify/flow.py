@@ -1,0 +1,221 @@
+"""The diagnosis flow over a comparison's findings: each finding's own hypotheses first;
+what fails is ruled out, and what reproduced other findings, the precisions beyond the
+declared ones, other published weights, its runner-up and every family's alternatives are
+tried on its sequences next. Never worse than the signatures: a cause the signature named
+and nothing verified stays that cause, plausible, saying what was tried; only a cause that
+verifies replaces it. What nothing reproduces is `unexplained`, listing what was ruled out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.fixture.table import TokenTable
+from pipeline.verify import report
+from pipeline.verify.families import FAMILIES, for_cause
+from pipeline.verify.families.precision import Precision
+from pipeline.verify.families.shifts import onset_of_shift
+from pipeline.verify.families.weights import Weights, weights_differ
+from pipeline.verify.hypothesis import Candidate
+from pipeline.verify.judge import judge
+from pipeline.verify.reference import Reference
+
+# Weights causes cannot be re-scored without a store; reproducible causes of the same shape
+# are tried instead, and the weights cause stays the signatures' answer when none verifies
+COMPETED = ("stale_weights", "version_change")
+NOT_REPRODUCIBLE = {
+    "stale_weights": "other weights cannot be re-created from one side's logprobs; give "
+    "--weights-store to re-score under the published versions",
+    "version_change": "the weights after the update are not at hand; give --weights-store",
+    "claimed_version": "already decided by re-scoring under the store's versions",
+    "missing_version": "the version is not in the store",
+}
+
+
+class Verifier:
+    """Re-scores a fixture's sequences under hypothesised bugs and judges each one."""
+
+    def __init__(
+        self,
+        fixture: TokenTable,
+        replay: TokenTable,
+        model_dir: Path,
+        channel: str = "rollout",
+        calibration: dict | None = None,
+        device: str = "auto",
+        say=lambda line: None,
+        model=None,
+        weights_store: Path | None = None,
+    ):
+        self.ref = Reference(
+            fixture, replay, model_dir, channel, calibration, device, model, weights_store, say
+        )
+        self.say = say
+
+    @property
+    def base(self):
+        return self.ref.base
+
+    def verify(self, findings: list[dict]) -> list[dict]:
+        """The findings with statuses, residuals and floors."""
+        ref = self.ref
+        ref.drifting = {
+            s for f in findings if f.get("severity") == "fault" for s in f.get("sequences") or []
+        }
+        out: list[dict] = []
+        leftover: list[str] = []
+        said: list[str] = []
+        ruled_out: list[dict] = []
+        reproduced: list[Candidate] = []  # what verified: tried first on the rest
+        for finding in findings:
+            cause = finding["cause"]
+            if not finding.get("sequences") or (
+                cause in NOT_REPRODUCIBLE and cause not in COMPETED
+            ):
+                out.append(finding)
+                continue
+            own = self.candidates(finding)
+            outcome, tried = self._first_verified(finding, own)
+            if outcome:
+                out.append(
+                    onset_of_shift(ref, report.verified(finding, outcome), outcome.candidate)
+                )
+                reproduced.append(outcome.candidate)
+                continue
+            if own and not tried:  # nothing could be re-scored: as the signatures said
+                out.append(finding)
+                continue
+            if tried and tried[-1]["params"].get("inconclusive"):
+                # consistent with precision, too few tokens to rule out a fault: a claim
+                # that stays plausible, worded as one; no other cause to chase in noise
+                out.append(report.inconclusive_precision(finding, tried[-1]))
+                continue
+            runner = (finding.get("runner_up") or {}).get("cause")
+            others = [
+                *reproduced,
+                *Precision().alternatives(ref, finding),  # below the declared precisions
+                *Weights().alternatives(ref, finding),  # other published weights
+                *(self.candidates({**finding, "cause": runner, "details": {}}) if runner else []),
+                *self.any_cause(finding),
+            ]
+            outcome, also = self._first_verified(finding, report.distinct(others, tried))
+            if outcome:
+                if tried:
+                    out.append(report.ruled_out(finding, tried))
+                renamed = report.verified(finding, outcome, renamed_from=cause)
+                out.append(onset_of_shift(ref, renamed, outcome.candidate))
+                reproduced.append(outcome.candidate)
+                continue
+            tried += also
+            if cause in COMPETED:  # weights stay the signatures' answer, now with what failed
+                out.append(report.not_reproduced(finding, tried))
+                continue
+            weights = (
+                self._untestable(finding, runner) if report.moved_nothing(tried, cause) else None
+            )
+            if weights is not None:
+                # the signature's own bug, committed, left the drift where it was, and the
+                # drift has the shape of other weights: that, not the signature, is plausible
+                out.append(report.not_reproduced(weights, tried))
+                continue
+            if cause not in ("unexplained", "dtype"):
+                # Never worse than the signatures: a real engine commits a bug in more ways
+                # than re-scoring can, so a cause the signature named and nothing verified
+                # stays that cause, plausible, with what was tried and how close each came.
+                # (Precision is the exception: a drift that fails the precision test is a
+                # fault, never "precision".)
+                out.append(report.unverified(finding, tried))
+                continue
+            if cause != "unexplained":
+                out.append(report.ruled_out(finding, tried))
+            untestable = self._untestable(finding, runner)
+            if untestable is not None:
+                # every reproducible cause failed; weights (which cannot be re-scored without
+                # the other weights) remain, and the drift has their shape
+                out.append(report.not_reproduced(untestable, tried))
+                continue
+            leftover += finding["sequences"]
+            if cause == "unexplained":  # what the comparison said of it stays said
+                said.append(finding["evidence"])
+            ruled_out += tried
+        if leftover:
+            out.append(report.unexplained(sorted(set(leftover)), ruled_out, said))
+        out = self._fills_the_model_explains(out, reproduced)
+        merged = report.one_per_reproduction(out)
+        return report.one_routing_flip(report.both_truncations(merged))
+
+    def candidates(self, finding: dict) -> list[Candidate]:
+        """The reproductions a finding's cause and parameters call for."""
+        family = for_cause(finding["cause"])
+        return family.hypotheses(self.ref, finding) if family else []
+
+    def any_cause(self, finding: dict) -> list[Candidate]:
+        """What drift its own cause did not reproduce is tested against: the data bugs first
+        (no model), then every family's alternatives in the families' order."""
+        offered = [
+            c
+            for family in FAMILIES
+            if not isinstance(family, (Precision, Weights))
+            for c in family.alternatives(self.ref, finding)
+        ]
+        data = [c for c in offered if c.kind.startswith("data_")]
+        return [*data, *(c for c in offered if not c.kind.startswith("data_"))]
+
+    def test(self, candidate: Candidate, sequence_ids: list[str]):
+        return judge(self.ref, candidate, sequence_ids)
+
+    def _first_verified(self, finding: dict, candidates: list[Candidate]):
+        tried = []
+        for candidate in candidates:
+            outcome = judge(self.ref, candidate, finding["sequences"])
+            if outcome is None:
+                continue
+            self.say(
+                f"verify: {candidate.kind} {candidate.params or ''} on {finding['cause']}: "
+                f"mean |d| {outcome.before:.3g} -> {outcome.after:.3g} on the {outcome.side} side "
+                f"(floor {outcome.floor:.3g}): {'verified' if outcome.verified else 'ruled out'}"
+            )
+            if outcome.verified:
+                return outcome, tried
+            tried.append(report.describe(outcome))
+        return None, tried
+
+    def _untestable(self, finding: dict, runner: str | None) -> dict | None:
+        """After every reproduction failed: the runner-up when it is an in-flight update (a
+        position onset's), or `weights_differ` when the drift has a weight step's shape;
+        else None."""
+        if runner == "version_change":
+            return {
+                **finding,
+                "cause": runner,
+                "severity": "fault",
+                "status": "plausible",
+                "evidence": f"{finding['cause']} did not reproduce the drift; {runner}, the "
+                "runner-up, fits its shape and needs the other weights to re-score "
+                "(--weights-store)",
+                "details": {"at": (finding.get("first_position") or {}).get("position")},
+            }
+        return weights_differ(self.ref, finding)
+
+    def _fills_the_model_explains(self, out: list[dict], reproduced: list[Candidate]):
+        """A constant in the logprobs is also what a bug of the model gives: a top-p nucleus
+        of one token scores exactly 0. A fill is judged on the median of its tokens, so a
+        reproduction that verified elsewhere on the same side and also verifies a fill's
+        sequences (on every token) is the better explanation, and replaces it."""
+        models = [c for c in reproduced if not c.kind.startswith("data_")]
+        if not models:
+            return out
+        for index, finding in enumerate(out):
+            by = (finding.get("details") or {}).get("verified_by") or {}
+            if finding.get("status") != "verified" or not by.get("kind", "").startswith("data_"):
+                continue
+            for candidate in models:
+                outcome = judge(self.ref, candidate, finding["sequences"])
+                if outcome and outcome.verified and outcome.side == by.get("side"):
+                    said = finding["details"].get("signature_evidence", finding["evidence"])
+                    how = report.params_text(by["params"])
+                    fill = f"{by['kind']} ({how}) matched the median token only"
+                    out[index] = report.verified(
+                        {**finding, "evidence": f"{said}; {fill}"}, outcome
+                    )
+                    break
+        return out

@@ -1,0 +1,110 @@
+"""One hypothesis judged: (at most MAX_SEQUENCES of) a finding's sequences re-scored under
+the bug, searched first where its family has free parameters. It verifies when the side it
+reproduces then lies within VERIFY_MARGIN of the noise floor those tokens meet, and the bug
+removed at least EXPLAINED of the drift. A data bug (written into the logprobs after the
+forward) is judged without the model, on the tokens that drift beyond noise."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pipeline.compare.calibrated import side_precision
+from pipeline.verify.families import family_of
+from pipeline.verify.hypothesis import (
+    DATA_DRIFT,
+    EXPLAINED,
+    FILL_EXACT,
+    MAX_SEQUENCES,
+    VERIFY_MARGIN,
+    Candidate,
+    Outcome,
+)
+from pipeline.verify.search import mean_abs
+
+
+def judge(ref, candidate: Candidate, sequence_ids: list[str]) -> Outcome | None:
+    """The side the candidate reproduces, the drift before and after, the floor they are
+    judged by, and whether it verified; None where nothing can be re-scored."""
+    started = time.perf_counter()
+    rows = ref.comparable(spread(sequence_ids, MAX_SEQUENCES))
+    if not rows:
+        return None
+    family = family_of(candidate.kind)
+    observed = ref.observed(rows)
+    if candidate.kind == "precision":
+        return family.judge(ref, candidate, rows, observed)
+    if candidate.kind.startswith("data_"):
+        judged = _judge_data(ref, family, candidate, *observed)
+    else:
+        judged = _judge_model(ref, family, candidate, rows, *observed)
+    if judged is None:
+        return None
+    candidate, side, before, after, floor = judged
+    verified = after <= VERIFY_MARGIN * floor and after <= EXPLAINED * before
+    return Outcome(candidate, side, before, after, floor, verified, time.perf_counter() - started)
+
+
+def _judge_data(ref, family, candidate, rollout, replay, positions):
+    """The rollout's logprobs moved by one token, one side filled with a constant or
+    rounded: judged on the tokens that drift beyond DATA_DRIFT times their floor."""
+    pair = (side_precision(ref.fixture.metadata), side_precision(ref.replay.metadata))
+    token_floor = np.concatenate(ref.token_floors(pair, replay, positions))
+    d = np.abs(np.concatenate(rollout) - np.concatenate(replay))
+    drifting = d > DATA_DRIFT * token_floor
+    side, reproduced, against, judged, exact = family.data(candidate, rollout, replay, drifting)
+    if not judged.any():
+        return None
+    before = float(np.mean(d[judged]))
+    if exact:
+        # a constant written after the forward: no noise reaches it, so logprobs merely near
+        # it (a confident model's near 0) are not it. The median: noise tokens before the
+        # bug's onset drift too, and are not it.
+        return (
+            candidate,
+            side,
+            before,
+            float(np.median(np.abs(against - reproduced)[judged])),
+            (FILL_EXACT),
+        )
+    after = float(np.mean(np.abs(against - reproduced)[judged]))
+    return candidate, side, before, after, float(np.mean(token_floor[judged]))
+
+
+def _judge_model(ref, family, candidate, rows, rollout, replay, positions):
+    """The side the bug moved is the one farther from the clean reference; the family's
+    search and the verdict are about reproducing that side."""
+    before = mean_abs(rollout, replay)
+    clean = ref.clean(rows)
+    side = "rollout" if mean_abs(rollout, clean) >= mean_abs(replay, clean) else "replay"
+    observed = rollout if side == "rollout" else replay
+    meta = ref.fixture.metadata if side == "rollout" else ref.replay.metadata
+    if candidate.params.get("computed_in") == side_precision(meta).removesuffix("+tf32"):
+        return None  # that side declares this precision: the precision test's case
+    candidate = family.search(ref, candidate, rows, observed, clean, side)
+    reproduced = ref.rescore(candidate, rows)
+    tokens = family.judged(ref, rows)
+    if tokens is not None:  # the bug moves only these tokens: judged on them
+        rollout, replay, observed, clean, reproduced, positions = (
+            [a[m] for a, m in zip(values, tokens, strict=True)]
+            for values in (rollout, replay, observed, clean, reproduced, positions)
+        )
+        before = mean_abs(rollout, replay)
+    after = mean_abs(observed, reproduced)
+    if mean_abs(reproduced, clean) < EXPLAINED * before:
+        # the bug barely changes these sequences: it cannot explain their drift
+        after = max(after, before)
+    # the precision the reproduction computed in: the side's declared one, or the lower one
+    # an undeclared-precision candidate tries; bucketed by the bug's own logprobs (a bug
+    # that scores unlikely tokens meets the larger noise of unlikely tokens)
+    computed = candidate.params.get("computed_in") or side_precision(meta)
+    floors = ref.token_floors((computed, "float32"), reproduced, positions)
+    return candidate, side, before, after, float(np.mean(np.concatenate(floors)))
+
+
+def spread(ids: list[str], most: int) -> list[str]:
+    """At most ``most`` of the ids, evenly spread over them."""
+    if len(ids) <= most:
+        return list(ids)
+    return [ids[int(i)] for i in np.linspace(0, len(ids) - 1, most).round()]

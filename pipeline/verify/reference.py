@@ -1,0 +1,131 @@
+"""The reference side of verification: the fp32 model that re-commits bugs, the two tables it
+is set against, and the shared re-scoring every family goes through (its own `commit` where
+a bug needs batches, other weights or forced routing; `faults.rescore` otherwise)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.compare.calibrated import expected_mean_abs, pair_key
+from pipeline.compare.hypotheses.batch import NUMERIC_CEILING
+from pipeline.faults import FaultSettings, rescore
+from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
+from pipeline.verify.families import family_of
+from pipeline.verify.hypothesis import Candidate
+
+
+class Reference:
+    """The model and the observations: per fixture row, its compared tokens' logprobs on
+    both sides, the reference's own (clean) scores, and their noise floors."""
+
+    def __init__(
+        self,
+        fixture: TokenTable,
+        replay: TokenTable,
+        model_dir: Path,
+        channel: str = "rollout",
+        calibration: dict | None = None,
+        device: str = "auto",
+        model=None,
+        weights_store: Path | None = None,
+        say=lambda line: None,
+    ):
+        from pipeline.devices import resolve_device, set_tf32
+        from pipeline.engines.hf_common import load_model
+
+        self.fixture, self.replay, self.channel = fixture, replay, channel
+        self.say = say
+        self.model_dir = Path(model_dir)
+        self.calibration = calibration
+        self.device = resolve_device(device)
+        self.model = model or load_model(Path(model_dir), "float32", device=self.device)
+        set_tf32(self.device, False)
+        self.rows = fixture.index_of()
+        self.replay_rows = replay.index_of()
+        bos = self.model.config.bos_token_id
+        self.base = FaultSettings(bos_id=int(bos) if bos is not None else 1)
+        self.weights_store = Path(weights_store) if weights_store else None
+        self.drifting: set[str] = set()  # every sequence some fault finding names
+        self._clean_scores: dict[int, np.ndarray] = {}
+        self.version_model = (None, None)  # (name, model): one store version held at a time
+
+    # --- re-scoring ------------------------------------------------------------------------
+
+    def rescore(self, candidate: Candidate, rows: list[int]) -> list[np.ndarray]:
+        """The rows' compared tokens re-scored under the candidate's bug (fp32, float64)."""
+        committed = family_of(candidate.kind).commit(self, candidate, rows)
+        if committed is not None:
+            return committed
+        values = rescore(self.model, self.pairs(rows), candidate.kind, candidate.settings)
+        return self.compared(values, rows)
+
+    def clean(self, rows: list[int]) -> list[np.ndarray]:
+        """The reference's own scores of the rows (fp32, no bug), computed once per row."""
+        missing = [r for r in rows if r not in self._clean_scores]
+        if missing:
+            values = rescore(self.model, self.pairs(missing), "clean", self.base)
+            self._clean_scores.update(zip(missing, self.compared(values, missing), strict=True))
+        return [self._clean_scores[r] for r in rows]
+
+    def pairs(self, rows: list[int]) -> list[tuple]:
+        return [(self.fixture.prompt_of(r), self.fixture.completion_of(r)) for r in rows]
+
+    def compared(self, values, rows: list[int]) -> list[np.ndarray]:
+        """Whole-completion scores cut to each row's compared tokens, as float64."""
+        return [v[self.mask(r)].astype(np.float64) for v, r in zip(values, rows, strict=True)]
+
+    # --- observations and floors -----------------------------------------------------------
+
+    def observed(self, rows: list[int]):
+        """Per row: the rollout's and the replay's logprobs of its compared tokens, and their
+        completion indices."""
+        rollout, replay, positions = [], [], []
+        fixture = self.fixture
+        for row in rows:
+            mask = self.mask(row)
+            ours = fixture.channels[self.channel][fixture.completion_slice(row)]
+            rollout.append(ours[mask].astype(np.float64))
+            other = self.replay_rows[fixture.sequence_ids[row]]
+            theirs = self.replay.channels[REPLAY_CHANNEL][self.replay.completion_slice(other)]
+            replay.append(theirs[mask].astype(np.float64))
+            positions.append(np.flatnonzero(mask))
+        return rollout, replay, positions
+
+    def mask(self, row: int) -> np.ndarray:
+        return np.asarray(
+            self.fixture.completion_mask[self.fixture.completion_slice(row)], dtype=bool
+        )
+
+    def comparable(self, sequence_ids) -> list[int]:
+        """The fixture rows of the sequences both sides hold."""
+        return [self.rows[s] for s in sequence_ids if s in self.rows and s in self.replay_rows]
+
+    def token_floors(self, precisions: tuple[str, str], reference, positions) -> list:
+        """Per token (one array per sequence): the mean |d| precision alone gives between
+        two precisions, from the calibration (bucketed by ``reference`` logprobs), else the
+        constant for the less precise one."""
+        pair = pair_key(*precisions)
+        lengths = [len(r) for r in reference]
+        if self.calibration and pair in self.calibration.get("pairs", {}):
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            means = expected_mean_abs(
+                self.calibration, pair, np.concatenate(reference), np.concatenate(positions)
+            )
+            return np.split(means, offsets[1:-1])
+        dtypes = [p.removesuffix("+tf32") for p in precisions]
+        least = max(dtypes, key=("float32", "float16", "bfloat16").index)
+        constant = NUMERIC_CEILING.get(least, NUMERIC_CEILING["float32"]) / 3
+        return [np.full(n, constant) for n in lengths]
+
+    def micro_batch(self) -> int:
+        layout = self.replay.metadata.get("layout") or {}
+        return int(layout.get("micro_batch_size") or 8)
+
+    def onset(self, finding: dict) -> int:
+        """The completion index a finding's drift starts at (its details' `at` or `onset`,
+        else its first drifting token)."""
+        details = finding.get("details") or {}
+        at = details.get("at") or details.get("onset")
+        return int(at or (finding.get("first_position") or {}).get("position") or 0)

@@ -1,0 +1,260 @@
+"""The outcome format every family shares: a finding verified (named by the cause its
+reproduction stands for), ruled out, kept plausible with what was tried and how close each
+try came, or gathered as unexplained; and the merges of findings one reproduction verified."""
+
+from __future__ import annotations
+
+from pipeline.compare.noise_test import FAULT_SIZE
+from pipeline.verify.families.precision import UNDECLARED_PRECISIONS
+from pipeline.verify.hypothesis import Candidate, Outcome
+
+# A reproduction that leaves this much of the drift moved nothing toward the observation.
+NOTHING_MOVED = 0.9
+PER_SEQUENCE = ("counts", "onsets")  # searched per sequence: not part of a reproduction's shape
+
+
+def describe(outcome: Outcome) -> dict:
+    return {
+        "cause": outcome.candidate.cause,
+        "kind": outcome.candidate.kind,
+        "params": outcome.candidate.params,
+        "residual_before": outcome.before,
+        "residual_after": outcome.after,
+        "floor": outcome.floor,
+        "side": outcome.side,
+    }
+
+
+def verified(finding: dict, outcome: Outcome, renamed_from: str | None = None) -> dict:
+    """The finding, verified, named by the cause its reproduction stands for; a renamed one
+    says what did not reproduce the drift first."""
+    params = outcome.candidate.params
+    how = (
+        f"re-scored with {outcome.candidate.kind}"
+        + (f" ({params_text(params)})" if params else "")
+        + f", the {outcome.side} side matches to mean |d| {outcome.after:.3g} (floor "
+        f"{outcome.floor:.3g}; the drift was {outcome.before:.3g}): the bug is on the "
+        f"{outcome.side} side"
+    )
+    cause = outcome.candidate.cause
+    undeclared = outcome.candidate.kind in UNDECLARED_PRECISIONS
+    if undeclared:
+        how += (
+            f": that side computed in {params['computed_in']}"
+            + (" (its LM head)" if outcome.candidate.kind == "lm_head_bf16" else "")
+            + ", not the precision it declares"
+        )
+    if outcome.candidate.kind == "precision":
+        how = (
+            f"re-scored in the declared precisions ({params_text(_declared(params))}), four correct "
+            f"ways each, these tokens drift by mean |d| {outcome.after:.3g}; the observed "
+            f"{outcome.before:.3g} passes the precision gate against it (critical "
+            f"{outcome.floor:.3g}) and in every surprisal bucket: the drift is precision"
+        )
+    if renamed_from and renamed_from != cause:
+        how = f"{renamed_from} did not reproduce the drift; {how}"
+    return {
+        **finding,
+        "cause": cause,
+        "evidence": f"{finding['evidence']}; {how}",
+        # declared precision is information; a precision other than declared is a fault
+        "severity": "info" if cause == "dtype" and not undeclared else "fault",
+        "status": "verified",
+        "residual_before": outcome.before,
+        "residual_after": outcome.after,
+        "floor": outcome.floor,
+        "details": {
+            "signature_evidence": finding["evidence"],  # kept, should a better one replace it
+            **(finding.get("details") or {}),
+            "verified_by": describe(outcome),
+        },
+    }
+
+
+def not_reproduced(finding: dict, tried: list[dict]) -> dict:
+    return {
+        **finding,
+        "details": {**(finding.get("details") or {}), "ruled_out": tried},
+        "evidence": f"{finding['evidence']}; re-scoring reproduces none of: "
+        + ", ".join(t["kind"] for t in tried),
+    }
+
+
+def moved_nothing(tried: list[dict], cause: str) -> bool:
+    """Every re-score of `cause` itself left at least NOTHING_MOVED of the drift: committed,
+    the bug does not go the observation's way at all (a wrong guess, not a variant)."""
+    own = [t for t in tried if t["cause"] == cause and t["kind"] != "precision"]
+    return bool(own) and all(
+        t["residual_after"] >= NOTHING_MOVED * t["residual_before"] for t in own
+    )
+
+
+def unverified(finding: dict, tried: list[dict]) -> dict:
+    """A signature's cause that no reproduction verified: kept, plausible, saying what was
+    tried and how close each try came (its residual in floors)."""
+    closest = sorted(tried, key=lambda t: t["residual_after"] / max(t["floor"], 1e-12))
+    own = [t for t in closest if t["cause"] == finding["cause"]]
+    shown = (own or closest)[:3]
+    how = "; ".join(
+        f"{_tried_text(t)}, {t['residual_after'] / max(t['floor'], 1e-12):.1f}x the floor"
+        for t in shown
+    )
+    return {
+        **finding,
+        "status": "plausible",
+        "evidence": f"{finding['evidence']}; no reproduction verified it (the engine may commit "
+        f"it in a way re-scoring does not), so it stays as its signature named it"
+        + (f"; closest tries: {how}" if how else "; nothing could be re-scored"),
+        "details": {**(finding.get("details") or {}), "tried": tried},
+        **(
+            {
+                "residual_before": closest[0]["residual_before"],
+                "residual_after": closest[0]["residual_after"],
+                "floor": closest[0]["floor"],
+            }
+            if closest
+            else {}
+        ),
+    }
+
+
+def distinct(candidates: list[Candidate], tried: list[dict]) -> list[Candidate]:
+    """Each (kind, parameters) once, leaving out what was already tried."""
+    seen = {(t["kind"], repr(sorted(t["params"].items()))) for t in tried}
+    out = []
+    for candidate in candidates:
+        key = (candidate.kind, repr(sorted(candidate.params.items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(candidate)
+    return out
+
+
+def ruled_out(finding: dict, tried: list[dict]) -> dict:
+    best = min(tried, key=lambda t: t["residual_after"])
+    return {
+        **finding,
+        "severity": "info",
+        "status": "ruled_out",
+        "residual_before": best["residual_before"],
+        "residual_after": best["residual_after"],
+        "floor": best["floor"],
+        "evidence": (
+            f"{finding['evidence']}; ruled out by re-scoring: "
+            + "; ".join(_tried_text(t) for t in tried)
+        ),
+        "details": {**(finding.get("details") or {}), "ruled_out": tried},
+    }
+
+
+def inconclusive_precision(finding: dict, tried: dict) -> dict:
+    params = tried["params"]
+    return {
+        **finding,
+        "status": "plausible",
+        "evidence": (
+            f"{finding['evidence']}; re-scored in the declared precisions "
+            f"({params_text(_declared(params))}) these {params['tokens']} tokens drift by mean |d| "
+            f"{tried['residual_after']:.3g} and the observed {tried['residual_before']:.3g} "
+            f"passes the precision gate, but so few tokens cannot rule out a fault of "
+            f"{FAULT_SIZE:g}x the noise: plausibly precision, not verified (compare more tokens)"
+        ),
+        "details": {**(finding.get("details") or {}), "precision_check": tried},
+        "residual_before": tried["residual_before"],
+        "residual_after": tried["residual_after"],
+    }
+
+
+def _tried_text(tried: dict) -> str:
+    """One ruled-out reproduction, in words."""
+    params = tried["params"]
+    if tried["kind"] == "precision":
+        return (
+            f"precision: re-scored in the declared precisions "
+            f"({params_text(_declared(params))}) these tokens drift by mean |d| "
+            f"{tried['residual_after']:.3g}, and the observed {tried['residual_before']:.3g} "
+            f"fails the precision gate ({', '.join(params.get('failed', [])) or 'level'}; "
+            f"critical mean {tried['floor']:.3g})"
+        )
+    shown = f" ({params_text(params)})" if params else ""
+    return (
+        f"{tried['kind']}{shown} leaves mean |d| {tried['residual_after']:.3g} "
+        f"(floor {tried['floor']:.3g})"
+    )
+
+
+def unexplained(sequences: list[str], tried: list[dict], said: list[str] = ()) -> dict:
+    names = sorted({f"{t['cause']}/{t['kind']}" for t in tried})
+    before = "".join(f"{text}; " for text in said)
+    return {
+        "cause": "unexplained",
+        "sequences": sequences,
+        "first_position": {},
+        "evidence": (
+            f"{before}drift in {len(sequences)} sequences that no re-scored hypothesis reproduces; "
+            f"ruled out: {', '.join(names) or 'nothing testable'}; inspect the worst tokens"
+        ),
+        "severity": "fault",
+        "details": {"ruled_out": tried},
+        "confidence": 0.0,
+        "runner_up": None,
+        "status": "plausible",
+        "residual_before": min((t["residual_before"] for t in tried), default=None),
+        "residual_after": min((t["residual_after"] for t in tried), default=None),
+        "floor": min((t["floor"] for t in tried), default=None),
+    }
+
+
+def _declared(params: dict) -> dict:
+    return {side: params[side] for side in ("rollout", "replay") if side in params}
+
+
+def params_text(params: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items())
+
+
+def one_per_reproduction(findings: list[dict]) -> list[dict]:
+    """Findings verified by the same reproduction (kind and parameters) are one bug: one
+    finding, over all their sequences."""
+    out, seen = [], {}
+    for finding in findings:
+        by = (finding.get("details") or {}).get("verified_by")
+        key = None
+        if finding.get("status") == "verified" and by:
+            # what is searched per sequence (pad counts, onsets) is not its shape
+            params = {k: v for k, v in by["params"].items() if k not in PER_SEQUENCE}
+            key = (finding["cause"], by["kind"], repr(sorted(params.items())), by["side"])
+        if key in seen:
+            first = out[seen[key]]
+            first["sequences"] = sorted(set(first["sequences"]) | set(finding["sequences"]))
+            continue
+        if key is not None:
+            seen[key] = len(out)
+        out.append(finding)
+    return out
+
+
+def both_truncations(findings: list[dict]) -> list[dict]:
+    """A reproduction by top-k then top-p verifies both causes: name each once."""
+    out = list(findings)
+    for finding in findings:
+        verified = (finding.get("details") or {}).get("verified_by") or {}
+        if finding.get("status") != "verified" or verified.get("kind") != "top_k_top_p":
+            continue
+        for cause in ("top_k", "top_p"):
+            if not any(f["cause"] == cause and f.get("status") == "verified" for f in out):
+                out.append({**finding, "cause": cause})
+    return out
+
+
+def one_routing_flip(findings: list[dict]) -> list[dict]:
+    """Routing flips verified from several findings (the routing claim, and drift another
+    signature named first) are one cause: one finding, the routing claim's, over all their
+    sequences."""
+    verified = [f for f in findings if f["cause"] == "routing_flip" and f["status"] == "verified"]
+    if len(verified) < 2:
+        return findings
+    keep = next((f for f in verified if "first_flip" in (f.get("details") or {})), verified[0])
+    sequences = sorted({s for f in verified for s in f["sequences"]})
+    merged = {**keep, "sequences": sequences}
+    return [merged if f is keep else f for f in findings if f is keep or f not in verified]
