@@ -150,19 +150,19 @@ def with_prompt(edit):
 
 
 def stored_one_off(fixture, rows, at: dict, shift: int):
-    """The dump's logprobs written one token off from completion index ``at[row]`` on:
-    ``shift`` +1, each holds its successor's (an index read one ahead); -1, its
-    predecessor's (a write one late). A numpy edit; the end without a neighbour keeps its
-    value."""
+    """The dump's logprobs written one token off from completion index ``at[row]`` on, a
+    numpy edit: token t's logprob stored at index t + ``shift`` (+1: written one late, each
+    index holds its predecessor's; -1: read one ahead, each holds its successor's). The end
+    left without a neighbour keeps its value."""
     values = fixture.channels["rollout"].copy()
     for row in rows:
         span = values[fixture.completion_slice(row)]  # a view
         true = span.copy()
         k = at[row]
         if shift == 1:
-            span[k:-1] = true[k + 1 :]
-        else:
             span[k + 1 :] = true[k:-1]
+        else:
+            span[k:-1] = true[k + 1 :]
     out = copy.copy(fixture)
     out.channels = {"rollout": values}
     return out
