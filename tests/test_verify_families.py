@@ -301,6 +301,7 @@ EDITED = (0, 5, 9, 14)  # the rows whose prompt one side edited
         # a tokenizer that adds no BOS
         (lambda prompt: prompt[1:], "bos_missing", "float32"),
     ],
+    ids=["twice-float32", "twice-bfloat16", "missing-float32"],
 )
 def test_a_bos_added_twice_or_missing_is_verified(
     run_dir, tiny_model, bf16_calibration, tmp_path, edit, kind, dtype
