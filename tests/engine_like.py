@@ -44,3 +44,125 @@ def left_padded_rollout(model_dir, fixture, order, size, pad_id, counted_positio
     out = copy.copy(fixture)  # the caller's table stays as it was
     out.channels = {"rollout": values}
     return out
+
+
+# --- one sequence at a time, scored by a plain transformers forward ------------------------
+
+
+def load_fp32(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def rescored(model_dir, fixture, rows, score):
+    """A copy of ``fixture`` whose rollout logprobs of ``rows`` are ``score(model, prompt,
+    completion)`` (one float per completion token), the other rows as they were."""
+    import torch
+
+    model = load_fp32(model_dir)
+    values = fixture.channels["rollout"].copy()
+    with torch.no_grad():
+        for row in rows:
+            prompt = np.asarray(fixture.prompt_of(row), dtype=np.int64)
+            completion = np.asarray(fixture.completion_of(row), dtype=np.int64)
+            scored = np.asarray(score(model, prompt, completion), dtype=np.float32)
+            assert scored.shape == completion.shape
+            values[fixture.completion_slice(row)] = scored
+    out = copy.copy(fixture)
+    out.channels = {"rollout": values}
+    return out
+
+
+def _logits(model, ids, positions=None, past=None):
+    import torch
+
+    inputs = {"input_ids": torch.as_tensor(ids, dtype=torch.long)[None], "use_cache": True}
+    if positions is not None:
+        inputs["position_ids"] = torch.as_tensor(positions, dtype=torch.long)[None]
+    if past is not None:
+        inputs["past_key_values"] = past
+    out = model(**inputs)
+    return out.logits[0].float(), out.past_key_values
+
+
+def _gather(logprobs, tokens) -> np.ndarray:
+    import torch
+
+    picked = logprobs.gather(-1, torch.as_tensor(tokens, dtype=torch.long)[:, None])[:, 0]
+    return picked.double().numpy()
+
+
+def temperature_after_log_softmax(t: float):
+    """An engine that applies its temperature to logprobs, not logits: log_softmax in
+    float64, divided by T, normalised again (equal to log_softmax(logits / T) in exact
+    arithmetic, another order of operations in floating point)."""
+
+    def score(model, prompt, completion):
+        ids = np.concatenate([prompt, completion])
+        logits, _ = _logits(model, ids)
+        logprobs = (logits.double().log_softmax(-1) / t).log_softmax(-1)
+        return _gather(logprobs[len(prompt) - 1 : len(ids) - 1], completion)
+
+    return score
+
+
+def cached_positions(cut, start):
+    """A KV-cache engine: the inputs before index ``cut(prompt, completion)`` are prefilled at
+    their true positions; the rest are decoded on that cache with positions from
+    ``start(cut)`` (a stale cache length, a restarted segment), where the cached keys keep
+    theirs."""
+
+    def score(model, prompt, completion):
+        import torch
+
+        ids = np.concatenate([prompt, completion])
+        inputs = ids[:-1]  # the input at j scores the token at j + 1
+        at = cut(prompt, completion)
+        first, past = _logits(model, inputs[:at], np.arange(at))
+        rest, _ = _logits(model, inputs[at:], np.arange(len(inputs) - at) + start(at), past)
+        logprobs = torch.cat([first, rest]).log_softmax(-1)
+        return _gather(logprobs[len(prompt) - 1 :], completion)
+
+    return score
+
+
+def labels_unshifted(model, prompt, completion):
+    """A scorer that gathers logits[t] against token t (labels = input ids, never shifted)."""
+    ids = np.concatenate([prompt, completion])
+    logits, _ = _logits(model, ids)
+    logprobs = logits.log_softmax(-1)
+    return _gather(logprobs[len(prompt) :], completion)
+
+
+def with_prompt(edit):
+    """The sequence scored over ``edit(prompt)`` in place of its prompt (a template or a
+    tokenizer that adds or drops tokens), by a plain forward."""
+
+    def score(model, prompt, completion):
+        edited = np.asarray(edit(prompt), dtype=np.int64)
+        ids = np.concatenate([edited, completion])
+        logits, _ = _logits(model, ids)
+        return _gather(logits.log_softmax(-1)[len(edited) - 1 : len(ids) - 1], completion)
+
+    return score
+
+
+def stored_one_off(fixture, rows, at: dict, shift: int):
+    """The dump's logprobs written one token off from completion index ``at[row]`` on, a
+    numpy edit: token t's logprob stored at index t + ``shift`` (+1: written one late, each
+    index holds its predecessor's; -1: read one ahead, each holds its successor's). The end
+    left without a neighbour keeps its value."""
+    values = fixture.channels["rollout"].copy()
+    for row in rows:
+        span = values[fixture.completion_slice(row)]  # a view
+        true = span.copy()
+        k = at[row]
+        if shift == 1:
+            span[k + 1 :] = true[k:-1]
+        else:
+            span[k:-1] = true[k + 1 :]
+    out = copy.copy(fixture)
+    out.channels = {"rollout": values}
+    return out
