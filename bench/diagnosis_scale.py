@@ -243,7 +243,7 @@ def run_case(setup, direction, kinds, choices, position, fp32_model, inject_mode
         "below_floor": sorted(below),
         "changed": sorted(changed),
         "touched": sorted(touched),
-        "findings": [_brief(f) for f in findings],
+        "findings": [_brief(f) for f in comparison.report["diagnosis"]],
         "signature": signature,
         "compare_s": compared,
         "verify_s": time.perf_counter() - started - compared,

@@ -247,6 +247,27 @@ def left_padded(model, prompt, completion, counts: list[int], shifted: bool, pad
     ]
 
 
+def offset_positions(model, prompt, completion, shapes: list[tuple[int, int]]):
+    """One sequence scored with its position ids offset: one result per (start, offset) in
+    ``shapes``, the positions from sequence index ``start`` on moved by ``offset`` (a KV
+    cache of the wrong length, a prefix cache that resumed at the wrong place). Every shape
+    is one row of a single forward."""
+    import torch
+
+    sequence = np.concatenate([prompt, completion]).astype(np.int64)
+    ids = torch.from_numpy(sequence)[None].expand(len(shapes), len(sequence))
+    positions = torch.arange(len(sequence)).repeat(len(shapes), 1)
+    for row, (start, offset) in enumerate(shapes):
+        positions[row, start:] += offset
+    with torch.no_grad():
+        inputs = _on_device(model, {"input_ids": ids, "position_ids": positions})
+        hidden = model.base_model(**inputs).last_hidden_state
+    return [
+        _selected(model, hidden[row, len(prompt) - 1 : len(sequence) - 1], completion)
+        for row in range(len(shapes))
+    ]
+
+
 def _other_weights(model, pairs, kind: str, settings: FaultSettings):
     """Scores under the weights one AdamW step away (a step on these very sequences, as the
     trainer would take); version_change switches to them at completion index ``at``."""

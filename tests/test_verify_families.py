@@ -418,8 +418,12 @@ def test_an_update_without_a_store_stays_plausible(run_dir, one_step, tmp_path, 
     found = faults_of(report)
     print("FAMILY", [said(f) for f in report["diagnosis"]])
     assert found and report["verdict"] == "fail"
-    assert {f["cause"] for f in found} <= {"version_change", "weights_differ"}, [
+    # sequences the update met late drift too little for any shape (0.0036 mean |d| on the
+    # tiny model, 1.07x the constant floor): they may stay `unexplained`, never another cause
+    assert {f["cause"] for f in found} <= {"version_change", "weights_differ", "unexplained"}, [
         said(f) for f in found
     ]
+    (update,) = [f for f in found if f["cause"] in ("version_change", "weights_differ")]
+    assert len(update["sequences"]) >= 0.75 * read_table(run_dir / "fixture.parquet").num_sequences
     assert {f["status"] for f in found} == {"plausible"}
     assert not [f for f in report["diagnosis"] if f["status"] == "verified"]

@@ -14,6 +14,7 @@ from pipeline.verify import report
 from pipeline.verify.families import FAMILIES, for_cause
 from pipeline.verify.families.precision import Precision
 from pipeline.verify.families.shifts import onset_of_shift
+from pipeline.verify.families.truncation import Truncation
 from pipeline.verify.families.weights import Weights, weights_differ
 from pipeline.verify.hypothesis import Candidate
 from pipeline.verify.judge import judge
@@ -92,7 +93,9 @@ class Verifier:
             runner = (finding.get("runner_up") or {}).get("cause")
             others = [
                 *reproduced,
-                *Precision().alternatives(ref, finding),  # below the declared precisions
+                # below the declared precisions: a side that computed in bf16 while it
+                # declares fp32 drifts by a few times the floor, in any shape
+                *Precision().alternatives(ref, {**finding, "cause": "dtype"}),
                 *Weights().alternatives(ref, finding),  # other published weights
                 *(self.candidates({**finding, "cause": runner, "details": {}}) if runner else []),
                 *self.any_cause(finding),
@@ -199,16 +202,16 @@ class Verifier:
     def _fills_the_model_explains(self, out: list[dict], reproduced: list[Candidate]):
         """A constant in the logprobs is also what a bug of the model gives: a top-p nucleus
         of one token scores exactly 0. A fill is judged on the median of its tokens, so a
-        reproduction that verified elsewhere on the same side and also verifies a fill's
-        sequences (on every token) is the better explanation, and replaces it."""
+        model reproduction that verifies a fill's sequences on every token, on the same
+        side, is the better explanation, and replaces it: what verified elsewhere first,
+        then the truncations (recorded, else searched)."""
         models = [c for c in reproduced if not c.kind.startswith("data_")]
-        if not models:
-            return out
         for index, finding in enumerate(out):
             by = (finding.get("details") or {}).get("verified_by") or {}
             if finding.get("status") != "verified" or not by.get("kind", "").startswith("data_"):
                 continue
-            for candidate in models:
+            truncations = Truncation().alternatives(self.ref, finding)
+            for candidate in report.distinct([*models, *truncations], []):
                 outcome = judge(self.ref, candidate, finding["sequences"])
                 if outcome and outcome.verified and outcome.side == by.get("side"):
                     said = finding["details"].get("signature_evidence", finding["evidence"])

@@ -37,10 +37,11 @@ class InFlight(Family):
         return [*common, *own]
 
     def search(self, ref, candidate, rows, observed, clean, side) -> Candidate:
-        if candidate.params.get("onsets") != "searched":
-            return candidate
-        later = scored_under(ref, candidate.params["version"], rows)
+        onsets = candidate.params.get("onsets")
         ids = ref.fixture.sequence_ids
+        if onsets is None or (isinstance(onsets, dict) and all(ids[r] in onsets for r in rows)):
+            return candidate  # one shared onset, or these sequences' own ones already read
+        later = scored_under(ref, candidate.params["version"], rows)
         onsets = {
             ids[row]: _onset(ref, row, seen, before, after)
             for row, seen, before, after in zip(rows, observed, clean, later, strict=True)

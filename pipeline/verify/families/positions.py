@@ -1,17 +1,32 @@
-"""Positions: position ids offset from a completion index on (a KV cache or cache reuse
-that shifted them), or restarted at the completion (prompt and completion run as separate
-segments). The offset is searched, then the onset within two tokens (an onset reads late
-when its first tokens drift under tau); each try re-scores one sequence."""
+"""Positions: position ids offset from some index on (a KV cache of the wrong length, a
+prefix cache that resumed at the wrong place), or restarted at the completion (prompt and
+completion run as separate segments). A drift that starts inside the completion is offset
+from there; one from the completion's first token may start anywhere in the prompt.
+
+The offset is any integer, and the logprobs are not monotone in it (rotary positions
+wrap), so it is searched exhaustively over OFFSETS (one row per offset, many rows per
+forward, on the tokens up to SEARCH_TOKENS past the onset), then the start within two
+tokens; a start inside the prompt is searched over a grid of the prompt, the offset then
+refined at the best start, and the start again at that offset."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from pipeline.verify.hypothesis import Candidate, Family
-from pipeline.verify.search import closest, rescored_gap, with_settings
+import numpy as np
 
-OFFSETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # position offsets searched
-ONSET_NUDGES = (-2, -1, 1)  # the onset tried this far from the one read
+from pipeline.faults import offset_positions
+from pipeline.verify.hypothesis import Candidate, Family
+from pipeline.verify.search import closest, mean_abs, rescored_gap, with_settings
+
+# offsets searched: every integer near 0 (a cache off by a few tokens, or short), then
+# coarser out to 1,024
+OFFSETS = (*range(-32, 0), *range(1, 129), *range(136, 513, 8), *range(544, 1025, 32))
+COARSE_OFFSETS = (-16, -8, -4, -2, -1, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+PROMPT_STARTS = 32  # prompt indices tried as the start of an offset inside the prompt
+ONSET_NUDGES = (-2, -1, 1)  # the start tried this far from the one found
+SEARCH_TOKENS = 32  # completion tokens past the onset a search scores
+ROWS = 32  # shapes scored per forward
 
 
 class Positions(Family):
@@ -22,29 +37,60 @@ class Positions(Family):
     def hypotheses(self, ref, finding: dict) -> list[Candidate]:
         onset = ref.onset(finding)
         if onset <= 1:
-            return [_restart(ref)]
+            return [_restart(ref), _in_prompt(ref)]
         return [_from(ref, onset)]
 
     def alternatives(self, ref, finding: dict) -> list[Candidate]:
         onset = ref.onset(finding)
-        return [_restart(ref), *([_from(ref, onset)] if onset > 1 else [])]
+        return [_restart(ref), _from(ref, onset) if onset > 1 else _in_prompt(ref)]
 
     def search(self, ref, candidate, rows, observed, clean, side) -> Candidate:
         if candidate.kind != "position_ids":
             return candidate
-        gap = rescored_gap(ref, rows[0], observed[0])
+        row, prompt_length = rows[0], len(ref.fixture.prompt_of(rows[0]))
         at = candidate.settings.at
-        best = closest(
-            (with_settings(candidate, {"at": at, "offset": o}, position_offset=o) for o in OFFSETS),
-            gap,
-        )
-        offset = best.params["offset"]
+        gap = _Gaps(ref, row, observed[0], max(at, 1))
+        if candidate.params.get("in_prompt"):
+            starts = np.unique(np.linspace(1, prompt_length, PROMPT_STARTS).round().astype(int))
+            start, offset = gap.best([(s, o) for s in starts for o in COARSE_OFFSETS])
+            start, offset = gap.best([(start, o) for o in OFFSETS if start + o >= 0])
+            nearby = range(max(1, start - 8), min(prompt_length, start + 8) + 1)
+            start, offset = gap.best([(s, offset) for s in nearby])
+            at = start - prompt_length + 1  # faults.py's onset: <= 0 inside the prompt
+        else:
+            start = prompt_length + at - 1
+            _, offset = gap.best([(start, o) for o in OFFSETS if start + o >= 0])
+        best = with_settings(candidate, {"at": at, "offset": offset}, at=at, position_offset=offset)
         nudged = [
             with_settings(best, {"at": at + n, "offset": offset}, at=at + n)
             for n in ONSET_NUDGES
-            if at + n >= 1
+            if prompt_length + at + n - 1 >= 1
         ]
-        return closest([best, *nudged], gap)
+        return closest([best, *nudged], rescored_gap(ref, row, observed[0]))
+
+
+class _Gaps:
+    """How far each (start, offset) shape of one sequence lies from its observed side, on
+    its completion's first tokens up to SEARCH_TOKENS past the onset; many shapes per
+    forward."""
+
+    def __init__(self, ref, row: int, observed, onset: int):
+        mask = ref.mask(row)
+        keep = min(len(mask), onset + SEARCH_TOKENS)
+        self.ref, self.row = ref, row
+        self.prompt = ref.fixture.prompt_of(row)
+        self.completion = ref.fixture.completion_of(row)[:keep]
+        self.mask = mask[:keep]
+        self.observed = observed[: int(self.mask.sum())]
+
+    def best(self, shapes: list[tuple[int, int]]) -> tuple[int, int]:
+        gaps = {}
+        for first in range(0, len(shapes), ROWS):
+            chunk = shapes[first : first + ROWS]
+            scored = offset_positions(self.ref.model, self.prompt, self.completion, chunk)
+            for shape, values in zip(chunk, scored, strict=True):
+                gaps[shape] = mean_abs([self.observed], [values[self.mask].astype(np.float64)])
+        return min(shapes, key=gaps.get)
 
 
 def _restart(ref) -> Candidate:
@@ -53,3 +99,9 @@ def _restart(ref) -> Candidate:
 
 def _from(ref, onset: int) -> Candidate:
     return Candidate("position_ids", "position_ids", replace(ref.base, at=onset), {"at": onset})
+
+
+def _in_prompt(ref) -> Candidate:
+    """An offset from somewhere in the prompt (searched): the completion drifts from its
+    first token."""
+    return Candidate("position_ids", "position_ids", replace(ref.base, at=1), {"in_prompt": True})

@@ -14,7 +14,7 @@ from pipeline.faults import rescore
 from pipeline.verify.hypothesis import Candidate, Family
 from pipeline.verify.search import closest, rescored_gap, with_settings
 
-TEMPLATE_TOKENS = 2  # a shared prefix or suffix this long is a template (one token is a BOS)
+TEMPLATE_LENGTHS = 32  # template lengths searched, up to what every prompt shares
 TRUNCATION_SPAN = 64  # max prompt lengths searched above the longest clean prompt
 
 
@@ -36,6 +36,14 @@ class Prompt(Family):
         ]
 
     def search(self, ref, candidate, rows, observed, clean, side) -> Candidate:
+        if candidate.kind == "template_edit":
+            # the template is what every prompt shares, or a leading part of it (prompts can
+            # share their first words too): its length searched on one sequence
+            gap = rescored_gap(ref, rows[0], observed[0])
+            most = candidate.params["tokens"]
+            lengths = np.unique(np.linspace(1, most, min(most, TEMPLATE_LENGTHS)).round())
+            tries = ({**candidate.params, "tokens": int(n)} for n in lengths)
+            return closest((replace(candidate, params=p) for p in tries), gap)
         if candidate.kind != "prompt_truncated":
             return candidate
         lengths = [len(ref.fixture.prompt_of(r)) for r in rows]
@@ -56,24 +64,31 @@ class Prompt(Family):
 
 
 def edit(prompt, params: dict) -> np.ndarray:
-    """The prompt with its template tokens doubled or removed."""
+    """The prompt with its template tokens (after a leading BOS, which stays) doubled or
+    removed."""
     prompt = np.asarray(prompt, dtype=np.int64)
-    n = params["tokens"]
-    part = prompt[:n] if params["where"] == "prefix" else prompt[-n:]
+    lead, n = params.get("after", 0), params["tokens"]
+    head, body = prompt[:lead], prompt[lead:]
+    part = body[:n] if params["where"] == "prefix" else body[-n:]
     if params["edit"] == "doubled":
-        return np.concatenate([part, prompt] if params["where"] == "prefix" else [prompt, part])
-    kept = prompt[n:] if params["where"] == "prefix" else prompt[:-n]
-    return kept if len(kept) else prompt[:1]
+        body = np.concatenate([part, body] if params["where"] == "prefix" else [body, part])
+    else:
+        body = body[n:] if params["where"] == "prefix" else body[:-n]
+    edited = np.concatenate([head, body])
+    return edited if len(edited) else prompt[:1]
 
 
 def _template_edits(ref) -> list[Candidate]:
     prompts = [np.asarray(ref.fixture.prompt_of(r)) for r in range(ref.fixture.num_sequences)]
+    # a leading BOS is the tokenizer's, not the template's: it stays where it is
+    lead = int(all(len(p) and p[0] == ref.base.bos_id for p in prompts))
     out = []
-    for where, tokens in (("prefix", _shared(prompts)), ("suffix", _shared(prompts, True))):
-        if tokens < TEMPLATE_TOKENS:
+    for where in ("prefix", "suffix"):
+        tokens = _shared([p[lead:] for p in prompts], from_end=where == "suffix")
+        if tokens < 1:
             continue
         for how in ("doubled", "missing"):
-            params = {"where": where, "edit": how, "tokens": tokens}
+            params = {"where": where, "edit": how, "tokens": tokens, "after": lead}
             out.append(Candidate("prompt_mismatch", "template_edit", ref.base, params))
     return out
 
