@@ -65,6 +65,7 @@ SCALES = {
     "32x512": {"model": lambda: models.random_llama(32, 512, 0.05), "samples": 1, "tokens": 48},
     "moe": {"model": lambda: models.random_moe(8, 512, 8, 2, 0.02), "samples": 1, "tokens": 48},
     "long": {"model": lambda: models.tiny(), "samples": 1, "tokens": 1024, "prompts": 3},
+    "long4k": {"model": lambda: models.tiny(), "samples": 1, "tokens": 4096, "prompts": 3},
     "24x2048": {"model": lambda: models.random_llama(24, 2048, 0.05), "samples": 1, "tokens": 48},
 }
 # Precision "faults" against a replay in the other precision: nothing beyond the floor.
@@ -308,7 +309,10 @@ def score(case: dict) -> dict:
             for f in case["findings"]
         ]}  # fmt: skip
     faults = {f["cause"] for f in case["findings"] if f["severity"] == "fault"}
-    named_right = want <= faults <= want | set(case.get("below_floor", []))
+    # a side computed in a lower precision than it declares may go unnamed under the floor,
+    # or be named for what it is: dtype, a fault (the precision is not the declared one)
+    undeclared = {"dtype"} if set(case["kinds"]) & (PRECISION_KINDS - {"dtype"}) else set()
+    named_right = want <= faults <= want | set(case.get("below_floor", [])) | undeclared
     claimed = {s for f in case["findings"] if f["cause"] in want for s in f["sequences"]}
     changed = set(case["changed"])
     # every sequence the fault visibly moved is named, and none it left untouched

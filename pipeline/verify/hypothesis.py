@@ -11,6 +11,7 @@ VERIFY_MARGIN = 3.0  # a reproduction leaves at most this many times the floor's
 EXPLAINED = 0.5  # and removes at least this fraction of the drift it set out to explain
 DATA_DRIFT = 5.0  # a data bug is judged on tokens whose |d| is this many times their floor
 FILL_EXACT = 1e-6  # a constant written into logprobs is the constant, to float32 rounding
+MIN_DRIFTING = 3  # drifting tokens a reproduction is judged on, where there are this many
 MAX_SEQUENCES = 16  # re-scored per hypothesis, spread evenly over the finding's sequences
 
 

@@ -17,6 +17,7 @@ from pipeline.verify.hypothesis import (
     EXPLAINED,
     FILL_EXACT,
     MAX_SEQUENCES,
+    MIN_DRIFTING,
     VERIFY_MARGIN,
     Candidate,
     Outcome,
@@ -41,8 +42,8 @@ def judge(ref, candidate: Candidate, sequence_ids: list[str]) -> Outcome | None:
         judged = _judge_model(ref, family, candidate, rows, *observed)
     if judged is None:
         return None
-    candidate, side, before, after, floor = judged
-    verified = after <= VERIFY_MARGIN * floor and after <= EXPLAINED * before
+    candidate, side, before, after, floor, explained = judged
+    verified = explained and after <= VERIFY_MARGIN * floor
     return Outcome(candidate, side, before, after, floor, verified, time.perf_counter() - started)
 
 
@@ -61,15 +62,11 @@ def _judge_data(ref, family, candidate, rollout, replay, positions):
         # a constant written after the forward: no noise reaches it, so logprobs merely near
         # it (a confident model's near 0) are not it. The median: noise tokens before the
         # bug's onset drift too, and are not it.
-        return (
-            candidate,
-            side,
-            before,
-            float(np.median(np.abs(against - reproduced)[judged])),
-            (FILL_EXACT),
-        )
+        after = float(np.median(np.abs(against - reproduced)[judged]))
+        return candidate, side, before, after, FILL_EXACT, after <= EXPLAINED * before
     after = float(np.mean(np.abs(against - reproduced)[judged]))
-    return candidate, side, before, after, float(np.mean(token_floor[judged]))
+    floor = float(np.mean(token_floor[judged]))
+    return candidate, side, before, after, floor, after <= EXPLAINED * before
 
 
 def _judge_model(ref, family, candidate, rows, rollout, replay, positions):
@@ -91,16 +88,44 @@ def _judge_model(ref, family, candidate, rows, rollout, replay, positions):
             for values in (rollout, replay, observed, clean, reproduced, positions)
         )
         before = mean_abs(rollout, replay)
-    after = mean_abs(observed, reproduced)
-    if mean_abs(reproduced, clean) < EXPLAINED * before:
-        # the bug barely changes these sequences: it cannot explain their drift
-        after = max(after, before)
     # the precision the reproduction computed in: the side's declared one, or the lower one
     # an undeclared-precision candidate tries; bucketed by the bug's own logprobs (a bug
     # that scores unlikely tokens meets the larger noise of unlikely tokens)
     computed = candidate.params.get("computed_in") or side_precision(meta)
-    floors = ref.token_floors((computed, "float32"), reproduced, positions)
-    return candidate, side, before, after, float(np.mean(np.concatenate(floors)))
+    floors = np.concatenate(ref.token_floors((computed, "float32"), reproduced, positions))
+    after = mean_abs(observed, reproduced)
+    explained = _explains(ref, rollout, replay, observed, clean, reproduced, positions, floors)
+    return candidate, side, before, after, float(np.mean(floors)), explained
+
+
+def _explains(ref, rollout, replay, observed, clean, reproduced, positions, floors) -> bool:
+    """Whether the bug moves the drift the way it drifts. Judged on the drifting tokens
+    (|d| past DATA_DRIFT times their floor) where there are MIN_DRIFTING of them: over a
+    long completion a bug that moves a few dozen tokens is diluted by the noise of the
+    rest, while on its drifting tokens the evidence grows with their count, whatever the
+    length. There the reproduction must move them (by EXPLAINED of their drift), leave at
+    most EXPLAINED of it, and match the observed side to VERIFY_MARGIN times their floor.
+    Without enough drifting tokens, over every token: the bug must move them by EXPLAINED
+    of the drift."""
+    a, b = np.concatenate(rollout), np.concatenate(replay)
+    seen, bug, reference = (np.concatenate(x) for x in (observed, reproduced, clean))
+    pair = (side_precision(ref.fixture.metadata), side_precision(ref.replay.metadata))
+    noise = np.concatenate(ref.token_floors(pair, replay, positions))
+    drift = np.abs(a - b)
+    drifting = np.isfinite(drift) & (drift > DATA_DRIFT * noise)
+    drifting &= np.isfinite(seen - bug) & np.isfinite(bug - reference)
+    if drifting.sum() < MIN_DRIFTING:
+        before = mean_abs(rollout, replay)
+        moved = mean_abs(reproduced, clean)
+        return moved >= EXPLAINED * before and mean_abs(observed, reproduced) <= EXPLAINED * before
+    before = float(drift[drifting].mean())
+    left = float(np.abs(seen - bug)[drifting].mean())
+    moved = float(np.abs(bug - reference)[drifting].mean())
+    return (
+        moved >= EXPLAINED * before
+        and left <= EXPLAINED * before
+        and left <= VERIFY_MARGIN * float(floors[drifting].mean())
+    )
 
 
 def spread(ids: list[str], most: int) -> list[str]:
