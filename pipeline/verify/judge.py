@@ -74,7 +74,7 @@ def _judge_model(ref, family, candidate, rows, rollout, replay, positions):
     search and the verdict are about reproducing that side."""
     before = mean_abs(rollout, replay)
     clean = ref.clean(rows)
-    side = "rollout" if mean_abs(rollout, clean) >= mean_abs(replay, clean) else "replay"
+    side = _moved_side(ref, rollout, replay, clean, positions)
     observed = rollout if side == "rollout" else replay
     meta = ref.fixture.metadata if side == "rollout" else ref.replay.metadata
     if candidate.params.get("computed_in") == side_precision(meta).removesuffix("+tf32"):
@@ -98,6 +98,28 @@ def _judge_model(ref, family, candidate, rows, rollout, replay, positions):
     return candidate, side, before, after, float(np.mean(floors)), explained
 
 
+def _moved_side(ref, rollout, replay, clean, positions) -> str:
+    """The side farther from the clean reference, on the drifting tokens where there are
+    MIN_DRIFTING of them: over a long completion a bug in its first tokens moves its side's
+    mean less than the other side's noise moves the other's."""
+    drifting = _drifting(ref, rollout, replay, positions)
+    if drifting.sum() < MIN_DRIFTING:
+        return "rollout" if mean_abs(rollout, clean) >= mean_abs(replay, clean) else "replay"
+    reference = np.concatenate(clean)[drifting]
+    ours = np.abs(np.concatenate(rollout)[drifting] - reference)
+    theirs = np.abs(np.concatenate(replay)[drifting] - reference)
+    keep = np.isfinite(ours) & np.isfinite(theirs)
+    return "rollout" if ours[keep].mean() >= theirs[keep].mean() else "replay"
+
+
+def _drifting(ref, rollout, replay, positions) -> np.ndarray:
+    """Tokens whose |d| is past DATA_DRIFT times the floor of the two declared precisions."""
+    pair = (side_precision(ref.fixture.metadata), side_precision(ref.replay.metadata))
+    noise = np.concatenate(ref.token_floors(pair, replay, positions))
+    drift = np.abs(np.concatenate(rollout) - np.concatenate(replay))
+    return np.isfinite(drift) & (drift > DATA_DRIFT * noise)
+
+
 def _explains(ref, rollout, replay, observed, clean, reproduced, positions, floors) -> bool:
     """Whether the bug moves the drift the way it drifts. Judged on the drifting tokens
     (|d| past DATA_DRIFT times their floor) where there are MIN_DRIFTING of them: over a
@@ -109,10 +131,8 @@ def _explains(ref, rollout, replay, observed, clean, reproduced, positions, floo
     of the drift."""
     a, b = np.concatenate(rollout), np.concatenate(replay)
     seen, bug, reference = (np.concatenate(x) for x in (observed, reproduced, clean))
-    pair = (side_precision(ref.fixture.metadata), side_precision(ref.replay.metadata))
-    noise = np.concatenate(ref.token_floors(pair, replay, positions))
     drift = np.abs(a - b)
-    drifting = np.isfinite(drift) & (drift > DATA_DRIFT * noise)
+    drifting = _drifting(ref, rollout, replay, positions)
     drifting &= np.isfinite(seen - bug) & np.isfinite(bug - reference)
     if drifting.sum() < MIN_DRIFTING:
         before = mean_abs(rollout, replay)
