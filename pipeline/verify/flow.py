@@ -143,6 +143,7 @@ class Verifier:
         if leftover:
             out.append(report.unexplained(sorted(set(leftover)), ruled_out, said))
         out = self._fills_the_model_explains(out, reproduced)
+        out = [report.only_what_it_moved(f) for f in out]
         merged = report.one_per_reproduction(out)
         return report.one_routing_flip(report.both_truncations(merged))
 

@@ -24,6 +24,8 @@ from pipeline.verify.hypothesis import (
 )
 from pipeline.verify.search import mean_abs
 
+IMPOSSIBLE = 0.02  # tokens a reproduction may rule out that the observed side scored
+
 
 def judge(ref, candidate: Candidate, sequence_ids: list[str]) -> Outcome | None:
     """The side the candidate reproduces, the drift before and after, the floor they are
@@ -126,11 +128,18 @@ def _explains(ref, rollout, replay, observed, clean, reproduced, positions, floo
     long completion a bug that moves a few dozen tokens is diluted by the noise of the
     rest, while on its drifting tokens the evidence grows with their count, whatever the
     length. There the reproduction must move them (by EXPLAINED of their drift), leave at
-    most EXPLAINED of it, and match the observed side to VERIFY_MARGIN times their floor.
+    most EXPLAINED of it, and match the observed side to VERIFY_MARGIN times their floor;
+    over every token it must leave no more drift than there was, and no token the observed
+    side scored may be impossible under it (beyond IMPOSSIBLE of them).
     Without enough drifting tokens, over every token: the bug must move them by EXPLAINED
     of the drift."""
     a, b = np.concatenate(rollout), np.concatenate(replay)
     seen, bug, reference = (np.concatenate(x) for x in (observed, reproduced, clean))
+    scored = np.isfinite(seen)
+    if (np.isneginf(bug) & scored).sum() > IMPOSSIBLE * scored.sum():
+        # the bug makes tokens impossible that this side scored (more than a truncation's
+        # boundary moves under the other precision's noise): not this bug
+        return False
     drift = np.abs(a - b)
     drifting = _drifting(ref, rollout, replay, positions)
     drifting &= np.isfinite(seen - bug) & np.isfinite(bug - reference)
@@ -138,6 +147,8 @@ def _explains(ref, rollout, replay, observed, clean, reproduced, positions, floo
         before = mean_abs(rollout, replay)
         moved = mean_abs(reproduced, clean)
         return moved >= EXPLAINED * before and mean_abs(observed, reproduced) <= EXPLAINED * before
+    if mean_abs(observed, reproduced) > mean_abs(rollout, replay):
+        return False  # over every token it leaves more drift than there was
     before = float(drift[drifting].mean())
     left = float(np.abs(seen - bug)[drifting].mean())
     moved = float(np.abs(bug - reference)[drifting].mean())

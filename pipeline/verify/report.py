@@ -71,6 +71,18 @@ def verified(finding: dict, outcome: Outcome, renamed_from: str | None = None) -
     }
 
 
+def only_what_it_moved(finding: dict) -> dict:
+    """A verified finding names the sequences its bug moved: a searched left padding whose
+    count for a sequence is 0 re-scored it as it was (its drift is noise), so it is not
+    among them. Sequences the search did not see stay."""
+    by = (finding.get("details") or {}).get("verified_by") or {}
+    counts = (by.get("params") or {}).get("counts")
+    if finding.get("status") != "verified" or not isinstance(counts, dict):
+        return finding
+    kept = [s for s in finding["sequences"] if counts.get(s, 1) != 0]
+    return {**finding, "sequences": kept} if kept else finding
+
+
 def not_reproduced(finding: dict, tried: list[dict]) -> dict:
     return {
         **finding,
