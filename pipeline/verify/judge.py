@@ -101,30 +101,26 @@ def _judge_model(ref, family, candidate, rows, rollout, replay, positions):
 
 
 def _moved_side(ref, rollout, replay, clean, positions) -> str:
-    """The side farther from the clean reference, on the drifting tokens where there are
-    MIN_DRIFTING of them: over a long completion a bug in its first tokens moves its side's
-    mean less than the other side's noise moves the other's."""
-    drifting = _drifting(ref, rollout, replay, positions)
-    if drifting.sum() < MIN_DRIFTING:
-        return "rollout" if mean_abs(rollout, clean) >= mean_abs(replay, clean) else "replay"
-    reference = np.concatenate(clean)[drifting]
-    ours = np.abs(np.concatenate(rollout)[drifting] - reference)
-    theirs = np.abs(np.concatenate(replay)[drifting] - reference)
-    keep = np.isfinite(ours) & np.isfinite(theirs)
-    return "rollout" if ours[keep].mean() >= theirs[keep].mean() else "replay"
+    """The side farther from the clean reference, each side's distance in units of the
+    noise its own precision gives against fp32: a bf16 side's noise must not outweigh a
+    bug on an fp32 side (over a long completion, a BOS fault in the first tokens moves its
+    side's mean less than bf16 noise moves the other's; a top-p on a flat distribution
+    moves every token by less than that noise's tail)."""
 
+    def excess(values, meta) -> float:
+        noise = ref.token_floors((side_precision(meta), "float32"), clean, positions)
+        return mean_abs(values, clean) / max(float(np.mean(np.concatenate(noise))), 1e-12)
 
-def _drifting(ref, rollout, replay, positions) -> np.ndarray:
-    """Tokens whose |d| is past DATA_DRIFT times the floor of the two declared precisions."""
-    pair = (side_precision(ref.fixture.metadata), side_precision(ref.replay.metadata))
-    noise = np.concatenate(ref.token_floors(pair, replay, positions))
-    drift = np.abs(np.concatenate(rollout) - np.concatenate(replay))
-    return np.isfinite(drift) & (drift > DATA_DRIFT * noise)
+    ours = excess(rollout, ref.fixture.metadata)
+    theirs = excess(replay, ref.replay.metadata)
+    return "rollout" if ours >= theirs else "replay"
 
 
 def _explains(ref, rollout, replay, observed, clean, reproduced, positions, floors) -> bool:
-    """Whether the bug moves the drift the way it drifts. Judged on the drifting tokens
-    (|d| past DATA_DRIFT times their floor) where there are MIN_DRIFTING of them: over a
+    """Whether the bug moves the drift the way it drifts. Judged on the tokens where the
+    observed side lies past DATA_DRIFT times its own precision's floor from the clean
+    reference, where there are MIN_DRIFTING of them (not where |d| is large: there the other
+    side's noise is largest, and it is not the bug's to explain): over a
     long completion a bug that moves a few dozen tokens is diluted by the noise of the
     rest, while on its drifting tokens the evidence grows with their count, whatever the
     length. There the reproduction must move them (by EXPLAINED of their drift), leave at
@@ -133,23 +129,21 @@ def _explains(ref, rollout, replay, observed, clean, reproduced, positions, floo
     side scored may be impossible under it (beyond IMPOSSIBLE of them).
     Without enough drifting tokens, over every token: the bug must move them by EXPLAINED
     of the drift."""
-    a, b = np.concatenate(rollout), np.concatenate(replay)
     seen, bug, reference = (np.concatenate(x) for x in (observed, reproduced, clean))
     scored = np.isfinite(seen)
     if (np.isneginf(bug) & scored).sum() > IMPOSSIBLE * scored.sum():
         # the bug makes tokens impossible that this side scored (more than a truncation's
         # boundary moves under the other precision's noise): not this bug
         return False
-    drift = np.abs(a - b)
-    drifting = _drifting(ref, rollout, replay, positions)
-    drifting &= np.isfinite(seen - bug) & np.isfinite(bug - reference)
+    away = np.abs(seen - reference)  # how far the observed side lies from the clean one
+    drifting = np.isfinite(away) & np.isfinite(bug) & (away > DATA_DRIFT * floors)
     if drifting.sum() < MIN_DRIFTING:
         before = mean_abs(rollout, replay)
         moved = mean_abs(reproduced, clean)
         return moved >= EXPLAINED * before and mean_abs(observed, reproduced) <= EXPLAINED * before
     if mean_abs(observed, reproduced) > mean_abs(rollout, replay):
         return False  # over every token it leaves more drift than there was
-    before = float(drift[drifting].mean())
+    before = float(away[drifting].mean())
     left = float(np.abs(seen - bug)[drifting].mean())
     moved = float(np.abs(bug - reference)[drifting].mean())
     return (
