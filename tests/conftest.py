@@ -126,3 +126,15 @@ def small_volume(tmp_path):
 
     yield resize
     subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def bf16_calibration(run_dir, tmp_path_factory) -> Path:
+    """`lpx calibrate` of the run's fixture (fp32, bf16, fp16 floors), for tests judged under
+    bf16 noise."""
+    from tests.helpers import run_lpx
+
+    calibration = tmp_path_factory.mktemp("calibration") / "calibration.json"
+    assert run_lpx("calibrate", run_dir / "fixture.parquet", "--sequences", 8,
+                   "--out", calibration).exit_code == 0  # fmt: skip
+    return calibration

@@ -164,14 +164,6 @@ def test_compare_verifies_with_the_fixtures_model_by_default(faulted, run_dir, t
     assert finding["cause"] == "temperature"
 
 
-@pytest.fixture(scope="module")
-def bf16_calibration(run_dir, tmp_path_factory):
-    calibration = tmp_path_factory.mktemp("calibration") / "calibration.json"
-    assert run_lpx("calibrate", run_dir / "fixture.parquet", "--sequences", 8,
-                   "--out", calibration).exit_code == 0  # fmt: skip
-    return calibration
-
-
 def test_verified_under_bf16_noise_with_a_calibration(faulted, run_dir, bf16_calibration, tmp_path):
     calibration = bf16_calibration
     report = diagnose(

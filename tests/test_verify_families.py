@@ -69,14 +69,6 @@ def replay_of(run_dir, dtype: str, calibration) -> tuple:
     return run_dir / f"replay-{dtype}.parquet", more
 
 
-@pytest.fixture(scope="module")
-def bf16_calibration(run_dir, tmp_path_factory):
-    calibration = tmp_path_factory.mktemp("calibration") / "calibration.json"
-    assert run_lpx("calibrate", run_dir / "fixture.parquet", "--sequences", 8,
-                   "--out", calibration).exit_code == 0  # fmt: skip
-    return calibration
-
-
 @pytest.mark.parametrize(
     ("how", "counted_positions"),
     [

@@ -35,22 +35,10 @@ NOT_REPRODUCIBLE = {
 class Verifier:
     """Re-scores a fixture's sequences under hypothesised bugs and judges each one."""
 
-    def __init__(
-        self,
-        fixture: TokenTable,
-        replay: TokenTable,
-        model_dir: Path,
-        channel: str = "rollout",
-        calibration: dict | None = None,
-        device: str = "auto",
-        say=lambda line: None,
-        model=None,
-        weights_store: Path | None = None,
-    ):
-        self.ref = Reference(
-            fixture, replay, model_dir, channel, calibration, device, model, weights_store, say
-        )
-        self.say = say
+    def __init__(self, fixture: TokenTable, replay: TokenTable, model_dir: Path, **options):
+        """``options`` as `Reference`'s: channel, calibration, device, say, model,
+        weights_store."""
+        self.ref = Reference(fixture, replay, model_dir, **options)
 
     @property
     def base(self):
@@ -164,16 +152,13 @@ class Verifier:
         data = [c for c in offered if c.kind.startswith("data_")]
         return [*data, *(c for c in offered if not c.kind.startswith("data_"))]
 
-    def test(self, candidate: Candidate, sequence_ids: list[str]):
-        return judge(self.ref, candidate, sequence_ids)
-
     def _first_verified(self, finding: dict, candidates: list[Candidate]):
         tried = []
         for candidate in candidates:
             outcome = judge(self.ref, candidate, finding["sequences"])
             if outcome is None:
                 continue
-            self.say(
+            self.ref.say(
                 f"verify: {candidate.kind} {candidate.params or ''} on {finding['cause']}: "
                 f"mean |d| {outcome.before:.3g} -> {outcome.after:.3g} on the {outcome.side} side "
                 f"(floor {outcome.floor:.3g}): {'verified' if outcome.verified else 'ruled out'}"
