@@ -53,18 +53,52 @@ def test_dockerfiles_are_hadolint_clean():
 
 
 PINNED = re.compile(r"^[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}$")
+BASE_OF = {"Dockerfile.vllm": "vllm_base", "Dockerfile.megatron": "train_base",
+           "Dockerfile.sglang": "sglang_base"}  # fmt: skip
 
 
-def test_every_gpu_base_is_pinned_by_tag_and_digest():
-    defaults = {
+def _dockerfile_defaults() -> dict[str, str]:
+    return {
         name: re.search(r"^ARG BASE_IMAGE=(\S+)$", (ROOT / name).read_text(), re.M).group(1)
         for name in DOCKERFILES
     }
-    matrix = json.loads((ROOT / ".github" / "engine-versions.json").read_text())["include"]
-    bases = [*defaults.values(), *(v[key] for v in matrix for key in v if key.endswith("_base"))]
+
+
+def _matrix() -> list[dict]:
+    return json.loads((ROOT / ".github" / "engine-versions.json").read_text())["include"]
+
+
+def test_every_gpu_base_is_pinned_by_tag_and_digest():
+    matrix = _matrix()
+    bases = [
+        *_dockerfile_defaults().values(),
+        *(v[key] for v in matrix for key in v if key.endswith("_base")),
+    ]
     assert len(bases) == 3 + 3 * len(matrix)
     unpinned = [base for base in bases if not PINNED.match(base)]
     assert unpinned == []
+
+
+def test_the_defaults_are_the_current_row_and_every_digest_has_a_documented_source():
+    """Issue 31: the Dockerfiles build on the matrix's first (current) row by default, the
+    matrix tracks two distinct releases of each engine, and docs/engine-versions.md gives,
+    for every digest, its image and tag and the public source it was taken from."""
+    matrix = _matrix()
+    current = matrix[0]
+    assert _dockerfile_defaults() == {name: current[key] for name, key in BASE_OF.items()}
+    for key in BASE_OF.values():
+        assert len({row[key] for row in matrix}) == len(matrix) == 2, key
+    doc = (ROOT / "docs" / "engine-versions.md").read_text()
+    for base in {row[key] for row in matrix for key in BASE_OF.values()}:
+        named, digest = base.split("@")
+        image, tag = named.rsplit(":", 1)
+        (row,) = [line for line in doc.splitlines() if line.startswith(f"| `{image}` | `{tag}` |")]
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[2] == f"`{digest}`", base
+        # a public pin at a fixed commit, or the registry itself (scripts/resolve-digests)
+        public_pin = r"\]\(https://github\.com/[\w.-]+/[\w.-]+/blob/[0-9a-f]{40}/"
+        assert re.search(public_pin, cells[3]) or "resolved from the registry" in cells[3], row
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", cells[4]) and cells[5], row
 
 
 @pytest.fixture(scope="module")
