@@ -11,6 +11,7 @@ import click
 from pipeline import __version__
 from pipeline.commands.ack import ack
 from pipeline.commands.annotate import annotate
+from pipeline.commands.bisect import bisect
 from pipeline.commands.calibrate import calibrate
 from pipeline.commands.compare import compare, diagnose
 from pipeline.commands.fixture import fixture
@@ -88,6 +89,7 @@ COMMANDS = (
     diagnose,
     localize,
     sweep,
+    bisect,
     fixture,
     ingest,
     inject,

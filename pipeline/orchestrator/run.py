@@ -89,7 +89,7 @@ def run_plan(
         reserve = SpaceReserve(run_dir)  # room to write the manifest if the volume fills
         stopped = None
         try:
-            failed = _run_stages(plan, run_dir, manifest, done, runner)
+            failed = run_stages(plan, run_dir, manifest, done, runner)
         except RunStopped as error:
             stopped, failed = error, False
             reserve.release()
@@ -145,7 +145,7 @@ def _also(not_recorded: str | None) -> str:
     return f"; and {not_recorded}" if not_recorded else ""
 
 
-def _run_stages(plan: Plan, run_dir: Path, manifest: dict, done: set[str], runner) -> bool:
+def run_stages(plan: Plan, run_dir: Path, manifest: dict, done: set[str], runner) -> bool:
     """Run every stage; return whether the comparison failed its policy."""
     errored: set[str] = set()
     for stage in expand(plan):
@@ -157,7 +157,7 @@ def _run_stages(plan: Plan, run_dir: Path, manifest: dict, done: set[str], runne
             errored.add(stage.name)
             _note(manifest, run_dir, stage, "error", f"not run: {', '.join(blocked)} failed")
             continue
-        if _execute(stage, run_dir, plan.stage_timeout_s, manifest, runner) != "ok":
+        if execute_stage(stage, run_dir, plan.stage_timeout_s, manifest, runner) != "ok":
             errored.add(stage.name)
     finished = [r for r in plan.replays if f"replay-{r.name}" not in errored]
     if not finished:
@@ -166,7 +166,7 @@ def _run_stages(plan: Plan, run_dir: Path, manifest: dict, done: set[str], runne
     if "compare" in done and _has_outputs(run_dir, compare) and not errored:
         _note(manifest, run_dir, compare, "ok", "kept from the resumed run")
         return False
-    status = _execute(compare, run_dir, plan.stage_timeout_s, manifest, runner)
+    status = execute_stage(compare, run_dir, plan.stage_timeout_s, manifest, runner)
     if status == "fail" and plan.localize is not None:
         _localize(plan, run_dir, manifest, done, runner, finished)
     return status == "fail"
@@ -183,10 +183,10 @@ def _localize(plan: Plan, run_dir: Path, manifest: dict, done: set[str], runner,
         elif stage.name in done and _has_outputs(run_dir, stage):
             _note(manifest, run_dir, stage, "ok", "kept from the resumed run")
         else:
-            _execute(stage, run_dir, plan.stage_timeout_s, manifest, runner)
+            execute_stage(stage, run_dir, plan.stage_timeout_s, manifest, runner)
 
 
-def _execute(stage: Stage, run_dir: Path, timeout_s: float, manifest: dict, runner) -> str:
+def execute_stage(stage: Stage, run_dir: Path, timeout_s: float, manifest: dict, runner) -> str:
     """Run one stage with ``runner`` (a process or a container); note how it ended."""
     log = run_dir / LOGS / f"{stage.name}.log"
     click.echo(f"[{stage.name}] lpx {' '.join(stage.argv)}", err=True)

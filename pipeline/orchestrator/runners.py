@@ -40,13 +40,19 @@ def server_argv(stage: Stage, model: Path) -> list[str]:
 
 
 class LocalRunner:
+    """Each stage as a process here: in lpx's own interpreter, or in ``python`` (an
+    environment's, orchestrator/environments.py) when one is given."""
+
     name = "local"
+
+    def __init__(self, python: Path | None = None):
+        self.python = str(python) if python else sys.executable
 
     def start_server(self, stage: Stage, run_dir: Path, model: Path, log: Path):
         """Start the stage's server as a process; return (its URL, a handle to stop it)."""
         argv = server_argv(stage, model)
         if argv[0] in ("python", "python3"):  # the interpreter lpx runs in (its venv)
-            argv[0] = sys.executable
+            argv[0] = self.python
         out = open(log, "w", encoding="utf-8")
         process = subprocess.Popen(
             argv,
@@ -84,7 +90,7 @@ class LocalRunner:
     def run(self, stage: Stage, run_dir: Path, log: Path, timeout_s: float) -> int | None:
         with open(log, "w", encoding="utf-8") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", "pipeline", *stage.argv],
+                [self.python, "-m", "pipeline", *stage.argv],
                 cwd=run_dir,
                 stdout=out,
                 stderr=subprocess.STDOUT,

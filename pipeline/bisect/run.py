@@ -1,0 +1,268 @@
+"""`lpx bisect`: the builds in order, the search over them, and bisect.json.
+
+bisect.json is written after every probe run, so a bisect that is stopped keeps every run
+that finished and ``--resume`` takes them back: the search is deterministic given the
+verdicts, so it walks the same path and runs only what is missing. `lpx record` stores the
+file in the history, where the series page links the regression to it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import click
+
+from pipeline.bisect import probe as probes
+from pipeline.bisect.builds import Build, between
+from pipeline.bisect.search import RECONFIRM, RETRIES, RUNS, Answer, bisect
+from pipeline.errors import BadInput
+from pipeline.orchestrator.environments import DEFAULT_BUILD
+from pipeline.orchestrator.plan import load_plan
+from pipeline.orchestrator.runners import make_runner
+from pipeline.paths import output_lock, write_text_atomic
+
+FILE = "bisect.json"
+FORMAT = 1
+
+
+def run_bisect(
+    plan_path: Path,
+    pair: str,
+    good: str,
+    bad: str,
+    out: Path,
+    builds_file: Path | None = None,
+    side: str = "replay",
+    wheelhouse: Path | None = None,
+    source: Path | None = None,
+    build_command: str | None = None,
+    runner_name: str = "local",
+    resume: bool = False,
+    runs: int = RUNS,
+    reconfirm: int = RECONFIRM,
+    retries: int = RETRIES,
+) -> dict:
+    plan = probes.pair_plan(load_plan(plan_path), pair)
+    builds = between(good, bad, builds_file, wheelhouse, source)
+    out = Path(out).resolve()
+    previous = _previous(out, resume)
+    state = {
+        "lpx_bisect": FORMAT,
+        "bisect_id": previous["bisect_id"] if previous else uuid.uuid4().hex,
+        "plan": {"name": plan.name, "path": str(Path(plan_path).resolve())},
+        "pair": pair,
+        "side": side,
+        "runner": runner_name,
+        "good": good,
+        "bad": bad,
+        "options": {"runs": runs, "reconfirm": reconfirm, "retries": retries},
+        "builds": [b.describe() for b in builds],
+        "started_at": previous["started_at"] if previous else _now(),
+        "runs": previous["runs"] if previous else [],
+        "result": None,
+    }
+    if previous and previous["builds"] != state["builds"]:
+        raise BadInput(
+            f"--resume {out}: its bisect.json lists other builds than this command; resume "
+            "with the same --good, --bad and --builds, or start in a new --out."
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    command = build_command or DEFAULT_BUILD
+    with output_lock(out):
+        click.echo(
+            f"bisect: {len(builds)} builds from {builds[0].name} to {builds[-1].name}", err=True
+        )
+        probes.make_base(plan, side, out / "base", make_runner(runner_name, gpus=plan.gpus))
+        prepared: dict[int, probes.Prepared] = {}
+
+        def run(index: int, attempt: int) -> str:
+            build = builds[index]
+            done = _stored(state["runs"], build.name, attempt)
+            if done is not None:
+                return done["outcome"]
+            if index not in prepared:
+                log = out / "logs" / f"build-{_slug(build.name)}.log"
+                prepared[index] = probes.prepare(build, wheelhouse, source, command, log)
+            run_dir = out / "probes" / _slug(build.name) / str(attempt)
+            result = probes.run_once(
+                plan, side, prepared[index], out / "base", run_dir, runner_name
+            )
+            state["runs"].append(
+                {
+                    "build": build.name,
+                    "index": index,
+                    "attempt": attempt,
+                    "outcome": result.outcome,
+                    "seconds": round(result.seconds, 2),
+                    "metrics": result.metrics,
+                    "message": result.message,
+                    "run_dir": str(run_dir.relative_to(out)),
+                    "environment": prepared[index].description,
+                }
+            )
+            _write(out, state)
+            said = f": {result.message}" if result.message else ""
+            click.echo(
+                f"[{len(state['runs'])}] {build.name} run {attempt + 1}: {result.outcome} "
+                f"in {result.seconds:.1f} s{said}",
+                err=True,
+            )
+            return result.outcome
+
+        answer = bisect(len(builds), run, runs, reconfirm, retries)
+        state["result"] = _result(answer, builds, prepared, source)
+        state["finished_at"] = _now()
+        _write(out, state)
+    return state
+
+
+def _result(answer: Answer, builds: list[Build], prepared: dict, source: Path | None) -> dict:
+    def name(index: int | None) -> str | None:
+        return None if index is None else builds[index].name
+
+    probed = [
+        {
+            "build": builds[i].name,
+            "verdict": answer.judged[i].verdict,
+            "runs": answer.judged[i].runs,
+        }
+        for i in answer.order
+    ]
+    result = {
+        "first_bad": name(answer.first_bad),
+        "last_good": name(answer.last_good),
+        "maybe_first_bad": [name(i) for i in answer.skipped],
+        "stopped": answer.stopped,
+        "probes": probed,
+        "builds_probed": len(answer.order),
+        "runs": sum(len(j.runs) for j in answer.judged.values()),
+        "flaky": [builds[i].name for i, j in answer.judged.items() if j.verdict == "flaky"],
+        "errors": [builds[i].name for i, j in answer.judged.items() if j.verdict == "error"],
+    }
+    if answer.first_bad is not None:
+        result["changed"] = _changed(
+            builds[answer.last_good], builds[answer.first_bad], prepared, answer, source
+        )
+    return result
+
+
+def _changed(good: Build, bad: Build, prepared: dict, answer: Answer, source: Path | None) -> dict:
+    """What differs between the last good build and the first bad one: package versions and
+    patches, image digests, or the commits between two revisions."""
+    said: dict = {"from": good.name, "to": bad.name}
+    if good.kind == "pip":
+        before = prepared.get(answer.last_good)
+        after = prepared.get(answer.first_bad)
+        old = _versions(before)
+        new = _versions(after)
+        said["packages"] = {
+            name: [old.get(name), new.get(name)]
+            for name in sorted(set(old) | set(new))
+            if old.get(name) != new.get(name)
+        }
+        if good.patch != bad.patch:
+            said["patch"] = [
+                str(good.patch) if good.patch else None,
+                str(bad.patch) if bad.patch else None,
+            ]
+    elif good.kind == "image":
+        said["images"] = [_image_of(good.image), _image_of(bad.image)]
+    elif source is not None:
+        log = subprocess.run(
+            [
+                "git",
+                "-C",
+                str(source),
+                "log",
+                "--oneline",
+                "--first-parent",
+                f"{good.revision}..{bad.revision}",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        said["commits"] = log.stdout.splitlines()
+    return said
+
+
+def _versions(prepared) -> dict:
+    """Each package's version as the build's interpreter sees it: its own or lpx's."""
+    description = prepared.description if prepared else {}
+    return {**description.get("installed", {}), **description.get("versions", {})}
+
+
+def _image_of(reference: str) -> dict:
+    try:
+        from pipeline.orchestrator.stages import Stage
+
+        found = make_runner("docker").image(Stage("bisect", [], [], image=reference))
+        return {"ref": reference, "digest": found["digest"]}
+    except BadInput:
+        return {"ref": reference, "digest": None}
+
+
+def summary(state: dict) -> str:
+    """What the bisect found, for the terminal."""
+    result = state["result"]
+    lines = [f"bisect {state['bisect_id'][:12]}: {state['pair']} of plan {state['plan']['name']}"]
+    for row in result["probes"]:
+        lines.append(f"  {row['verdict']:>6}  {row['build']}  ({', '.join(row['runs'])})")
+    if result["stopped"]:
+        lines.append(f"no answer: {result['stopped']}")
+        return "\n".join(lines)
+    lines.append(f"last good: {result['last_good']}")
+    lines.append(f"first bad: {result['first_bad']}")
+    if result["maybe_first_bad"]:
+        lines.append(
+            "  (builds between them could not be judged: the first bad is one of "
+            f"{', '.join(result['maybe_first_bad'] + [result['first_bad']])})"
+        )
+    changed = result.get("changed", {})
+    for package, (old, new) in changed.get("packages", {}).items():
+        lines.append(f"  changed: {package} {old} -> {new}")
+    for commit in changed.get("commits", [])[:20]:
+        lines.append(f"  commit: {commit}")
+    lines.append(f"{result['runs']} runs over {result['builds_probed']} builds")
+    return "\n".join(lines)
+
+
+def _previous(out: Path, resume: bool) -> dict | None:
+    path = out / FILE
+    if resume:
+        if not path.is_file():
+            raise BadInput(f"--resume {out}: no {FILE} there; resume a bisect lpx started.")
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as error:
+            raise BadInput(
+                f"{path}: not valid JSON ({error}); start a new bisect in a new --out."
+            ) from None
+    if out.exists() and any(out.iterdir()):
+        raise BadInput(
+            f"--out {out}: exists and is not empty; choose a new directory, or pass --resume "
+            "to finish the bisect in it."
+        )
+    return None
+
+
+def _stored(runs: list[dict], build: str, attempt: int) -> dict | None:
+    return next((r for r in runs if r["build"] == build and r["attempt"] == attempt), None)
+
+
+def _write(out: Path, state: dict) -> None:
+    write_text_atomic(out / FILE, json.dumps(state, indent=1) + "\n")
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", name)[:80]
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+

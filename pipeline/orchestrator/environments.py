@@ -1,0 +1,206 @@
+"""Python environments a stage can run in: lpx's own, with a few packages pinned over it.
+
+An environment is a virtual environment layered on the one lpx runs in: its own
+site-packages comes first on the path, lpx's comes after it (a `.pth` file adds it), so a
+requirement such as ``transformers==5.18.0`` overrides one package and everything else,
+lpx and torch included, is shared. Nothing pulls a second torch, and making one costs the
+packages it pins, not a whole stack. Each is cached under LPX_CACHE by what makes it (its
+requirements, its patch, the interpreter), so the second night or the second bisect
+reuses it. Built offline from a wheelhouse when one is given (pip --no-index).
+
+A patch (a unified diff, ``patch -p1`` against site-packages) is applied to the copy the
+environment installed: that is how a test seeds a fault into a real engine release, and how
+a user tries a fix before it ships.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+import venv
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import BadInput
+
+LAYER_PTH = "_lpx_layered_on.pth"
+READY = "lpx-environment.json"  # written last: an environment without it is half made
+
+
+class EnvironmentFailed(Exception):
+    """The environment could not be made (pip or the patch failed); the message says which
+    and ends with the tail of its log."""
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What to make: requirement lines pip installs over lpx's environment, and an
+    optional patch applied to what they installed."""
+
+    requirements: tuple[str, ...]
+    patch: Path | None = None
+    wheelhouse: Path | None = None  # offline: pip --no-index --find-links here
+    no_deps: bool = False  # install only the named packages, never their dependencies
+    # a source tree built into the environment by a shell command ({pip}, {python} and
+    # {source} filled in), e.g. a revision of an engine checked out by a bisect
+    source: Path | None = None
+    command: str | None = None
+    # what identifies the source when its path does not (a git commit)
+    source_id: str = ""
+
+    def key(self) -> str:
+        """Everything that makes two environments differ, hashed: same key, same files."""
+        patch = self.patch.read_bytes().hex() if self.patch else ""
+        parts = [sys.executable, *self.requirements, patch, str(self.no_deps)]
+        parts += [self.source_id or str(self.source or ""), self.command or ""]
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LPX_CACHE", Path.home() / ".cache" / "lpx")) / "environments"
+
+
+def python_of(directory: Path) -> Path:
+    return directory / "bin" / "python"
+
+
+def ensure(environment: Environment, log: Path | None = None) -> Path:
+    """The environment's directory, made now unless the cache has it; its interpreter is
+    ``python_of(directory)``. Raises EnvironmentFailed with pip's or patch's own words."""
+    directory = cache_root() / environment.key()
+    if (directory / READY).is_file():
+        return directory
+    if directory.exists():  # a half-made one (killed while pip ran): start it again
+        shutil.rmtree(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = directory.with_name(directory.name + f".making-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    started = time.monotonic()
+    try:
+        _layer(staging)
+        _pip_install(staging, environment, log)
+        if environment.patch:
+            _apply_patch(staging, environment.patch, log)
+        if environment.command:
+            _build_source(staging, environment, log)
+        installed = _installed_versions(staging)
+        seen = _versions_seen(staging, environment.requirements)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    record = {
+        "requirements": list(environment.requirements),
+        "patch": str(environment.patch) if environment.patch else None,
+        "source": environment.source_id or None,
+        "installed": installed,
+        # what the environment's interpreter imports for each requirement, its own or lpx's
+        "versions": seen,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    (staging / READY).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    try:
+        staging.rename(directory)
+    except OSError:  # another process made the same one meanwhile: keep theirs
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def description(directory: Path) -> dict:
+    """What an environment holds (its requirements, patch and the versions its own
+    site-packages installed): what a bisect reports as the change between two builds."""
+    return json.loads((directory / READY).read_text(encoding="utf-8"))
+
+
+def _layer(directory: Path) -> None:
+    """A venv without pip whose site-packages reads lpx's after its own."""
+    venv.EnvBuilder(with_pip=False, symlinks=True, clear=True).create(directory)
+    own = Path(
+        sysconfig.get_paths(vars={"base": str(directory), "platbase": str(directory)})["purelib"]
+    )
+    own.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"import site; site.addsitedir({path!r})"  # processes lpx's .pth too (its editable install)
+        for path in dict.fromkeys(
+            [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+        )
+    ]
+    (own / LAYER_PTH).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _pip_install(directory: Path, environment: Environment, log: Path | None) -> None:
+    if not environment.requirements:
+        return
+    argv = [sys.executable, "-m", "pip", "--python", str(python_of(directory)), "install"]
+    argv += ["--disable-pip-version-check", "--no-input", "--no-warn-script-location"]
+    if environment.wheelhouse:
+        if not Path(environment.wheelhouse).is_dir():
+            raise BadInput(
+                f"wheelhouse {environment.wheelhouse}: not a directory; give the folder of wheels "
+                "the environments install from (or none, to use the package index)."
+            )
+        argv += ["--no-index", "--find-links", str(environment.wheelhouse)]
+    argv += ["--no-deps"] if environment.no_deps else []
+    argv += list(environment.requirements)
+    _checked(argv, log, f"pip could not install {' '.join(environment.requirements)}")
+
+
+DEFAULT_BUILD = "{pip} install --no-deps --no-build-isolation {source}"
+
+
+def _build_source(directory: Path, environment: Environment, log: Path | None) -> None:
+    pip = f"{sys.executable} -m pip --python {python_of(directory)}"
+    command = environment.command.format(
+        pip=pip, python=python_of(directory), source=environment.source
+    )
+    _checked(["bash", "-c", command], log, f"the build command failed ({command[:200]})")
+
+
+def _apply_patch(directory: Path, patch: Path, log: Path | None) -> None:
+    site = sysconfig.get_paths(vars={"base": str(directory), "platbase": str(directory)})["purelib"]
+    argv = ["patch", "-p1", "--forward", "--batch", "-d", site, "-i", str(Path(patch).resolve())]
+    _checked(argv, log, f"patch {patch} did not apply to the installed packages")
+
+
+def _checked(argv: list[str], log: Path | None, what: str) -> None:
+    result = subprocess.run(argv, capture_output=True, text=True)
+    output = result.stdout + result.stderr
+    if log is not None:
+        with open(log, "a", encoding="utf-8") as out:
+            out.write(f"$ {' '.join(argv)}\n{output}\n")
+    if result.returncode != 0:
+        tail = [line for line in output.splitlines() if line.strip()][-3:]
+        raise EnvironmentFailed(f"{what}: {' | '.join(tail)[:400]}")
+
+
+def _versions_seen(directory: Path, requirements: tuple[str, ...]) -> dict[str, str]:
+    names = [re.split(r"[<>=!~;\[ @]", line.strip(), maxsplit=1)[0] for line in requirements]
+    names = [name for name in names if name]
+    if not names:
+        return {}
+    probe = (
+        "import json, sys, importlib.metadata as m\n"
+        "print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))"
+    )
+    result = subprocess.run(
+        [str(python_of(directory)), "-c", probe, *names], capture_output=True, text=True
+    )
+    return json.loads(result.stdout) if result.returncode == 0 else {}
+
+
+def _installed_versions(directory: Path) -> dict[str, str]:
+    """name -> version of the distributions in the environment's own site-packages."""
+    site = Path(
+        sysconfig.get_paths(vars={"base": str(directory), "platbase": str(directory)})["purelib"]
+    )
+    versions = {}
+    for info in sorted(site.glob("*.dist-info")):
+        name, _, version = info.name.removesuffix(".dist-info").partition("-")
+        versions[name.lower().replace("_", "-")] = version
+    return versions
