@@ -265,3 +265,27 @@ class Calibration(Base):
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
     payload: Mapped[dict] = mapped_column(Json, default=dict)
     __table_args__ = (UniqueConstraint("key", "created_at", name="uq_calibration_made"),)
+
+
+class Bisect(Base):
+    """An `lpx bisect`: the first bad engine build of a failing pair, and every probe. It
+    belongs to the series of its case and engine pair (any testbed), found by the case's key."""
+
+    __tablename__ = "bisects"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bisect_id: Mapped[str] = mapped_column(String(KEY), unique=True)
+    case_key: Mapped[str | None] = mapped_column(String(KEY), index=True)
+    rollout_engine: Mapped[str | None] = mapped_column(String(64))
+    replay_engine: Mapped[str | None] = mapped_column(String(64))
+    plan: Mapped[str] = mapped_column(String(256))
+    pair: Mapped[str] = mapped_column(String(256))
+    side: Mapped[str] = mapped_column(String(16))
+    good: Mapped[str] = mapped_column(Text)
+    bad: Mapped[str] = mapped_column(Text)
+    first_bad: Mapped[str | None] = mapped_column(Text)
+    last_good: Mapped[str | None] = mapped_column(Text)
+    stopped: Mapped[str | None] = mapped_column(Text)  # why there is no answer
+    runs: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    result: Mapped[dict] = mapped_column(Json, default=dict)  # bisect.json's result
+    finished_at: Mapped[datetime | None]

@@ -261,4 +261,3 @@ def _index_versions(name: str) -> set[Version]:
         except InvalidVersion:
             continue
     return versions
-

@@ -265,4 +265,3 @@ def _slug(name: str) -> str:
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
-

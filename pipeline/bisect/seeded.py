@@ -58,9 +58,13 @@ def norm_patch(wheel: Path, out: Path, flaky: bool = False) -> Path:
         try:
             original = archive.read(LLAMA).decode("utf-8")
         except KeyError:
-            raise BadInput(f"{wheel}: no {LLAMA} in it; seed the fault into a transformers wheel.") from None
+            raise BadInput(
+                f"{wheel}: no {LLAMA} in it; seed the fault into a transformers wheel."
+            ) from None
     if original.count(NORM_LINE) != 1:
-        raise BadInput(f"{wheel}: its LlamaRMSNorm does not end as lpx expects; cannot seed the fault.")
+        raise BadInput(
+            f"{wheel}: its LlamaRMSNorm does not end as lpx expects; cannot seed the fault."
+        )
     if flaky:
         header = FLAKY_HEADER.format(pattern=FLAKY_PATTERN, length=len(FLAKY_PATTERN))
         changed = original.replace(NORM_LINE, FLAKY_NORM)

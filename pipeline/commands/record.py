@@ -28,6 +28,9 @@ from pipeline.commands.options import db_option
 def record(run_dirs, db, kind, trigger, error_message, testbed):
     """Import finished runs (compare outputs, single pairs and matrices) into the history.
 
+    A RUN_DIR that holds an `lpx bisect`'s bisect.json is stored as that bisect; the series
+    page of its pair links to it.
+
     All RUN_DIRs go in one transaction, oldest first; a run already recorded is skipped, so
     recording twice changes nothing. A run whose stages failed (its lpx-run.json says so, a
     compare never finished, or --error) is recorded as an error run: never a regression,
@@ -40,6 +43,7 @@ def record(run_dirs, db, kind, trigger, error_message, testbed):
     """
     import gc
 
+    from pipeline.history.bisects import is_bisect, read_bisect, record_bisect
     from pipeline.history.collect import collect_run
     from pipeline.history.database import describe, open_history
     from pipeline.history.record import record_runs
@@ -47,19 +51,27 @@ def record(run_dirs, db, kind, trigger, error_message, testbed):
 
     # Parsed reports are trees without cycles, freed by reference counts: the cyclic
     # collector would only rescan the growing pile of them (2.3 s of a year's import).
+    bisects = [(path, read_bisect(path)) for path in run_dirs if is_bisect(path)]
     gc.disable()
     try:
         runs = [
             collect_run(path, kind, trigger, error_message, testbed)
             for path in progress_bar(run_dirs, "reading runs", "run")
+            if not is_bisect(path)
         ]
     finally:
         gc.enable()
     history = open_history(db)
     try:
-        results = record_runs(history, runs)
+        results = record_runs(history, runs) if runs else []
+        stored = []
+        if bisects:
+            with history.write() as session:
+                stored = [(path, record_bisect(session, path, state)) for path, state in bisects]
     finally:
         history.dispose()
+    for path, new in stored:
+        click.echo(f"{'recorded' if new else 'already recorded'}: bisect <- {path}")
     for result in results:
         state = "recorded" if result.new else "already recorded"
         click.echo(

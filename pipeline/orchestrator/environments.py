@@ -138,7 +138,13 @@ def _pip_install(directory: Path, environment: Environment, log: Path | None) ->
     if not environment.requirements:
         return
     argv = [sys.executable, "-m", "pip", "--python", str(python_of(directory)), "install"]
-    argv += ["--disable-pip-version-check", "--no-input", "--no-warn-script-location"]
+    # no .pyc now: a run imports a few dozen of the thousands of modules, and compiles those
+    argv += [
+        "--disable-pip-version-check",
+        "--no-input",
+        "--no-warn-script-location",
+        "--no-compile",
+    ]
     if environment.wheelhouse:
         if not Path(environment.wheelhouse).is_dir():
             raise BadInput(

@@ -23,6 +23,7 @@ from pipeline.db.models import (
     Series,
     Testbed,
 )
+from pipeline.history.bisects import bisects_by_series
 from pipeline.history.claims import Claim, claims_of
 from pipeline.history.evaluate import build_as_dict
 from pipeline.history.queries import run_row
@@ -63,6 +64,7 @@ class SeriesData:
     case: dict
     points: list[Point] = field(default_factory=list)
     localize_boundary: str | None = None  # the boundary its latest localized point names
+    case_key: str = ""  # its bisects are found by it (pipeline/history/bisects.py)
 
 
 @dataclass
@@ -75,6 +77,8 @@ class HistoryData:
     annotations: list[dict]
     metric_names: list[str]
     point_index: dict[int, tuple[SeriesData, Point]] = field(default_factory=dict)
+    # (case key, rollout engine, replay engine) -> that pair's bisects, newest first
+    bisects: dict[tuple, list[dict]] = field(default_factory=dict)
 
 
 def load_history(session: Session) -> HistoryData:
@@ -109,6 +113,7 @@ def load_history(session: Session) -> HistoryData:
                 "knobs": case.knobs,
                 "layout": case.layout,
             },
+            case_key=case.key,
         )
     points, point_index = {}, {}
     for row in session.execute(
@@ -205,6 +210,7 @@ def load_history(session: Session) -> HistoryData:
         annotations,
         sorted(names, key=_metric_order),
         point_index,
+        bisects_by_series(session),
     )
 
 

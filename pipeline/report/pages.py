@@ -124,6 +124,9 @@ def series_page(data: HistoryData, series: SeriesData) -> dict:
         "localize": localize,
         "alerts": [_alert_row(data, a) for a in data.alerts if a["series_id"] == series.id][::-1],
         "annotations": [a for a in data.annotations if a["series_id"] == series.id],
+        "bisects": data.bisects.get(
+            (series.case_key, series.rollout_engine, series.replay_engine), []
+        ),
         "chart_data": {
             "runs": runs,
             "charts": charts_with_localize,
