@@ -221,19 +221,23 @@ def test_a_real_bisect_names_the_release_that_brought_the_fault_and_resumes(rele
     kept = found["runs"] - 2
     state["runs"], state["result"] = state["runs"][:kept], None
     (out / "bisect.json").write_text(json.dumps(state))
-    unfinished = run_lpx("record", out, "--db", tmp_path / "h.db")
+    unfinished = run_lpx("record", out, "--db", tmp_path / "unfinished.db")
     assert unfinished.exit_code == 2 and "--resume" in unfinished.output
-    resumed = run_lpx(*argv, "--reconfirm", "1", "--resume")
+    # the night of the same pair (the good end's first probe run) in a history: resumed with
+    # it, the probes are judged by its series too (one night: no band yet, the policy rules)
+    night = out / "probes" / "pip_transformers==5.18.0" / "0"
+    db = f"sqlite:///{tmp_path / 'h.db'}"
+    assert run_lpx("record", night, "--db", db).exit_code == 0
+    resumed = run_lpx(*argv, "--reconfirm", "1", "--resume", "--db", db)
     assert resumed.exit_code == 0, resumed.output
     again = json.loads((out / "bisect.json").read_text())
     assert again["result"]["first_bad"] == "5.20.1+gemma"
     assert len(again["runs"]) == found["runs"]
     ran = re.findall(r"^\[\d+\] \S+ run \d+: ", resumed.output, flags=re.M)
     assert len(ran) == 2  # only the missing runs ran
-    # recorded beside a night of the same pair (the good end's first probe run), the series
-    # page shows the bisect: first bad, last good and what changed
-    night = out / "probes" / "pip_transformers==5.18.0" / "0"
-    db = f"sqlite:///{tmp_path / 'h.db'}"
+    assert again["judged_by"] == ["policy", "series"]
+    # recorded beside that night, the series page shows the bisect: first bad, last good and
+    # what changed
     recorded = run_lpx("record", night, out, "--db", db)
     assert recorded.exit_code == 0, recorded.output
     assert "recorded: bisect" in recorded.output

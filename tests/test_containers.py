@@ -226,3 +226,67 @@ def test_compose_serve_profile_balances_replicas_with_nginx(cpu_images, run_dir,
         # not --volumes: that would also drop lpx-runs, the smoke's fixtures
         _run(*compose, "down", "--remove-orphans", env=env, timeout=300)
         _run("docker", "volume", "rm", "--force", "lpx-models")
+
+
+SEED_GEMMA_NORM = """
+import pathlib
+
+import transformers.models.llama.modeling_llama as llama
+from pipeline.bisect.seeded import GEMMA_NORM, NORM_LINE
+
+path = pathlib.Path(llama.__file__)
+text = path.read_text()
+assert text.count(NORM_LINE) == 1, "LlamaRMSNorm changed shape"
+path.write_text(text.replace(NORM_LINE, GEMMA_NORM))
+"""
+
+
+def test_a_bisect_over_images_names_the_image_that_brought_the_fault(cpu_images, tmp_path):
+    """Three images in order: lpx-train:cpu, one that is not on the host (an error, never
+    bad) and lpx-train:cpu with the Gemma-norm fault seeded into its transformers: the replay
+    stage runs in each image's container and the seeded image is the first bad."""
+    import yaml
+
+    from tests.helpers import run_lpx
+
+    context = tmp_path / "context"
+    context.mkdir()
+    (context / "seed.py").write_text(SEED_GEMMA_NORM)
+    (context / "Dockerfile").write_text(
+        "FROM lpx-train:cpu\nUSER root\nCOPY seed.py /tmp/seed.py\n"
+        "RUN python3 /tmp/seed.py && rm /tmp/seed.py\nUSER 1000\n"
+    )
+    _run("docker", "build", "-q", "-t", "lpx-bisect-seeded:gemma", str(context), timeout=900)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        yaml.safe_dump(
+            {
+                "version": 1,
+                "name": "image-bisect",
+                "model": "tiny",
+                "sampling": {"max_tokens": 8},
+                "rollout": {"engine": "hf", "image": "lpx-train:cpu"},
+                "replays": [{"name": "hf-fp32", "engine": "hf", "image": "lpx-train:cpu"}],
+                "diagnose": False,
+            }
+        )
+    )
+    builds = tmp_path / "builds.yaml"
+    builds.write_text(
+        "- image:lpx-train:cpu\n- image:lpx-no-such-image:0\n- image:lpx-bisect-seeded:gemma\n"
+    )
+    out = tmp_path / "bisect"
+    result = run_lpx(
+        "bisect", plan, "--pair", "hf-fp32", "--builds", builds, "--runner", "docker",
+        "--good", "image:lpx-train:cpu", "--bad", "image:lpx-bisect-seeded:gemma",
+        "--reconfirm", "1", "--retries", "0", "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    found = json.loads((out / "bisect.json").read_text())["result"]
+    assert (found["last_good"], found["first_bad"]) == (
+        "image:lpx-train:cpu",
+        "image:lpx-bisect-seeded:gemma",
+    )
+    assert found["errors"] == found["maybe_first_bad"] == ["image:lpx-no-such-image:0"]
+    before, after = found["changed"]["images"]
+    assert before["digest"] and after["digest"] and before["digest"] != after["digest"]

@@ -123,6 +123,7 @@ class RunResult:
     seconds: float
     metrics: dict
     message: str = ""
+    report: dict | None = None  # the pair's report.json (not kept in bisect.json)
 
 
 def run_once(
@@ -138,7 +139,7 @@ def run_once(
     shared = base_stages(plan, side)
     for item in base.iterdir():
         if item.name not in (LOGS, "lpx-run.json"):
-            os.symlink(item.resolve(), run_dir / item.name)
+            _link(item, run_dir / item.name)
     manifest = new_manifest("manual", f"lpx bisect probe of {prepared.build.name} ({run_dir})")
     runner = OnBuild(
         make_runner(runner_name, gpus=plan.gpus), prepared, stages_on_build(plan, side)
@@ -158,7 +159,8 @@ def run_once(
     if compare["status"] == "error":
         return RunResult(ERROR, seconds, {}, compare["message"])
     report = json.loads((run_dir / COMPARE / "report.json").read_text(encoding="utf-8"))
-    return RunResult(GOOD if compare["status"] == "ok" else BAD, seconds, _metrics(report))
+    outcome = GOOD if compare["status"] == "ok" else BAD
+    return RunResult(outcome, seconds, _metrics(report), report=report)
 
 
 class OnBuild:
@@ -200,6 +202,23 @@ def _metrics(report: dict) -> dict:
     keep = ("mean_abs_diff", "max_abs_diff", "p99_abs_diff", "k3", "is_ratio_mean", "ess")
     chosen = {k: metrics[k] for k in keep if isinstance(metrics.get(k), int | float)}
     return chosen or {k: v for k, v in list(metrics.items())[:6] if isinstance(v, int | float)}
+
+
+def _link(source: Path, target: Path) -> None:
+    """The shared outputs as hard links: real files inside the run directory (a container
+    sees only the run directory it mounts, so a symlink out of it would dangle there), at no
+    cost in space; a copy where the two lie on different filesystems."""
+
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    if source.is_dir():
+        shutil.copytree(source, target, copy_function=link)
+    else:
+        link(source, target)
 
 
 def _checkout(source: Path | None, revision: str) -> Path:

@@ -19,7 +19,7 @@ import click
 
 from pipeline.bisect import probe as probes
 from pipeline.bisect.builds import Build, between
-from pipeline.bisect.search import RECONFIRM, RETRIES, RUNS, Answer, bisect
+from pipeline.bisect.search import BAD, GOOD, RECONFIRM, RETRIES, RUNS, Answer, bisect
 from pipeline.errors import BadInput
 from pipeline.orchestrator.environments import DEFAULT_BUILD
 from pipeline.orchestrator.plan import load_plan
@@ -46,8 +46,10 @@ def run_bisect(
     runs: int = RUNS,
     reconfirm: int = RECONFIRM,
     retries: int = RETRIES,
+    db: str | None = None,
 ) -> dict:
     plan = probes.pair_plan(load_plan(plan_path), pair)
+    by_series = SeriesJudge(db) if db else None
     builds = between(good, bad, builds_file, wheelhouse, source)
     out = Path(out).resolve()
     previous = _previous(out, resume)
@@ -61,6 +63,7 @@ def run_bisect(
         "good": good,
         "bad": bad,
         "options": {"runs": runs, "reconfirm": reconfirm, "retries": retries},
+        "judged_by": ["policy", "series"] if db else ["policy"],
         "builds": [b.describe() for b in builds],
         "started_at": previous["started_at"] if previous else _now(),
         "runs": previous["runs"] if previous else [],
@@ -93,6 +96,13 @@ def run_bisect(
             result = probes.run_once(
                 plan, side, prepared[index], out / "base", run_dir, runner_name
             )
+            if by_series and result.outcome == GOOD and result.report:
+                outside = by_series.outside(result.report)
+                if outside:
+                    result.outcome = BAD
+                    result.message = "inside the policy, outside the series' band: " + "; ".join(
+                        outside
+                    )
             state["runs"].append(
                 {
                     "build": build.name,
@@ -120,6 +130,27 @@ def run_bisect(
         state["finished_at"] = _now()
         _write(out, state)
     return state
+
+
+class SeriesJudge:
+    """The nightly's second rule: a probe whose metrics leave the band of the pair's series
+    at its last good point is bad, like the night that raised the alert."""
+
+    def __init__(self, db: str):
+        from pipeline.history.database import open_history
+
+        self.history = open_history(db, create=False)
+        self.bands: dict[tuple, dict] = {}
+
+    def outside(self, report: dict) -> list[str]:
+        from pipeline.history.bisects import outside_bands, series_bands, series_of_report
+        from pipeline.history.record import tracked_metrics
+
+        series = series_of_report(report)
+        if series not in self.bands:
+            with self.history.read() as session:
+                self.bands[series] = series_bands(session, *series)
+        return outside_bands(tracked_metrics(report), self.bands[series])
 
 
 def _result(answer: Answer, builds: list[Build], prepared: dict, source: Path | None) -> dict:

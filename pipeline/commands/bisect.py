@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import OUTPUT_DIR
+from pipeline.commands.options import OUTPUT_DIR, db_option
 
 
 @click.command("bisect")
@@ -51,6 +51,7 @@ from pipeline.commands.options import OUTPUT_DIR
     show_default=True,
     help="local: stages as processes (pip and git builds); docker: in containers (image builds).",
 )
+@db_option("bisect")
 @click.option(
     "--out", type=OUTPUT_DIR, help="Bisect directory [default: runs/bisect-<pair>-<UTC time>]."
 )
@@ -89,6 +90,7 @@ def bisect(
     source,
     build_command,
     runner,
+    db,
     out,
     resume,
     runs,
@@ -97,8 +99,9 @@ def bisect(
 ):
     """Find the first bad engine build between a good one and a bad one.
 
-    Each probe runs the plan's failing pair (--pair) on one build and judges it by the
-    plan's policy, like the nightly. Every verdict is re-confirmed: a build whose runs
+    Each probe runs the plan's failing pair (--pair) on one build and judges it like the
+    nightly: by the plan's policy, and with a history (--db, LPX_DB) by the band of the
+    pair's series at its last good point. Every verdict is re-confirmed: a build whose runs
     disagree is flaky and skipped, one that cannot be built is an error and skipped; neither
     is ever blamed. Writes OUT/bisect.json after every run (--resume finishes a stopped
     bisect); `lpx record OUT` stores it in the history. Exit 0 with an answer, 1 when the
@@ -138,6 +141,7 @@ def bisect(
         runs,
         reconfirm,
         retries,
+        db,
     )
     click.echo(summary(state))
     click.echo(f"bisect: {Path(out) / 'bisect.json'}")

@@ -9,15 +9,17 @@ another machine than the nightly that flagged the regression.
 from __future__ import annotations
 
 import json
+import math
 from datetime import datetime
 from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from pipeline.db.models import Bisect
+from pipeline.db.models import Alert, Bisect, Case, MetricValue, Series
 from pipeline.errors import BadInput
 from pipeline.history import keys
+from pipeline.history.detection import Boundary, violates
 
 FILE = "bisect.json"
 
@@ -111,10 +113,72 @@ def _series_of(directory: Path, state: dict) -> dict:
             report = json.loads(report_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        meta = report.get("metadata") or {}
-        return {
-            "case_key": keys.case_key(keys.case_description(report)),
-            "rollout_engine": keys.engine_name(meta.get("fixture") or {}),
-            "replay_engine": keys.engine_name(meta.get("replay") or {}),
-        }
+        case_key, rollout, replay = series_of_report(report)
+        return {"case_key": case_key, "rollout_engine": rollout, "replay_engine": replay}
     return {}
+
+
+def series_bands(
+    session: Session, case_key: str, rollout_engine: str, replay_engine: str
+) -> dict[str, tuple[float | None, float | None, str]]:
+    """Each tracked metric's band (lower, upper, which way is better) at the series' last
+    good point: the last good of its newest alert, else its newest point judged ok. What a
+    bisect's probe is judged by besides the policy, so a regression the nightly flagged by
+    its history (inside the policy, outside the band) is bisected by the same rule."""
+    series_ids = session.scalars(
+        select(Series.id)
+        .join(Case, Case.id == Series.case_id)
+        .where(
+            Case.key == case_key,
+            Series.rollout_engine == rollout_engine,
+            Series.replay_engine == replay_engine,
+        )
+    ).all()
+    if not series_ids:
+        return {}
+    good = session.scalar(
+        select(Alert.last_good_id)
+        .where(Alert.series_id.in_(series_ids), Alert.last_good_id.is_not(None))
+        .order_by(Alert.id.desc())
+        .limit(1)
+    )
+    if good is None:
+        good = session.scalar(
+            select(MetricValue.comparison_id)
+            .where(MetricValue.series_id.in_(series_ids), MetricValue.status == "ok")
+            .order_by(MetricValue.started_at.desc())
+            .limit(1)
+        )
+    if good is None:
+        return {}
+    rows = session.execute(
+        select(MetricValue.name, MetricValue.lower, MetricValue.upper, MetricValue.better).where(
+            MetricValue.comparison_id == good,
+            (MetricValue.lower.is_not(None)) | (MetricValue.upper.is_not(None)),
+        )
+    )
+    return {name: (lower, upper, better) for name, lower, upper, better in rows}
+
+
+def outside_bands(metrics: dict, bands: dict) -> list[str]:
+    """The metrics of a probe's report that lie outside the series' band on the bad side."""
+    outside = []
+    for name, (lower, upper, better) in sorted(bands.items()):
+        if name not in metrics:
+            continue
+        low = -math.inf if lower is None else lower
+        high = math.inf if upper is None else upper
+        if violates(metrics[name], Boundary(0.0, 0.0, low, high, 0), better):
+            value = metrics[name]
+            shown = "not finite" if value is None else f"{value:.4g}"
+            outside.append(f"{name} {shown} outside [{low:.4g}, {high:.4g}]")
+    return outside
+
+
+def series_of_report(report: dict) -> tuple[str, str, str]:
+    meta = report.get("metadata") or {}
+    return (
+        keys.case_key(keys.case_description(report)),
+        keys.engine_name(meta.get("fixture") or {}),
+        keys.engine_name(meta.get("replay") or {}),
+    )
