@@ -274,3 +274,46 @@ def test_a_flaky_release_is_skipped_and_an_unbuildable_one_is_an_error_never_bad
     assert verdicts["5.20.0+flaky"]["runs"] == [BAD, BAD, GOOD]
     assert verdicts["pip:transformers==9.9.9"]["verdict"] == ERROR
     assert (tmp_path / "flake-count").read_text() == "3"  # the flaky build ran 3 times
+
+
+def test_a_git_bisect_builds_each_revision_and_names_the_commit(releases, tmp_path):
+    """A source tree the user has: transformers 5.20.0's package as a git repository, four
+    commits, the third seeding the Gemma norm. Each revision is exported and built into its
+    own environment by the build command; the commit that brought the fault is named."""
+    import subprocess
+    import zipfile
+
+    from pipeline.bisect.seeded import GEMMA_NORM, LLAMA, NORM_LINE
+
+    repo = tmp_path / "transformers"
+    with zipfile.ZipFile(_wheel("5.20.0")) as wheel:
+        wheel.extractall(repo)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+
+    def commit(message: str) -> str:
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-qm", message], check=True)
+        return subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+
+    subprocess.run([*git, "init", "-q"], check=True)
+    good = commit("5.20.0 as released").strip()
+    (repo / "NOTES.md").write_text("a change that moves nothing\n")
+    commit("docs")
+    llama = repo / LLAMA
+    llama.write_text(llama.read_text().replace(NORM_LINE, GEMMA_NORM))
+    faulty = commit("norm: share the Gemma path").strip()
+    (repo / "NOTES.md").write_text("another\n")
+    bad = commit("docs again").strip()
+    copy = "cp -r {source}/. $({python} -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')"
+    out = tmp_path / "bisect"
+    result = run_lpx(
+        "bisect", releases / "plan.yaml", "--pair", "hf-fp32", "--source", repo,
+        "--good", f"git:{good}", "--bad", f"git:{bad}", "--build-command", copy,
+        "--reconfirm", "1", "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    found = json.loads((out / "bisect.json").read_text())["result"]
+    assert found["first_bad"] == f"git:{faulty[:12]}"
+    assert found["runs"] == 2 * (2 + 2) + 2
+    commits = found["changed"]["commits"]
+    assert len(commits) == 1 and commits[0].endswith("norm: share the Gemma path")

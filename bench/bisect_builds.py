@@ -7,8 +7,8 @@ nightly's shape on the tiny model (HF rollout, HF fp32 replay, compare with veri
 The environment cache starts empty, so the environments' cost is in the wall time; a second
 pass over the same cache (--warm) shows a bisect whose environments are made already.
 
-    .venv/bin/python bench/bisect.py                 # about 4 minutes on two cores
-    .venv/bin/python bench/bisect.py --warm --runs 3 --reconfirm 2
+    .venv/bin/python bench/bisect_builds.py                 # about 4 minutes on two cores
+    .venv/bin/python bench/bisect_builds.py --warm --runs 3 --reconfirm 2
 """
 
 from __future__ import annotations
