@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import OUTPUT_DIR, db_option
+from pipeline.commands.options import OUTPUT_DIR, db_option, runner_option
 
 
 @click.command("bisect")
@@ -44,12 +44,8 @@ from pipeline.commands.options import OUTPUT_DIR, db_option
     help="git builds: how a revision is built into its environment ({pip}, {python}, {source}) "
     "[default: {pip} install --no-deps --no-build-isolation {source}].",
 )
-@click.option(
-    "--runner",
-    type=click.Choice(["local", "docker"]),
-    default="local",
-    show_default=True,
-    help="local: stages as processes (pip and git builds); docker: in containers (image builds).",
+@runner_option(
+    "local: stages as processes (pip and git builds); docker: in containers (image builds)."
 )
 @db_option("bisect")
 @click.option(

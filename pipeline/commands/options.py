@@ -78,6 +78,17 @@ def parse_knobs(
     return knobs
 
 
+def runner_option(help_text: str):
+    """`--runner local|docker`: where each stage runs (orchestrator/runners.py)."""
+    return click.option(
+        "--runner",
+        type=click.Choice(["local", "docker"]),
+        default="local",
+        show_default=True,
+        help=help_text,
+    )
+
+
 def db_option(command: str):
     """`--db URL|PATH`, also from LPX_<COMMAND>_DB or LPX_DB (the history every command shares)."""
     variable = f"LPX_{command.upper().replace('-', '_')}_DB"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import OUTPUT_DIR, db_option
+from pipeline.commands.options import OUTPUT_DIR, db_option, runner_option
 
 
 @click.command("run")
@@ -17,13 +17,7 @@ from pipeline.commands.options import OUTPUT_DIR, db_option
     help="Run directory [default: runs/<plan name>-<UTC time>]; with --resume, the run to finish.",
 )
 @click.option("--resume", is_flag=True, help="Finish the run in --out: rerun only what is missing.")
-@click.option(
-    "--runner",
-    type=click.Choice(["local", "docker"]),
-    default="local",
-    show_default=True,
-    help="local: each stage as a process here; docker: each stage in its image's container.",
-)
+@runner_option("local: each stage as a process here; docker: each stage in its image's container.")
 @db_option("run")
 @click.option(
     "--report-out",
