@@ -317,3 +317,26 @@ def test_a_git_bisect_builds_each_revision_and_names_the_commit(releases, tmp_pa
     assert found["runs"] == 2 * (2 + 2) + 2
     commits = found["changed"]["commits"]
     assert len(commits) == 1 and commits[0].endswith("norm: share the Gemma path")
+
+
+def test_bad_input_is_one_line_naming_what_to_fix_and_exit_2(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        "version: 1\nname: p\nmodel: tiny\nrollout: {engine: hf}\n"
+        "replays: [{name: hf-fp32, engine: hf}]\n"
+    )
+    base = ["bisect", plan, "--good", "transformers==5.18.0", "--bad", "transformers==5.19.0"]
+    wrong_pair = run_lpx(*base, "--pair", "hf-bf16", "--out", tmp_path / "a")
+    assert wrong_pair.exit_code == 2
+    assert "--pair 'hf-bf16' is not a replay of plan p; its replays: hf-fp32" in wrong_pair.output
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    builds = tmp_path / "builds.yaml"
+    builds.write_text("- pip:transformers==5.18.0\n- pip:transformers==5.19.0\n")
+    argv = [*base, "--pair", "hf-fp32", "--builds", builds]
+    full = run_lpx(*argv, "--out", tmp_path / "full")
+    assert full.exit_code == 2 and "exists and is not empty" in full.output
+    nothing = run_lpx(*argv, "--out", tmp_path / "b", "--resume")
+    assert nothing.exit_code == 2 and "no bisect.json there" in nothing.output
+    mixed = run_lpx(*base[:4], "--bad", "image:x:1", "--pair", "hf-fp32", "--out", tmp_path / "c")
+    assert mixed.exit_code == 2 and "bisect one kind" in mixed.output
