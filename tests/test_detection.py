@@ -141,6 +141,20 @@ def test_fp32_noise_never_alarms(seed):
         assert SUSPICIOUS not in statuses, (name, seed)
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_fp32_chi2_noise_on_either_side_of_zero_never_alarms(seed):
+    """chi2_token = E[r^2] - 1 is first order in the signed mean of d: at fp32 noise it
+    wanders on both sides of 0 (bench/two_versions.py saw -1e-7 nights, then 1.2e-7 alarm
+    when its floor was a square's, 2.5e-11). Its floor is now 2 x the mean's: 1e-5."""
+    rng = np.random.default_rng(seed)
+    values = rng.normal(0, 1.5e-7, 365)
+    statuses, _ = judge(values, "chi2_token", tau=FP32_TAU)
+    assert SUSPICIOUS not in statuses and REGRESSION not in statuses
+    # a real bf16-sized shift still alarms on an fp32 series
+    statuses, _ = judge(list(values[:20]) + [2e-3] * 2, "chi2_token", tau=FP32_TAU)
+    assert statuses[-2:] == [SUSPICIOUS, REGRESSION]
+
+
 def test_fp32_real_drift_still_alarms():
     """slime #830: on-policy diff went from ~0 to mean 4.5e-4: far above the fp32 floor."""
     statuses, _ = judge([3e-7] * 10 + [4.5e-4] * 2, "mean_abs_diff", tau=FP32_TAU)

@@ -97,7 +97,9 @@ CATALOG: dict[str, MetricSpec] = {
     "k1": MetricSpec(NATS, "none", 0.0, _diff_mean),
     "k2": MetricSpec(NATS2, "lower", 0.0, _diff_square),
     "k3": MetricSpec(NATS2, "lower", 0.0, _diff_square),
-    "chi2_token": MetricSpec(RATIO, "lower", 0.0, lambda tau: 2 * _diff_square(tau)),
+    # E[r^2] - 1 = 2 mean(d) + 2 mean(d^2) + ...: first order in the signed mean, so it sits
+    # at fp32 noise on either side of 0 (+-1e-7) and its floor is the mean's, not a square's
+    "chi2_token": MetricSpec(RATIO, "lower", 0.0, lambda tau: 2 * _diff_mean(tau)),
     "is_ratio_mean": MetricSpec(RATIO, "none", 1.0, _diff_mean),
     "token_mult_prob_error": MetricSpec(RATIO, "lower", 1.0, _diff_mean),
     "ess": MetricSpec(FRACTION, "higher", 1.0, lambda tau: 2 * _diff_square(tau)),
