@@ -5,7 +5,6 @@ hostile strings from the data as text. Screenshots land in test-artifacts/."""
 
 import copy
 import os
-import shutil
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -16,15 +15,11 @@ from pipeline.history.database import open_history
 from pipeline.history.record import record_runs
 from pipeline.report.site import build_site
 from tests import test_localize_history
+from tests.chromium import CHROMIUM, headless_chromium
 from tests.synthetic_runs import BASE_METRICS, claimed_history, pair_report, write_run
 from tests.test_localize_history import PAIR, localized_run
 
 pytestmark = pytest.mark.browser
-# The real binary, not Debian's /usr/bin wrapper script (it adds flags and noise).
-CHROMIUM = next(
-    (p for p in ("/usr/lib/chromium/chromium", shutil.which("chromium")) if p and Path(p).exists()),
-    "/usr/lib/chromium/chromium",
-)
 ARTIFACTS = Path(os.environ.get("LPX_TEST_ARTIFACTS", Path(__file__).parents[1] / "test-artifacts"))
 HOSTILE = "<script>alert('lpx')</script>"
 NIGHTS = 14
@@ -79,24 +74,8 @@ def site(tmp_path_factory) -> Path:
 def browser():
     if not Path(CHROMIUM).exists():
         pytest.fail("Debian's chromium is missing: ./scripts/setup installs it with apt-get")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-dev-shm-usage",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-                "--disable-quic",
-            ],
-        )
-        yield browser
-        browser.close()
+    with headless_chromium() as launched:
+        yield launched
 
 
 @pytest.fixture
