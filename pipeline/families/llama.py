@@ -1,5 +1,5 @@
 """Llama: the dense baseline (no biases, no q/k norms)."""
 
-from pipeline.families import Family
+from pipeline.families.family import Family
 
 FAMILY = Family(name="llama", config_class="LlamaConfig")

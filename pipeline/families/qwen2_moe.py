@@ -1,7 +1,7 @@
 """Qwen2-MoE: Qwen2 attention (qkv bias), experts chosen by a softmax router's top-k, plus
 one shared expert behind a sigmoid gate; top-k weights not renormalised by default."""
 
-from pipeline.families import Experts, Family
+from pipeline.families.family import Experts, Family
 
 FAMILY = Family(
     name="qwen2_moe",

@@ -1,7 +1,7 @@
 """Qwen3-MoE: Qwen3 attention (q/k norms), experts chosen by a softmax router's top-k with
 the chosen weights renormalised (norm_topk_prob), no shared expert."""
 
-from pipeline.families import Experts, Family
+from pipeline.families.family import Experts, Family
 
 FAMILY = Family(
     name="qwen3_moe",

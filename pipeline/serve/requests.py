@@ -208,7 +208,7 @@ def check_capture_request(
     """The token ids and the replacement rows by boundary, or a Refusal: 413 for too many
     tokens, 400 for an id outside the vocabulary, a boundary the model does not have, or rows
     whose shape or bytes do not fit it."""
-    from pipeline.serve.capture import decode_rows
+    from pipeline.localize.wire import decode_rows
 
     limit, why = max_tokens, "the server's limit"
     if max_positions is not None and max_positions < limit:

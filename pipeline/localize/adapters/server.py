@@ -70,7 +70,7 @@ class ServerCapture:
         return list(self._boundaries)
 
     def capture(self, token_ids, precision: str, sink, replace: dict | None = None) -> None:
-        from pipeline.serve.capture import decode_rows, encode_rows
+        from pipeline.localize.wire import decode_rows, encode_rows
 
         body = {"token_ids": [int(t) for t in token_ids], "precision": precision}
         if replace:
