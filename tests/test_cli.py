@@ -142,10 +142,12 @@ def test_unknown_engine_and_knob_are_clear(run_dir, tmp_path):
 
 
 def test_missing_engine_package_names_the_extra(monkeypatch):
-    from pipeline import engines
+    from pipeline import engines, plugins
     from pipeline.errors import EngineNotInstalled
 
-    monkeypatch.setitem(engines.BUILTIN_SCORING, "absent", "pipeline.engines.absent_adapter:X")
+    monkeypatch.setitem(
+        plugins.BUILTIN[plugins.SCORING], "absent", "pipeline.engines.absent_adapter:X"
+    )
     monkeypatch.setitem(engines.EXTRA_FOR_ENGINE, "absent", "absent-extra")
     with pytest.raises(EngineNotInstalled, match=r"pip install -e '\.\[absent-extra\]'"):
         engines.scoring_engine("absent")

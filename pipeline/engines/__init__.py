@@ -7,20 +7,11 @@ are installed. A team can ship its own adapter by registering it in those groups
 
 from __future__ import annotations
 
-import importlib
-
+from pipeline import plugins
 from pipeline.errors import BadInput, EngineNotInstalled
-from pipeline.names import (
-    BUILTIN_ROLLOUT,
-    BUILTIN_SCORING,
-    EXTRA_FOR_ENGINE,
-    ROLLOUT_GROUP,
-    SCORING_GROUP,
-    engine_names,
-    engine_target,
-)
+from pipeline.names import EXTRA_FOR_ENGINE, ROLLOUT_GROUP, SCORING_GROUP, engine_names
 
-__all__ = ["BUILTIN_ROLLOUT", "BUILTIN_SCORING", "engine_names", "rollout_engine", "scoring_engine"]
+__all__ = ["engine_names", "rollout_engine", "scoring_engine"]
 
 
 def rollout_engine(name: str):
@@ -32,17 +23,15 @@ def scoring_engine(name: str):
 
 
 def _load(group: str, name: str):
-    target = engine_target(group, name)
-    if target is None:
-        known = ", ".join(engine_names(group)) or "none"
-        raise BadInput(f"unknown engine {name!r} for {group.split('.')[-1]}; known: {known}.")
-    module_name, _, attribute = target.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        adapter = plugins.load(group, name)
     except ImportError as error:
         extra = EXTRA_FOR_ENGINE.get(name, name)
         raise EngineNotInstalled(
             f"engine {name!r} is not installed ({error}); install it with "
             f"`pip install -e '.[{extra}]'`."
         ) from None
-    return getattr(module, attribute)
+    if adapter is None:
+        known = ", ".join(engine_names(group)) or "none"
+        raise BadInput(f"unknown engine {name!r} for {group.split('.')[-1]}; known: {known}.")
+    return adapter

@@ -19,20 +19,10 @@ Third-party adapters register in the entry-point group `lpx.capture_engines`.
 
 from __future__ import annotations
 
-import importlib
-from importlib.metadata import entry_points
-
+from pipeline import plugins
 from pipeline.errors import BadInput, EngineNotInstalled
 
-GROUP = "lpx.capture_engines"
-BUILTIN = {
-    "hf": "pipeline.localize.adapters.hf:open_session",
-    "fsdp": "pipeline.localize.adapters.fsdp:open_session",
-    "deepspeed": "pipeline.localize.adapters.deepspeed:open_session",
-    "megatron": "pipeline.localize.adapters.megatron:open_session",
-    "vllm": "pipeline.localize.adapters.vllm:open_session",
-    "logprob-server": "pipeline.localize.adapters.server:open_session",
-}
+GROUP = plugins.CAPTURE
 # Engines that lpx knows but cannot capture from, and what it would take.
 REFUSED = {
     "http": "an HTTP-only rollout engine returns logprobs, not activations; run its model in "
@@ -63,24 +53,21 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
 
 
 def engine_names() -> list[str]:
-    return sorted(set(BUILTIN) | {ep.name for ep in entry_points(group=GROUP)})
+    return plugins.names(GROUP)
 
 
 def open_side(spec: str, model_dir, device: str = "cpu"):
     engine, knobs = parse_spec(spec)
     if engine in REFUSED:
         raise BadInput(f"cannot capture activations from {engine!r}: {REFUSED[engine]}.")
-    registered = {ep.name: ep.value for ep in entry_points(group=GROUP)}
-    target = registered.get(engine) or BUILTIN.get(engine)
-    if target is None:
-        raise BadInput(
-            f"no capture adapter for engine {engine!r}; known: {', '.join(engine_names())}."
-        )
-    module_name, _, attribute = target.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        open_session = plugins.load(GROUP, engine)
     except ImportError as error:
         raise EngineNotInstalled(
             f"the {engine!r} capture adapter cannot be imported ({error}); install the engine."
         ) from None
-    return getattr(module, attribute)(model_dir, knobs, device=device, spec=spec)
+    if open_session is None:
+        raise BadInput(
+            f"no capture adapter for engine {engine!r}; known: {', '.join(engine_names())}."
+        )
+    return open_session(model_dir, knobs, device=device, spec=spec)

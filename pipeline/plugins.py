@@ -1,0 +1,63 @@
+"""Every plug-in group lpx reads, with its built-ins in one table.
+
+A team ships an adapter without forking by registering it in one of these entry-point
+groups; a registered name wins over a built-in one. The built-ins are also declared in
+pyproject.toml's entry points (tests/test_plugins.py holds the two equal), so an installed
+lpx lists them either way. On the ground: naming a plug-in imports nothing; `load` imports
+the one asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+ROLLOUT = "lpx.rollout_engines"
+SCORING = "lpx.scoring_engines"
+CAPTURE = "lpx.capture_engines"
+
+# group -> name -> "module:attribute"
+BUILTIN: dict[str, dict[str, str]] = {
+    ROLLOUT: {
+        "hf": "pipeline.engines.hf_rollout:HFRolloutEngine",
+        "vllm": "pipeline.engines.vllm_engine:VLLMRolloutEngine",
+        "http": "pipeline.engines.http_rollout:HTTPRolloutEngine",
+    },
+    SCORING: {
+        "hf": "pipeline.engines.hf_replay:HFScoringEngine",
+        "vllm": "pipeline.engines.vllm_engine:VLLMScoringEngine",
+        "fsdp": "pipeline.engines.fsdp_replay:FSDPScoringEngine",
+        "deepspeed": "pipeline.engines.deepspeed_replay:DeepSpeedScoringEngine",
+        "megatron": "pipeline.engines.megatron_replay:MegatronScoringEngine",
+        "logprob-server": "pipeline.engines.logprob_server:LogprobServerEngine",
+    },
+    CAPTURE: {
+        "hf": "pipeline.localize.adapters.hf:open_session",
+        "fsdp": "pipeline.localize.adapters.fsdp:open_session",
+        "deepspeed": "pipeline.localize.adapters.deepspeed:open_session",
+        "megatron": "pipeline.localize.adapters.megatron:open_session",
+        "vllm": "pipeline.localize.adapters.vllm:open_session",
+        "logprob-server": "pipeline.localize.adapters.server:open_session",
+    },
+}
+
+
+def names(group: str) -> list[str]:
+    """Every plug-in of ``group``: the built-ins and whatever is registered."""
+    return sorted(set(BUILTIN[group]) | {ep.name for ep in entry_points(group=group)})
+
+
+def target(group: str, name: str) -> str | None:
+    """The "module:attribute" of ``name`` in ``group``: a registered one first, else built in."""
+    registered = {ep.name: ep.value for ep in entry_points(group=group)}
+    return registered.get(name) or BUILTIN[group].get(name)
+
+
+def load(group: str, name: str):
+    """The plug-in's object; None for a name the group does not have. ImportError is the
+    caller's to turn into advice (which extra to install)."""
+    where = target(group, name)
+    if where is None:
+        return None
+    module_name, _, attribute = where.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
