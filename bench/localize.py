@@ -3,7 +3,7 @@ localizing nothing, and the time to capture and compare.
 
 Scales: the tiny model (2 x 128), a random llama 16 x 1024, a deeper one 32 x 512 (init std
 0.05, as the other benches), and two Qwen2-MoE models (2 x 128 and 8 x 512) for the routing
-fault. Each fault of pipeline/localize/seeded.py is committed on side B of an HF pair, in fp32
+fault. Each fault of pipeline/faults/capture.py is committed on side B of an HF pair, in fp32
 and (where it means something in bf16) in bf16; a case counts as exact when the named boundary
 is the fault's own (layer and op), and as verified when a swap brought everything after it
 back within the floor. Clean pairs are the same model through different implementations
@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from models import random_llama, random_moe, tiny  # noqa: E402
 
+from pipeline.faults.capture import FAULTS, expected_boundary  # noqa: E402
 from pipeline.fixture.table import table_from_sequences  # noqa: E402
 from pipeline.localize.run import localize  # noqa: E402
-from pipeline.localize.seeded import FAULTS, expected_boundary  # noqa: E402
 from pipeline.localize.verdict import MARGIN, STEP_MARGIN  # noqa: E402
 
 # Where the captures run: the CPU, or `LPX_LOCALIZE_DEVICE=cuda` on a GPU host.

@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from pipeline.smoke import default_model_dir, ensure_tiny_model
+from pipeline.flows.smoke import default_model_dir, ensure_tiny_model
 
 CACHE = Path.home() / ".cache" / "lpx" / "bench-models"
 

@@ -208,7 +208,7 @@ def bench_replay(
 
     from pipeline.engines.hf_common import load_model
     from pipeline.engines.hf_replay import ReplayKnobs, _padded_inputs, score_batch
-    from pipeline.smoke import default_model_dir, ensure_tiny_model
+    from pipeline.flows.smoke import default_model_dir, ensure_tiny_model
 
     model_dir = model_dir or ensure_tiny_model(default_model_dir())
     model, bare_model = load_model(model_dir), load_model(model_dir)

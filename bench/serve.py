@@ -34,9 +34,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.flows.smoke import default_model_dir, ensure_tiny_model  # noqa: E402
 from pipeline.serve.model_slot import ModelSlot  # noqa: E402
 from pipeline.serve.process import serving  # noqa: E402
-from pipeline.smoke import default_model_dir, ensure_tiny_model  # noqa: E402
 
 TARGET_SATURATION_RATIO = 0.9
 SEQUENCES_PER_REQUEST = 4

@@ -1,4 +1,4 @@
-"""Faults committed the way engines commit them, by code independent of pipeline/faults.py: a
+"""Faults committed the way engines commit them, by code independent of pipeline/faults/: a
 plain transformers forward over the engine's own batches. Used by the tests of the
 hypothesis families and by the zoo (bench/diagnosis_scale.py)."""
 

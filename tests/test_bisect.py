@@ -15,8 +15,8 @@ import pytest
 
 from pipeline.bisect.builds import between, load_builds, parse_build
 from pipeline.bisect.search import BAD, ERROR, GOOD, bisect, run_count
-from pipeline.bisect.seeded import FLAKY_PATTERN, flaky_failures, norm_patch
 from pipeline.errors import BadInput
+from pipeline.faults.releases import FLAKY_PATTERN, flaky_failures, norm_patch
 from tests.helpers import run_lpx
 
 WHEELS = Path(__file__).resolve().parents[1] / ".venv" / "engine-wheels"
@@ -283,7 +283,7 @@ def test_a_git_bisect_builds_each_revision_and_names_the_commit(releases, tmp_pa
     import subprocess
     import zipfile
 
-    from pipeline.bisect.seeded import GEMMA_NORM, LLAMA, NORM_LINE
+    from pipeline.faults.releases import GEMMA_NORM, LLAMA, NORM_LINE
 
     repo = tmp_path / "transformers"
     with zipfile.ZipFile(_wheel("5.20.0")) as wheel:

@@ -285,7 +285,7 @@ def test_smoke_never_builds_into_or_deletes_a_model_dir_it_did_not_create(tmp_pa
 
 def test_the_cached_tiny_model_never_replaces_a_foreign_directory(tmp_path, monkeypatch):
     from pipeline.errors import BadInput
-    from pipeline.smoke import default_model_dir, ensure_tiny_model
+    from pipeline.flows.smoke import default_model_dir, ensure_tiny_model
 
     monkeypatch.setenv("LPX_CACHE", str(tmp_path))
     target = default_model_dir()

@@ -232,7 +232,7 @@ SEED_GEMMA_NORM = """
 import pathlib
 
 import transformers.models.llama.modeling_llama as llama
-from pipeline.bisect.seeded import GEMMA_NORM, NORM_LINE
+from pipeline.faults.releases import GEMMA_NORM, NORM_LINE
 
 path = pathlib.Path(llama.__file__)
 text = path.read_text()

@@ -28,7 +28,7 @@ else:
     pytest.importorskip("vllm")
 
 from pipeline.engines.vllm_engine import VLLMRolloutEngine, VLLMScoringEngine  # noqa: E402
-from pipeline.sweep import Setting, run_sweep  # noqa: E402
+from pipeline.flows.sweep import Setting, run_sweep  # noqa: E402
 
 SAMPLING = SamplingParams(max_tokens=24, temperature=1.0, seed=0, samples_per_prompt=2)
 

@@ -10,10 +10,10 @@ import json
 import numpy as np
 import pytest
 
+from pipeline.faults.capture import FAULTS, expected_boundary
 from pipeline.localize import boundaries as b
 from pipeline.localize.chart import drift_chart
 from pipeline.localize.measure import UNIT_ROUNDOFF, Summary, token_divergence
-from pipeline.localize.seeded import FAULTS, expected_boundary
 from pipeline.localize.verdict import MARGIN, boundary_rows, first_beyond
 from tests.helpers import run_lpx
 

@@ -1,5 +1,5 @@
 """Hypothesis families verified on faults committed the way engines commit them, not the way
-`pipeline/faults.py` re-scores them: the rollout side is scored by independent code (a plain
+`pipeline/faults/` re-scores them: the rollout side is scored by independent code (a plain
 transformers forward over the engine's own batches, a real sampler's processed logprobs),
 and `lpx diagnose` must re-create the bug by searching its parameters. Numbers: the
 parameters recovered and the residual left against the floor."""

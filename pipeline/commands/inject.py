@@ -5,7 +5,7 @@ from pathlib import Path
 import click
 
 from pipeline.commands.options import NON_NEGATIVE, OUTPUT_FILE, device_option
-from pipeline.inject import FAULT_KINDS
+from pipeline.faults.inject import FAULT_KINDS
 
 
 @click.command()
@@ -66,8 +66,8 @@ def inject(path, kind, sequence_ids, from_position, out_path, model_dir, dtype, 
 
     check_output(out_path, [path])
     from pipeline.errors import BadInput
+    from pipeline.faults.inject import inject_fault
     from pipeline.fixture.io import read_table, write_table
-    from pipeline.inject import inject_fault
     from pipeline.names import canonical_dtype
 
     table = read_table(path)

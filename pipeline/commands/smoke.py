@@ -54,7 +54,7 @@ def smoke(
     Example:
       lpx smoke --out runs/smoke
     """
-    from pipeline.smoke import run_smoke
+    from pipeline.flows.smoke import run_smoke
 
     code = run_smoke(out_dir, model_dir, rollout_engine, db, None if no_history else report_dir)
     click.get_current_context().exit(code)

@@ -56,8 +56,8 @@ def sweep(
     """
     from pipeline.engines import rollout_engine
     from pipeline.engines.base import SamplingParams
+    from pipeline.flows.sweep import parse_setting, run_sweep
     from pipeline.prompts import load_prompts
-    from pipeline.sweep import parse_setting, run_sweep
 
     parsed = [parse_setting(s) for s in settings]
     prompts = load_prompts(prompts_path, model_dir)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeline.engines.base import knobs_from_dict
 from pipeline.errors import BadInput
-from pipeline.localize import seeded
+from pipeline.faults import capture as seeded
 from pipeline.localize.adapters._workers import WorkerGroup, WorkerSession
 from pipeline.localize.adapters.hf import CaptureKnobs, HFCapture
 

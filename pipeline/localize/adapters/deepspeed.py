@@ -20,7 +20,7 @@ class DeepSpeedCaptureKnobs:
     nproc: int = 0  # ranks; 0 = 2 on the CPU, one per visible GPU on CUDA
     dtype: str = "float32"
     zero_stage: int = field(default=3, metadata={"max": 3})
-    fault: str = ""  # a seeded fault (pipeline.localize.seeded), as for the hf adapter
+    fault: str = ""  # a seeded fault (pipeline.faults.capture), as for the hf adapter
     fault_layer: int = 0
     # Seconds to wait for the ranks to start, or for any one reply during a capture.
     timeout: float = field(default=600.0, metadata={"min": 1})

@@ -20,7 +20,7 @@ from pipeline.localize.adapters._sharded_hf import ShardedHFRank, open_sharded_s
 class FSDPCaptureKnobs:
     nproc: int = 0  # ranks; 0 = 2 on the CPU, one per visible GPU on CUDA
     dtype: str = "float32"
-    fault: str = ""  # a seeded fault (pipeline.localize.seeded), as for the hf adapter
+    fault: str = ""  # a seeded fault (pipeline.faults.capture), as for the hf adapter
     fault_layer: int = 0
     # Seconds to wait for the ranks to start, or for any one reply during a capture.
     timeout: float = field(default=600.0, metadata={"min": 1})

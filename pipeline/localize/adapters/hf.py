@@ -18,7 +18,7 @@ import numpy as np
 
 from pipeline.engines.base import knobs_from_dict
 from pipeline.errors import BadInput
-from pipeline.localize import seeded
+from pipeline.faults import capture as seeded
 from pipeline.localize.boundaries import model_boundaries, moe_layers
 
 ATTENTION = "lpx_capture"
@@ -28,7 +28,7 @@ REFERENCE = {"float32": "float64", "bfloat16": "float32", "float16": "float32"}
 @dataclass(frozen=True)
 class CaptureKnobs:
     dtype: str = "float32"
-    fault: str = ""  # a seeded fault (pipeline.localize.seeded), for proving the localiser
+    fault: str = ""  # a seeded fault (pipeline.faults.capture), for proving the localiser
     fault_layer: int = 0
     fault_step: float = 0.0  # stale_layer's step relative to each matrix's RMS (0: seeded's)
     attention: str = "sdpa"  # sdpa or eager: two kernels of one model, for clean pairs

@@ -1,7 +1,7 @@
 """Write faulted copies of fixtures and replays, so users can prove their pipeline catches faults.
 
 Data faults edit the logprob channel directly (a shift by one token, a pad fill, bf16
-rounding, Gaussian noise). Model faults (`pipeline/faults.py`) re-score the chosen sequences
+rounding, Gaussian noise). Model faults (`pipeline/faults/`) re-score the chosen sequences
 with the real model under a real misconfiguration, so the drift they plant has the shape the
 real bug gives.
 """
