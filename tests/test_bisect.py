@@ -235,6 +235,14 @@ def test_a_real_bisect_names_the_release_that_brought_the_fault_and_resumes(rele
     assert len(again["runs"]) == found["runs"]
     ran = re.findall(r"^\[\d+\] \S+ run \d+: ", resumed.output, flags=re.M)
     assert len(ran) == 2  # only the missing runs ran
+    # resumed with every run stored: nothing runs, and what changed still comes from the
+    # builds' stored environments
+    again["result"] = None
+    (out / "bisect.json").write_text(json.dumps(again))
+    idle = run_lpx(*argv, "--reconfirm", "1", "--resume", "--db", db)
+    assert not re.findall(r"^\[\d+\] \S+ run \d+: ", idle.output, flags=re.M)
+    stored = json.loads((out / "bisect.json").read_text())["result"]
+    assert stored["changed"]["packages"] == {"transformers": ["5.20.0", "5.20.1"]}
     assert again["judged_by"] == ["policy", "series"]
     # recorded beside that night, the series page shows the bisect: first bad, last good and
     # what changed

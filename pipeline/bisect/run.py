@@ -126,7 +126,10 @@ def run_bisect(
             return result.outcome
 
         answer = bisect(len(builds), run, runs, reconfirm, retries)
-        state["result"] = _result(answer, builds, prepared, source)
+        # a build prepared in an earlier process (resumed) is described by its stored runs
+        described = {r["build"]: r["environment"] for r in state["runs"] if r.get("environment")}
+        described |= {builds[i].name: p.description for i, p in prepared.items()}
+        state["result"] = _result(answer, builds, described, source)
         state["finished_at"] = _now()
         _write(out, state)
     return state
@@ -153,7 +156,7 @@ class SeriesJudge:
         return outside_bands(tracked_metrics(report), self.bands[series])
 
 
-def _result(answer: Answer, builds: list[Build], prepared: dict, source: Path | None) -> dict:
+def _result(answer: Answer, builds: list[Build], described: dict, source: Path | None) -> dict:
     def name(index: int | None) -> str | None:
         return None if index is None else builds[index].name
 
@@ -178,20 +181,18 @@ def _result(answer: Answer, builds: list[Build], prepared: dict, source: Path | 
     }
     if answer.first_bad is not None:
         result["changed"] = _changed(
-            builds[answer.last_good], builds[answer.first_bad], prepared, answer, source
+            builds[answer.last_good], builds[answer.first_bad], described, source
         )
     return result
 
 
-def _changed(good: Build, bad: Build, prepared: dict, answer: Answer, source: Path | None) -> dict:
+def _changed(good: Build, bad: Build, described: dict, source: Path | None) -> dict:
     """What differs between the last good build and the first bad one: package versions and
     patches, image digests, or the commits between two revisions."""
     said: dict = {"from": good.name, "to": bad.name}
     if good.kind == "pip":
-        before = prepared.get(answer.last_good)
-        after = prepared.get(answer.first_bad)
-        old = _versions(before)
-        new = _versions(after)
+        old = _versions(described.get(good.name, {}))
+        new = _versions(described.get(bad.name, {}))
         said["packages"] = {
             name: [old.get(name), new.get(name)]
             for name in sorted(set(old) | set(new))
@@ -222,9 +223,8 @@ def _changed(good: Build, bad: Build, prepared: dict, answer: Answer, source: Pa
     return said
 
 
-def _versions(prepared) -> dict:
+def _versions(description: dict) -> dict:
     """Each package's version as the build's interpreter sees it: its own or lpx's."""
-    description = prepared.description if prepared else {}
     return {**description.get("installed", {}), **description.get("versions", {})}
 
 
