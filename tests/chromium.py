@@ -43,10 +43,9 @@ def headless_chromium() -> Iterator:
             browser.close()
 
 
-def open_page(browser, path: Path, width: int = 1400, height: int = 1000):
-    """(context, page) at ``path`` (a file) once it has loaded; the page records console
-    errors, page errors and dialogs in ``page.problems`` and every request in
-    ``page.requests``. Close the context when done."""
+def new_page(browser, width: int = 1400, height: int = 1000):
+    """(context, page): the page records console errors, page errors and dialogs in
+    ``page.problems`` and every request in ``page.requests``. Close the context when done."""
     context = browser.new_context(viewport={"width": width, "height": height})
     page = context.new_page()
     page.problems, page.requests = [], []
@@ -54,6 +53,12 @@ def open_page(browser, path: Path, width: int = 1400, height: int = 1000):
     page.on("pageerror", lambda e: page.problems.append(f"pageerror: {e}"))
     page.on("dialog", lambda d: (page.problems.append(f"dialog: {d.message}"), d.dismiss()))
     page.on("request", lambda r: page.requests.append(r.url))
+    return context, page
+
+
+def open_page(browser, path: Path, width: int = 1400, height: int = 1000):
+    """``new_page`` at ``path`` (a file) once it has loaded."""
+    context, page = new_page(browser, width, height)
     page.goto(Path(path).resolve().as_uri())
     page.wait_for_load_state("load")
     return context, page

@@ -15,7 +15,7 @@ from pipeline.history.database import open_history
 from pipeline.history.record import record_runs
 from pipeline.report.site import build_site
 from tests import test_localize_history
-from tests.chromium import CHROMIUM, headless_chromium
+from tests.chromium import CHROMIUM, headless_chromium, new_page
 from tests.synthetic_runs import BASE_METRICS, claimed_history, pair_report, write_run
 from tests.test_localize_history import PAIR, localized_run
 
@@ -81,13 +81,7 @@ def browser():
 @pytest.fixture
 def page(browser):
     """A page that records console errors, page errors, dialogs and every request."""
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    page.problems, page.requests = [], []
-    page.on("console", lambda m: m.type == "error" and page.problems.append(f"console: {m.text}"))
-    page.on("pageerror", lambda e: page.problems.append(f"pageerror: {e}"))
-    page.on("dialog", lambda d: (page.problems.append(f"dialog: {d.message}"), d.dismiss()))
-    page.on("request", lambda r: page.requests.append(r.url))
+    context, page = new_page(browser)
     yield page
     context.close()
 
