@@ -348,3 +348,26 @@ def test_bad_input_is_one_line_naming_what_to_fix_and_exit_2(tmp_path):
     assert nothing.exit_code == 2 and "no bisect.json there" in nothing.output
     mixed = run_lpx(*base[:4], "--bad", "image:x:1", "--pair", "hf-fp32", "--out", tmp_path / "c")
     assert mixed.exit_code == 2 and "bisect one kind" in mixed.output
+
+
+def test_a_rollout_side_bisect_runs_the_rollout_on_each_build(releases, tmp_path):
+    """--side rollout (a rollout engine upgrade): only the model is shared; each probe samples
+    its own fixture on the build and the plan's replay scores it as the plan says."""
+    rows = [("5.19.0", None), ("5.20.0", None), ("5.20.1", "gemma")]
+    builds = _builds(releases, rows)
+    out = tmp_path / "bisect"
+    result = run_lpx(
+        "bisect", releases / "plan.yaml", "--pair", "hf-fp32", "--side", "rollout",
+        "--builds", builds, "--good", "pip:transformers==5.19.0", "--bad", "5.20.1+gemma",
+        "--wheelhouse", WHEELS, "--reconfirm", "0", "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    found = json.loads((out / "bisect.json").read_text())["result"]
+    assert (found["last_good"], found["first_bad"]) == ("pip:transformers==5.20.0", "5.20.1+gemma")
+    assert found["runs"] == 2 * (2 + 1)
+    assert sorted(p.name for p in (out / "base").iterdir()) == [
+        "logs", "lpx-run.json", "model", "prompts.txt"
+    ]  # fmt: skip
+    probe = out / "probes" / "5.20.1_gemma" / "0"
+    stages = {s["name"]: s for s in json.loads((probe / "lpx-run.json").read_text())["stages"]}
+    assert "kept" not in stages["rollout"]["message"]  # sampled on the build, not shared
