@@ -188,12 +188,12 @@ def run(archs, seeds, engines, out: Path) -> dict:
                 }
                 for dtype in ("float32", "bfloat16", "float16"):
                     replay = HFScoringEngine().score(fixtures["plain"], model_dir, {"dtype": dtype})
-                    report = compare_tables(fixtures["plain"], replay, "f", "r").report
+                    report = compare_tables(fixtures["plain"], replay, "f", "r").report.as_dict()
                     clean.append((f"{label} -> hf {dtype}", _semantic(report), report["verdict"]))
                 for name, fixture in extras.items():
                     dtype = "bfloat16" if name == "bf16" else "float32"
                     replay = HFScoringEngine().score(fixture, model_dir, {"dtype": dtype})
-                    report = compare_tables(fixture, replay, "f", "r").report
+                    report = compare_tables(fixture, replay, "f", "r").report.as_dict()
                     clean.append(
                         (f"{label} {name} -> hf {dtype}", _semantic(report), report["verdict"])
                     )
@@ -212,7 +212,7 @@ def run(archs, seeds, engines, out: Path) -> dict:
                         want |= expected(kind) if np.nanmax(changed) > NO_CHANGE else frozenset()
                     comparison = compare_tables(faulted, replays[source], "f", "r")
                     timings.append(time.perf_counter() - start)
-                    report = comparison.report
+                    report = comparison.report.as_dict()
                     error = _position_error(report, kinds, position)
                     counts = tuple("all" if c == "all" else len(c) for c in choices)
                     results.append((kinds, counts, want, named(report), report["verdict"], error))

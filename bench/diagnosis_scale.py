@@ -224,8 +224,7 @@ def run_case(setup, direction, kinds, choices, position, fp32_model, inject_mode
         faulted, replay, "f", "r", calibration=setup["calibration"], calibration_source="bench"
     )
     compared = time.perf_counter() - started
-    findings = comparison.report["diagnosis"]
-    signature = [_brief(f) for f in findings]  # what the signatures alone said
+    signature = [_brief(f) for f in comparison.report.diagnosis]  # what the signatures alone said
     verify_report(
         comparison.report,
         faulted,
@@ -236,7 +235,7 @@ def run_case(setup, direction, kinds, choices, position, fp32_model, inject_mode
         device=DEVICE,
     )
     return {
-        "verdict": comparison.report["verdict"],
+        "verdict": comparison.report.verdict,
         "kinds": list(kinds),
         "counts": ["all" if c == "all" else len(c) for c in choices],
         "position": position,
@@ -244,7 +243,7 @@ def run_case(setup, direction, kinds, choices, position, fp32_model, inject_mode
         "below_floor": sorted(below),
         "changed": sorted(changed),
         "touched": sorted(touched),
-        "findings": [_brief(f) for f in comparison.report["diagnosis"]],
+        "findings": [_brief(f) for f in comparison.report.diagnosis],
         "signature": signature,
         "compare_s": compared,
         "verify_s": time.perf_counter() - started - compared,
@@ -255,10 +254,10 @@ def _expected(kind: str) -> frozenset:
     return frozenset({ENGINE_LIKE[kind][0]}) if kind in ENGINE_LIKE else expected(kind)
 
 
-def _brief(finding: dict) -> dict:
+def _brief(finding) -> dict:
     keys = ("cause", "severity", "status", "sequences", "first_position", "residual_before",
             "residual_after", "floor")  # fmt: skip
-    return {k: finding.get(k) for k in keys}
+    return {k: getattr(finding, k) for k in keys}
 
 
 def _engine_like(fixture, kind: str, model_dir: Path):
@@ -287,7 +286,7 @@ def clean_runs(setup) -> list[dict]:
         report = compare_tables(
             setup["fixtures"][source], replay, "f", "r",
             calibration=setup["calibration"], calibration_source="bench",
-        ).report  # fmt: skip
+        ).report.as_dict()  # fmt: skip
         rows.append(
             {
                 "label": f"{source} rollout vs {replay_dtype} replay",

@@ -412,6 +412,7 @@ def whole_comparisons(scale: str, pool: dict) -> None:
             calibration=calibration,
             device="cpu",
         )
+        report = report.as_dict()
         found = (
             ", ".join(f"{f['cause']} ({f.get('status', 'plausible')})" for f in report["diagnosis"])
             or "none"

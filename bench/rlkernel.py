@@ -151,10 +151,8 @@ def main() -> None:
         t0 = time.perf_counter()
         comparison = compare_tables(fixture, replay, fixture_path, replay_path)
         core.append(time.perf_counter() - t0)
-        print(
-            f"  lpx compare_tables run {i}: {core[-1]:.3f}s verdict {comparison.report['verdict']}"
-        )
-    m = comparison.report["metrics"]
+        print(f"  lpx compare_tables run {i}: {core[-1]:.3f}s verdict {comparison.report.verdict}")
+    m = comparison.report.metrics
     del comparison
     print(f"load average after lpx core: {loadavg()}")
 

@@ -120,6 +120,7 @@ def judged(fixture, replay, model_dir, calibration) -> dict:
     )
     report = comparison.report
     verify_report(report, fixture, replay, model_dir, calibration=calibration)
+    report = report.as_dict()
     routing = report["routing"]
     return {
         "verdict": report["verdict"],

@@ -129,7 +129,7 @@ def bench_compare(tokens: int, mean_lengths=(512, 32), repeats: int = 3) -> list
                     "drifting": drifting,
                     "seconds": min(times),
                     "tokens_per_s": n / min(times),
-                    "verdict": comparison.report["verdict"],
+                    "verdict": comparison.report.verdict,
                 }
             )
     return rows

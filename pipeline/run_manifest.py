@@ -16,11 +16,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from pipeline import __version__
+from pipeline.contracts.files import MANIFEST
 from pipeline.errors import BadInput
 from pipeline.paths import write_text_atomic
 from pipeline.testbed import describe_testbed
 
-MANIFEST = "lpx-run.json"
 MANIFEST_VERSION = 1
 RUN_KINDS = ("nightly", "smoke", "manual")
 STAGE_STATUSES = ("ok", "fail", "error")

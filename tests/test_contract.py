@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.history.schema import contradictions, report_problems
+from pipeline.compare.outputs import report_json
+from pipeline.contracts.report import Report, contradictions
 from tests.synthetic_runs import nightly_history, pair_report, write_run
 
 START = datetime(2026, 3, 1, 3, 0)
@@ -93,7 +94,7 @@ def test_a_token_id_past_int32_in_the_worst_tokens_is_refused(tmp_path):
 
     run = a_run(tmp_path, edit)
     error = one_error_line(lpx("record", run, "--db", tmp_path / "h.db"))
-    assert "`worst[0].token_id` must be an integer in [0, 2147483647]" in error
+    assert "`worst[0].token_id`: Input should be a valid integer (got 1.18" in error
 
 
 def test_a_manifest_of_the_wrong_shape_is_refused(tmp_path):
@@ -155,16 +156,18 @@ def test_what_compare_writes_is_valid_and_consistent(run_dir, tmp_path):
         out = tmp_path / dtype
         lpx("compare", run_dir / "fixture.parquet", run_dir / f"replay-{dtype}.parquet",
             "--out", out, "--quiet")  # fmt: skip
-        report = json.loads((out / "report.json").read_text())
-        assert report_problems(report) == []
+        text = (out / "report.json").read_text()
+        report = Report.model_validate_json(text)  # raises, naming the field, if not
         assert contradictions(report) == []
+        # read and written by one model: the round trip gives the same JSON back
+        assert json.loads(report_json(report)) == json.loads(text)
 
 
 def test_every_synthetic_nightly_report_is_valid(tmp_path):
     """The year bench and the history tests record these: the schema must not refuse them."""
     for run in nightly_history(tmp_path, 3, step_at=1):
         for path in run.rglob("report.json"):
-            assert report_problems(json.loads(path.read_text())) == [], path
+            Report.model_validate_json(path.read_text())  # raises, naming the field, if not
 
 
 # -- other people's text in the terminal ---------------------------------------------------
@@ -239,9 +242,11 @@ def test_a_contradiction_needs_a_number_to_contradict():
     """No limit, no metric: nothing to contradict (compare lists it as not measured)."""
     report = pair_report()
     report["policy"]["limits"] = {"topk_kl_forward_mean": 0.1}
-    assert contradictions(report) == []
+    assert contradictions(Report.model_validate(report)) == []
     report["metrics"]["topk_kl_forward_mean"] = math.inf
-    assert contradictions(report) == ["metrics.topk_kl_forward_mean = inf is over its limit 0.1"]
+    assert contradictions(Report.model_validate(report)) == [
+        "metrics.topk_kl_forward_mean = inf is over its limit 0.1"
+    ]
 
 
 @pytest.mark.parametrize("command", [["gate"], ["history", "runs"], ["record", "RUN"]])
@@ -270,3 +275,44 @@ def test_notes_and_reasons_are_inert_in_the_report_site(tmp_path):
     shown = "".join(pages.values())
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in shown
     assert "&lt;img src=x onerror=alert(2)&gt;" in shown
+
+
+def test_every_metric_a_stage_names_is_in_the_one_list():
+    """Policy, summary, matrix, per-version rows, the history's detection and compare's own
+    batch metrics all name metrics from pipeline/contracts/metrics.py: a name added in one
+    place and not the list would go unchecked on record."""
+    import numpy as np
+
+    from pipeline.compare.metrics import batch_metrics
+    from pipeline.contracts import metrics as contract
+    from pipeline.history.detection import CATALOG, KEY_METRICS
+
+    named = {
+        *contract.LIMITED_METRICS,
+        *contract.SUMMARY_METRICS,
+        *contract.PER_VERSION_METRICS,
+        *contract.MATRIX_METRICS,
+        *contract.VERDICT_METRICS,
+        *CATALOG,
+        *KEY_METRICS,
+        *batch_metrics(np.zeros(4, np.float32), np.full(4, -0.1, np.float32), 0.5),
+    }
+    assert named - set(contract.METRIC_NAMES) == set()
+    assert len(contract.METRIC_NAMES) == len(contract.METRICS)  # each name once
+
+
+def test_a_finding_keeps_a_cause_a_newer_lpx_names_and_the_fields_it_adds():
+    """Unknown future values and fields are kept on read and written back as they were."""
+    report = pair_report()
+    report["diagnosis"] = [
+        {"cause": "kv_cache_reuse", "sequences": ["0-0"], "evidence": "x", "new_field": [1]}
+    ]
+    report["lpx_3_section"] = {"a": 1}
+    checked = Report.model_validate(report)
+    (finding,) = checked.diagnosis
+    assert finding.cause == "kv_cache_reuse" and finding.model_extra == {"new_field": [1]}
+    assert checked.diagnosis[0].status == "plausible"
+    written = json.loads(report_json(checked))
+    assert written["lpx_3_section"] == {"a": 1}
+    assert written["diagnosis"][0]["new_field"] == [1]
+    assert written["metadata"] == json.loads(json.dumps(report["metadata"]))

@@ -90,8 +90,8 @@ def test_megatron_tp1_and_tp2_agree(run_dir, tmp_path):
 def test_bf16_lands_at_the_floor_and_passes_the_bf16_policy(engine, extra, run_dir, tmp_path):
     replay(run_dir, engine, extra, tmp_path / "replay.parquet", "--dtype", "bf16")
     report = compare_files(run_dir / "fixture.parquet", tmp_path / "replay.parquet").report
-    assert report["policy"]["profile"] == "bfloat16" and report["verdict"] == "pass"
-    assert 1e-3 < report["metrics"]["mean_abs_diff"] < 0.03  # measured 0.004-0.005
+    assert report.policy["profile"] == "bfloat16" and report.verdict == "pass"
+    assert 1e-3 < report.metrics["mean_abs_diff"] < 0.03  # measured 0.004-0.005
 
 
 def test_wrong_qkv_conversion_is_caught_as_weights(run_dir, tmp_path):

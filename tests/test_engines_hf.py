@@ -48,20 +48,20 @@ def test_replay_layout_knobs_agree_in_fp32(run_dir, tiny_model, knobs):
 
 def test_bf16_replay_sits_at_the_bf16_floor(run_dir):
     bf16 = compare_files(run_dir / "fixture.parquet", run_dir / "replay-bfloat16.parquet").report
-    assert bf16["policy"]["profile"] == "bfloat16"
+    assert bf16.policy["profile"] == "bfloat16"
     # Measured here: max 0.09, mean 0.0045 (metrics.md: ~0.01 on real models).
-    assert 1e-3 < bf16["metrics"]["mean_abs_diff"] < 0.03
-    assert 1e-2 < bf16["metrics"]["max_abs_diff"] < 0.5
-    assert bf16["verdict"] == "pass"
+    assert 1e-3 < bf16.metrics["mean_abs_diff"] < 0.03
+    assert 1e-2 < bf16.metrics["max_abs_diff"] < 0.5
+    assert bf16.verdict == "pass"
     strict = compare_files(
         run_dir / "fixture.parquet", run_dir / "replay-bfloat16.parquet", profile="float32"
     ).report
-    assert strict["verdict"] == "fail"
-    assert {v["metric"] for v in strict["policy"]["violations"]} >= {
+    assert strict.verdict == "fail"
+    assert {v["metric"] for v in strict.policy["violations"]} >= {
         "max_abs_diff",
         "mean_abs_diff",
     }
-    assert [f["cause"] for f in strict["diagnosis"]] == ["dtype"]
+    assert [f.cause for f in strict.diagnosis] == ["dtype"]
 
 
 def test_replay_records_layout_and_applied_knobs(run_dir):
@@ -94,10 +94,10 @@ def test_prompt_logprobs_are_compared_as_their_own_region(run_dir, tiny_model, t
     fixture_path = write_table(fixture, tmp_path / "fixture.parquet")
     replay_path = write_table(scored, tmp_path / "replay.parquet")
     report = compare_files(fixture_path, replay_path).report
-    assert report["metrics"]["by_region"]["prompt"]["max_abs_diff"] == pytest.approx(0.5, abs=1e-5)
-    assert report["metrics"]["by_region"]["completion"]["max_abs_diff"] < 1e-5
-    assert report["worst"][0]["region"] == "prompt"
-    assert report["worst"][0]["position"] == 1
+    assert report.metrics["by_region"]["prompt"]["max_abs_diff"] == pytest.approx(0.5, abs=1e-5)
+    assert report.metrics["by_region"]["completion"]["max_abs_diff"] < 1e-5
+    assert report.worst[0]["region"] == "prompt"
+    assert report.worst[0]["position"] == 1
 
 
 def test_processed_rollout_logprobs_need_the_same_temperature(tiny_model, prompts, tmp_path):
@@ -110,15 +110,15 @@ def test_processed_rollout_logprobs_need_the_same_temperature(tiny_model, prompt
         replay = HFScoringEngine().score(fixture, tiny_model, {"temperature": temperature})
         replay_path = write_table(replay, tmp_path / f"replay-{temperature}.parquet")
         report = compare_files(fixture_path, replay_path).report
-        assert report["verdict"] == verdict
+        assert report.verdict == verdict
         if verdict == "fail":
-            assert {f["cause"] for f in report["diagnosis"]} == {"temperature"}
-            assert report["metrics"]["max_abs_diff"] > 0.1
+            assert {f.cause for f in report.diagnosis} == {"temperature"}
+            assert report.metrics["max_abs_diff"] > 0.1
         else:
-            assert report["metrics"]["max_abs_diff"] < 1e-5 and report["diagnosis"] == []
+            assert report.metrics["max_abs_diff"] < 1e-5 and report.diagnosis == []
     # The raw channel agrees with a plain replay.
     raw = compare_files(fixture_path, tmp_path / "replay-1.0.parquet", channel="rollout_raw").report
-    assert raw["verdict"] == "pass" and raw["metrics"]["max_abs_diff"] < 1e-5
+    assert raw.verdict == "pass" and raw.metrics["max_abs_diff"] < 1e-5
 
 
 def test_rollout_is_deterministic_per_seed(tiny_model, prompts):

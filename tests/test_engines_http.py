@@ -39,7 +39,7 @@ def test_trajectory_straddling_a_weight_update_is_tagged_per_token(tiny_model, p
     # Real logprobs from the same weights: an HF replay agrees to fp32 precision.
     replay = HFScoringEngine().score(table, tiny_model, {})
     report = compare_tables(table, replay, "stub-fixture", "replay").report
-    assert report["verdict"] == "pass" and report["metrics"]["max_abs_diff"] < 2e-5
+    assert report.verdict == "pass" and report.metrics["max_abs_diff"] < 2e-5
 
 
 def test_aborted_trajectory_is_kept_and_marked(tiny_model, prompts):

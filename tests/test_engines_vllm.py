@@ -56,13 +56,13 @@ def vllm_runs(tiny_model, prompts, tmp_path_factory):
 def test_fp32_rollout_agrees_with_hf_fp32_replay(vllm_runs):
     report = compare_files(vllm_runs["paths"]["fp32"], vllm_runs["paths"]["fp32-hf"]).report
     # Measured here: max 3.8e-6, mean 2.8e-7 over 384 tokens.
-    assert report["metrics"]["max_abs_diff"] < 2e-5
-    assert report["metrics"]["mean_abs_diff"] < 2e-6
-    assert report["verdict"] == "pass" and report["diagnosis"] == []
-    assert report["metrics"]["top1_flip_rate"] == 0.0
-    engine = report["metadata"]["fixture"]["engine"]
+    assert report.metrics["max_abs_diff"] < 2e-5
+    assert report.metrics["mean_abs_diff"] < 2e-6
+    assert report.verdict == "pass" and report.diagnosis == []
+    assert report.metrics["top1_flip_rate"] == 0.0
+    engine = report.metadata["fixture"]["engine"]
     assert engine["name"] == "vllm" and engine["versions"]["vllm"] == "0.32.0"
-    knobs = report["metadata"]["fixture"]["knobs"]
+    knobs = report.metadata["fixture"]["knobs"]
     assert knobs["dtype"] == "float32" and knobs["logprobs_mode"] == "raw_logprobs"
     assert knobs["enable_prefix_caching"] is True and knobs["tensor_parallel_size"] == 1
 
@@ -79,11 +79,11 @@ def test_bf16_rollout_sits_at_the_bf16_floor(vllm_runs):
     paths = vllm_runs["paths"]
     report = compare_files(paths["bf16"], paths["bf16-hf"]).report
     # Measured here: max 0.064-0.072, mean 0.0041-0.0049.
-    assert 1e-3 < report["metrics"]["mean_abs_diff"] < 0.03
-    assert 1e-2 < report["metrics"]["max_abs_diff"] < 0.5
-    assert report["policy"]["profile"] == "bfloat16" and report["verdict"] == "pass"
+    assert 1e-3 < report.metrics["mean_abs_diff"] < 0.03
+    assert 1e-2 < report.metrics["max_abs_diff"] < 0.5
+    assert report.policy["profile"] == "bfloat16" and report.verdict == "pass"
     strict = compare_files(paths["bf16"], paths["bf16-hf"], profile="float32").report
-    assert strict["verdict"] == "fail" and [f["cause"] for f in strict["diagnosis"]] == ["dtype"]
+    assert strict.verdict == "fail" and [f.cause for f in strict.diagnosis] == ["dtype"]
 
 
 def test_rollout_agrees_with_vllm_scoring_of_the_same_tokens(vllm_runs, tiny_model):
@@ -94,7 +94,7 @@ def test_rollout_agrees_with_vllm_scoring_of_the_same_tokens(vllm_runs, tiny_mod
     )
     report = compare_tables(fixture, scored, "vllm-rollout", "vllm-scoring").report
     # Measured here: exactly 0 (decode and prefill share kernels on vLLM-CPU).
-    assert report["metrics"]["max_abs_diff"] <= 1e-6
+    assert report.metrics["max_abs_diff"] <= 1e-6
     hf = HFScoringEngine().score(fixture, tiny_model, {"prompt_logprobs": True})
     prompt_gap = np.nanmax(np.abs(scored.prompt_logprobs - hf.prompt_logprobs))
     assert prompt_gap < 2e-5
@@ -106,12 +106,12 @@ def test_processed_logprobs_need_the_same_temperature(tiny_model, prompts):
     assert fixture.metadata["knobs"]["logprobs_mode"] == "processed_logprobs"
     plain = HFScoringEngine().score(fixture, tiny_model, {})
     report = compare_tables(fixture, plain, "vllm-processed", "hf-T1").report
-    assert report["verdict"] == "fail"
-    assert {f["cause"] for f in report["diagnosis"]} == {"temperature"}
+    assert report.verdict == "fail"
+    assert {f.cause for f in report.diagnosis} == {"temperature"}
     matched = HFScoringEngine().score(fixture, tiny_model, {"temperature": 0.7})
     report = compare_tables(fixture, matched, "vllm-processed", "hf-T0.7").report
     # Measured here: max 5.6e-6.
-    assert report["verdict"] == "pass" and report["metrics"]["max_abs_diff"] < 2e-5
+    assert report.verdict == "pass" and report.metrics["max_abs_diff"] < 2e-5
 
 
 def test_sweep_batch_and_prefix_cache_settings(tiny_model, prompts, tmp_path):
@@ -211,8 +211,8 @@ def test_http_openai_rollout_against_real_vllm_serve(vllm_server, tiny_model, pr
     replay = HFScoringEngine().score(fixture, tiny_model, {})
     report = compare_tables(fixture, replay, "vllm-serve", "hf").report
     # Measured here: max 3.8e-6, the same as the offline engine.
-    assert report["verdict"] == "pass" and report["metrics"]["max_abs_diff"] < 2e-5
-    assert report["metrics"]["top1_flip_rate"] == 0.0
+    assert report.verdict == "pass" and report.metrics["max_abs_diff"] < 2e-5
+    assert report.metrics["top1_flip_rate"] == 0.0
 
 
 def test_vllm_serve_hot_loads_each_published_version(vllm_server, tiny_model, prompts, tmp_path):

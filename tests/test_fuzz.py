@@ -21,8 +21,8 @@ import yaml
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
-from pipeline.compare.diagnosis import KNOWN_CAUSES
-from pipeline.compare.policy import LIMITED_METRICS
+from pipeline.contracts.causes import KNOWN_CAUSES
+from pipeline.contracts.metrics import LIMITED_METRICS
 from pipeline.fixture.io import read_table, validate_table, write_table
 from tests.fuzzing import (
     JSON_VALUES,

@@ -134,6 +134,40 @@ def test_the_layers_never_import_what_the_design_forbids(graph):
     assert broken == []
 
 
+def test_the_contracts_stand_on_the_ground_alone(graph):
+    """Every stage, the history and the report read pipeline/contracts/: it imports nothing
+    of lpx's but the ground (text) and itself, so it can never pull a stage in."""
+    allowed = ("pipeline.contracts", "pipeline.text")
+    reaching = sorted(
+        f"{module} -> {target}"
+        for module, imported in graph.items()
+        if module.startswith("pipeline.contracts")
+        for target in imported
+        if not target.startswith(allowed)
+    )
+    assert reaching == []
+
+
+def test_the_report_reads_the_history_through_its_queries_only():
+    """pipeline/report/ never queries the database itself (no sqlalchemy, no ORM models at
+    run time): every query is a function of history/queries.py, written once."""
+    reaching = []
+    for path in sorted((PACKAGE / "report").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        checked = {id(n) for n in ast.walk(tree) if isinstance(n, ast.If)
+                   and getattr(n.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(n)}  # fmt: skip
+        for node in ast.walk(tree):
+            if id(node) in checked or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            reaching += [
+                f"{path.name} -> {name}"
+                for name in names
+                if name and (name.split(".")[0] == "sqlalchemy" or name.startswith("pipeline.db"))
+            ]
+    assert reaching == []
+
+
 def test_the_checker_sees_a_cycle_and_a_lazy_import():
     """The rule itself: a circle of three is found; a lazy import counts like any other."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

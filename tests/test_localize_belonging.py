@@ -99,7 +99,7 @@ def test_a_damaged_or_matrix_report_is_refused_before_any_capture(
     result, (error,) = _localize(run_dir, tiny_model, tmp_path / "o", "--report",
                                  _report(tmp_path, report))  # fmt: skip
     assert result.exit_code == 2
-    assert "`sequences[0].max_abs_diff` must be a number >= 0" in error
+    assert "`sequences[0].max_abs_diff`: must be a number >= 0" in error
     matrix = {"verdict": "fail", "pairs": [{"pair": "0-hf"}], "metadata": {}}
     result, (error,) = _localize(run_dir, tiny_model, tmp_path / "o", "--report",
                                  _report(tmp_path, matrix))  # fmt: skip

@@ -114,9 +114,9 @@ def test_a_vllm_rollout_records_the_routing_hf_replays(moe_rollout):
     replay = HFScoringEngine().score(fixture, model, {})
     assert agreement(fixture.routed_experts, replay.routed_experts) >= ROUTING_AGREEMENT
     report = compare_tables(fixture, replay, "vllm-rollout", "hf").report
-    assert report["metrics"]["routing_flip_rate"] <= 1 - ROUTING_AGREEMENT  # measured 0.0
-    assert report["metrics"]["max_abs_diff"] < FP32_TOLERANCE
-    assert report["verdict"] == "pass"
+    assert report.metrics["routing_flip_rate"] <= 1 - ROUTING_AGREEMENT  # measured 0.0
+    assert report.metrics["max_abs_diff"] < FP32_TOLERANCE
+    assert report.verdict == "pass"
 
 
 def test_vllm_routing_survives_the_fixture_file(moe_rollout, tmp_path):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pipeline.bisect.builds import Build
 from pipeline.bisect.search import BAD, ERROR, GOOD
+from pipeline.contracts.files import MANIFEST, REPORT
 from pipeline.errors import BadInput
 from pipeline.orchestrator import environments
 from pipeline.orchestrator.plan import Plan
@@ -138,7 +139,7 @@ def run_once(
     (run_dir / LOGS).mkdir(parents=True)
     shared = base_stages(plan, side)
     for item in base.iterdir():
-        if item.name not in (LOGS, "lpx-run.json"):
+        if item.name not in (LOGS, MANIFEST):
             _link(item, run_dir / item.name)
     manifest = new_manifest("manual", f"lpx bisect probe of {prepared.build.name} ({run_dir})")
     runner = OnBuild(
@@ -158,7 +159,7 @@ def run_once(
         return RunResult(ERROR, seconds, {}, why)
     if compare["status"] == "error":
         return RunResult(ERROR, seconds, {}, compare["message"])
-    report = json.loads((run_dir / COMPARE / "report.json").read_text(encoding="utf-8"))
+    report = json.loads((run_dir / COMPARE / REPORT).read_text(encoding="utf-8"))
     outcome = GOOD if compare["status"] == "ok" else BAD
     return RunResult(outcome, seconds, _metrics(report), report=report)
 

@@ -82,6 +82,7 @@ def calibrate(
     from pipeline.belonging import check_model
     from pipeline.calibrate.run import CALIBRATION_FILE
     from pipeline.calibrate.run import calibrate as run_calibration
+    from pipeline.contracts.calibration import Calibration
     from pipeline.engines.model_dir import check_model_dir
     from pipeline.errors import BadInput
     from pipeline.fixture.io import read_table, validate_table
@@ -146,6 +147,7 @@ def calibrate(
                 store_calibration(session, result)
     if mismatch is not None:
         result = {**result, "allowed_mismatches": {"model": mismatch}}
+    Calibration.model_validate(result)  # as compare will read it (a writer's bug fails here)
     write_text_atomic(out_path, json.dumps(result, indent=1) + "\n")
     means = ", ".join(
         f"{pair} mean |d| {floor['all']['mean']:.3g} (q999 {floor['all']['q999']:.3g})"

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from pipeline.commands.options import OUTPUT_DIR, device_option
+from pipeline.contracts.files import COMPARE_OUTPUTS, REPORT
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
 
 
@@ -203,7 +204,7 @@ def run_compare(
             f"--model {model_dir} and --no-verify contradict each other: --model names the model "
             "that verifies the findings; give one of them."
         )
-    outputs = ("report.json", "tokens.parquet", "summary.md")
+    outputs = COMPARE_OUTPUTS
     for name in outputs:
         check_output(out_dir / name, [fixture_path, *replay_paths])
     check_replaceable_in(out_dir, outputs)
@@ -255,8 +256,8 @@ def run_compare(
             exact=exact,
         )
         if calibration_mismatch:
-            comparison.report["calibration"]["mismatch_allowed"] = calibration_mismatch
-        if needs_verifying(comparison.report["diagnosis"]):
+            comparison.report.calibration["mismatch_allowed"] = calibration_mismatch
+        if needs_verifying(comparison.report.diagnosis):
             verified_with = verifying.resolve()
             if verified_with is not None:
                 verify_report(
@@ -271,9 +272,9 @@ def run_compare(
                     say=lambda line: click.echo(line, err=True),
                     weights_store=weights_store,
                 )
-            comparison.report["verification"] = verifying.note
+            comparison.report.verification = verifying.note
         else:
-            comparison.report["verification"] = {
+            comparison.report.verification = {
                 "ran": False,
                 "reason": "no finding that a re-score could decide",
             }
@@ -281,15 +282,15 @@ def run_compare(
     if len(comparisons) == 1:
         report = comparisons[0].report
         written = write_outputs(comparisons[0], out_dir)["report"]
-        summary = render_summary(report)
+        summary, verdict = render_summary(report), report.verdict
     else:
-        report = write_matrix(comparisons, out_dir)
-        written = out_dir / "report.json"
-        summary = render_matrix(report)
+        matrix = write_matrix(comparisons, out_dir)
+        written = out_dir / REPORT
+        summary, verdict = render_matrix(matrix), matrix["verdict"]
     if not quiet:
         click.echo(summary)
-    click.echo(f"verdict: {report['verdict'].upper()} -> {written}")
-    click.get_current_context().exit(EXIT_PASS if report["verdict"] == "pass" else EXIT_REGRESSION)
+    click.echo(f"verdict: {verdict.upper()} -> {written}")
+    click.get_current_context().exit(EXIT_PASS if verdict == "pass" else EXIT_REGRESSION)
 
 
 class VerificationModel:

@@ -195,8 +195,11 @@ def _refuse_contradictions(ctx, sequence_ids, report_path) -> None:
 def _read_report(path: Path) -> dict:
     """A pair's report.json, checked as `lpx record` checks it: localize picks sequences by
     its per-sequence drift, so a damaged one is refused rather than half read."""
+    from pydantic import ValidationError
+
+    from pipeline.contracts.problems import describe
+    from pipeline.contracts.report import Report
     from pipeline.errors import BadInput
-    from pipeline.history.schema import describe_problems, report_problems
 
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
@@ -210,10 +213,11 @@ def _read_report(path: Path) -> dict:
         )
     if not isinstance(report, dict):
         raise BadInput(f"--report {path}: not a comparison report (expected an object).")
-    problems = report_problems(report)
-    if problems:
+    try:
+        Report.model_validate(report)
+    except ValidationError as error:
         raise BadInput(
             f"--report {path}: not a comparison report lpx can read: "
-            f"{describe_problems(problems)}; rerun `lpx compare`."
-        )
+            f"{describe(error, count=3)}; rerun `lpx compare`."
+        ) from None
     return report

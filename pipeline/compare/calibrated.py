@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# a calibration is read and checked by its schema (calibration_file.py); compare reads it here
+# a calibration is read and checked by its model (contracts/calibration.py); compare reads it here
 from pipeline.compare.calibration_file import CALIBRATION_FORMAT, read_calibration
 from pipeline.compare.floor import expect
 from pipeline.compare.noise_test import ALPHA, noise_limits, precision_gate
+from pipeline.contracts.files import CALIBRATION as CALIBRATION_FILE
 
 __all__ = [
     "CALIBRATION_FILE",
@@ -37,7 +38,6 @@ __all__ = [
     "usable",
 ]
 
-CALIBRATION_FILE = "calibration.json"  # beside the replay or fixture: compare finds it
 TF32 = "float32+tf32"
 # A token drifts beyond precision when |d| exceeds its bucket's q999 by this factor.
 TAU_MARGIN = 3.0

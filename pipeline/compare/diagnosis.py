@@ -18,17 +18,18 @@ Each finding carries a confidence, the first bad position, the runner-up cause a
 lost; `unexplained` says what was ruled out. Causes follow shared/notes/metrics.md.
 
 The parts: `signatures.py` (per-sequence arrays), `hypotheses/` (the rules: `records.py`
-reads the records and data signatures, `shapes.py` the shape of the drift), `findings.py`
-(what a finding holds), and this module, which runs them over one compared region.
+reads the records and data signatures, `shapes.py` the shape of the drift), the `Finding`
+of pipeline/contracts/report.py (what a finding holds), and this module, which runs them over one compared region.
 """
 
 from __future__ import annotations
 
 from pipeline.compare.calibrated import TAU_MARGIN
-from pipeline.compare.findings import FAULT_CAUSES, KNOWN_CAUSES, Finding
 from pipeline.compare.hypotheses import propose
 from pipeline.compare.hypotheses.batch import Batch, weights_evidence
 from pipeline.compare.signatures import FLOOR, signatures
+from pipeline.contracts.causes import FAULT_CAUSES, KNOWN_CAUSES
+from pipeline.contracts.report import Finding
 
 __all__ = ["FAULT_CAUSES", "KNOWN_CAUSES", "Finding", "diagnose_region", "weights_evidence"]
 

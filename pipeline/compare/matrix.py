@@ -6,17 +6,19 @@ import json
 import re
 from pathlib import Path
 
-from pipeline.compare.outputs import REPORT, SUMMARY, write_outputs
+from pipeline.compare.outputs import write_outputs
 from pipeline.compare.run import Comparison
+from pipeline.contracts.causes import Cause, Status
+from pipeline.contracts.files import REPORT, SUMMARY
+from pipeline.contracts.metrics import MATRIX_METRICS
+from pipeline.contracts.report import Finding, Report
 from pipeline.paths import output_lock, write_text_atomic
 from pipeline.text import for_markdown as _md
 
-MATRIX_METRICS = ("max_abs_diff", "mean_abs_diff", "p99_abs_diff", "k3", "top1_flip_rate")
 
-
-def pair_label(index: int, report: dict) -> str:
+def pair_label(index: int, report: Report) -> str:
     """A directory-safe name for one pair, e.g. '2-megatron-tp2-float32'."""
-    replay = report["metadata"]["replay"]
+    replay = report.metadata["replay"]
     layout = replay.get("layout") or {}
     parts = [str(index), (replay.get("engine") or {}).get("name", "replay")]
     if layout.get("tensor_parallel_size", 1) > 1:
@@ -37,27 +39,27 @@ def write_matrix(comparisons: list[Comparison], out_dir: Path) -> dict:
         report = comparison.report
         label = pair_label(index, report)
         paths = write_outputs(comparison, out_dir / label)
-        fixture, replay = report["metadata"]["fixture"], report["metadata"]["replay"]
+        fixture, replay = report.metadata["fixture"], report.metadata["replay"]
         rows.append(
             {
                 "pair": label,
                 "rollout": _engine(fixture),
                 "replay": _engine(replay),
                 "layout": replay.get("layout"),
-                "verdict": report["verdict"],
-                "profile": report["policy"]["profile"],
-                **{name: report["metrics"].get(name) for name in MATRIX_METRICS},
-                "bitwise_mismatches": report["metrics"].get("bitwise_mismatches"),
-                "findings": [f["cause"] for f in report["diagnosis"]],
-                "claims": [claim_text(f) for f in report["diagnosis"]],
+                "verdict": report.verdict,
+                "profile": report.policy["profile"],
+                **{name: report.metrics.get(name) for name in MATRIX_METRICS},
+                "bitwise_mismatches": report.metrics.get("bitwise_mismatches"),
+                "findings": [str(f.cause) for f in report.diagnosis],
+                "claims": [claim_text(f) for f in report.diagnosis],
                 "report": str(paths["report"]),
             }
         )
     matrix = {
         "verdict": "fail" if any(r["verdict"] != "pass" for r in rows) else "pass",
-        "exact": any(c.report["policy"].get("exact") for c in comparisons),
+        "exact": any(c.report.policy.get("exact") for c in comparisons),
         "pairs": rows,
-        "metadata": {"fixture": comparisons[0].report["metadata"]["fixture"]["path"]},
+        "metadata": {"fixture": comparisons[0].report.metadata["fixture"]["path"]},
     }
     with output_lock(out_dir):
         write_text_atomic(out_dir / SUMMARY, render_matrix(matrix))
@@ -99,8 +101,8 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.3g}"
 
 
-def claim_text(finding: dict) -> str:
+def claim_text(finding: Finding) -> str:
     """`temperature (verified)`: a cause with its status, so a guess never reads as a fact."""
-    status = "unexplained" if finding["cause"] == "unexplained" else finding.get("status")
-    status = (status or "plausible").replace("_", " ")
-    return finding["cause"] if status == "unexplained" else f"{finding['cause']} ({status})"
+    if finding.cause == Cause.UNEXPLAINED:
+        return str(finding.cause)
+    return f"{finding.cause} ({(finding.status or Status.PLAUSIBLE).replace('_', ' ')})"

@@ -8,28 +8,11 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.compare.run import Comparison
+from pipeline.contracts.files import REPORT, SUMMARY, TOKENS
+from pipeline.contracts.metrics import SUMMARY_METRICS
+from pipeline.contracts.report import Finding, Report
 from pipeline.paths import LOCK, output_lock, replacing, write_text_atomic
 from pipeline.text import for_markdown as _md
-
-REPORT = "report.json"
-TOKENS = "tokens.parquet"
-SUMMARY = "summary.md"
-SUMMARY_METRICS = (
-    "tokens",
-    "max_abs_diff",
-    "mean_abs_diff",
-    "p99_abs_diff",
-    "p999_abs_diff",
-    "frac_over_tau",
-    "k1",
-    "k3",
-    "is_ratio_mean",
-    "ess",
-    "clip_frac",
-    "max_seq_mean_abs_diff",
-    "topk_kl_forward_mean",
-    "topk_kl_reverse_mean",
-)
 
 
 def write_outputs(comparison: Comparison, out_dir: Path) -> dict[str, Path]:
@@ -68,22 +51,22 @@ def retract_verdicts(out_dir: Path) -> None:
                 (folder / name).unlink(missing_ok=True)
 
 
-def render_summary(report: dict) -> str:
-    policy, metrics = report["policy"], report["metrics"]
-    fixture, replay = report["metadata"]["fixture"], report["metadata"]["replay"]
+def render_summary(report: Report) -> str:
+    policy, metrics = report.policy, report.metrics
+    fixture, replay = report.metadata["fixture"], report.metadata["replay"]
     lines = [
-        f"# lpx compare: {report['verdict'].upper()}",
+        f"# lpx compare: {report.verdict.upper()}",
         "",
         f"- rollout: {_md(_engine(fixture))} ({_md(fixture['path'])}, channel "
         f"{_md(fixture['channel'])})",
         f"- replay: {_md(_engine(replay))} ({_md(replay['path'])})",
         f"- policy: {policy['source']}, profile `{policy['profile']}`, tau {policy['tau']:g}",
-        f"- sign: {report['sign_convention']}",
-        f"- noise floor: {_calibration_line(report.get('calibration') or {})}",
+        f"- sign: {report.sign_convention}",
+        f"- noise floor: {_calibration_line(report.calibration or {})}",
     ]
-    if report.get("precision_gate"):
-        lines.append(f"- precision gate: {_gate_line(report['precision_gate'])}")
-    verification = report.get("verification") or {}
+    if report.precision_gate:
+        lines.append(f"- precision gate: {_gate_line(report.precision_gate)}")
+    verification = report.verification or {}
     if verification:
         lines.append(f"- verification: {_verification_line(verification)}")
     if policy.get("exact"):
@@ -98,7 +81,7 @@ def render_summary(report: dict) -> str:
                 f"| {name} | {_fmt(metrics[name])} | {'' if limit is None else _fmt(limit)} |"
             )
     by_version = metrics.get("by_weight_version") or {}
-    if len(by_version) > 1 or (report["metadata"]["replay"].get("weights_store") and by_version):
+    if len(by_version) > 1 or (replay.get("weights_store") and by_version):
         lines += [
             "",
             "## Drift per weight version",
@@ -126,15 +109,14 @@ def render_summary(report: dict) -> str:
             + (f" ({v['source']})" if v.get("source") else "")
             for v in policy["violations"]
         ]
-    lines += _routing_lines(report.get("routing"))
+    lines += _routing_lines(report.routing)
     lines += ["", "## Diagnosis", ""]
-    if not report["diagnosis"]:
+    if not report.diagnosis:
         lines.append("- no drift above tau; nothing to explain")
-    for finding in report["diagnosis"]:
+    for finding in report.diagnosis:
         lines.append(
-            f"- **{_md(finding['cause'])}** ({_md(finding['severity'])}, "
-            f"{_md(finding.get('status', 'plausible'))}{_residuals(finding)}): "
-            f"{_md(finding['evidence'])}"
+            f"- **{_md(finding.cause)}** ({_md(finding.severity)}, "
+            f"{_md(finding.status)}{_residuals(finding)}): {_md(finding.evidence)}"
         )
     lines += [
         "",
@@ -143,7 +125,7 @@ def render_summary(report: dict) -> str:
         "| sequence | position | region | token | rollout | train | abs diff |",
         "|---|---|---|---|---|---|---|",
     ]
-    for row in report["worst"][:10]:
+    for row in report.worst[:10]:
         lines.append(
             f"| {_md(row['sequence_id'])} | {row['position']} | {row['region']} | {row['token_id']} | "
             f"{row['logprob_rollout']:.6g} | {row['logprob_train']:.6g} | {row['abs_diff']:.3g} |"
@@ -244,12 +226,14 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def report_json(report: dict) -> str:
-    """report.json's text: orjson, with NaN and inf as strings. The per-sequence rows (the
-    bulk of a large report) are JSON-safe as built, so only the rest is walked."""
+def report_json(report: Report) -> str:
+    """report.json's text: the model's fields through orjson, with NaN and inf as strings.
+    The per-sequence rows (the bulk of a large report) are JSON-safe as built, so only the
+    rest is walked."""
     import orjson
 
-    safe = {k: (v if k == "sequences" else _json_safe(v)) for k, v in report.items()}
+    fields = report.as_dict()
+    safe = {k: (v if k == "sequences" else _json_safe(v)) for k, v in fields.items()}
     text = orjson.dumps(safe, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
     return text + "\n"
 
@@ -299,9 +283,9 @@ def _verification_line(note: dict) -> str:
     return f"not run ({_md(note.get('reason'))}); unverified findings stay plausible"
 
 
-def _residuals(finding: dict) -> str:
+def _residuals(finding: Finding) -> str:
     """`, mean |d| 0.21 -> 0.004 (floor 0.003)` for a finding that re-scored."""
-    before, after, floor = (finding.get(k) for k in ("residual_before", "residual_after", "floor"))
+    before, after, floor = finding.residual_before, finding.residual_after, finding.floor
     if before is None:
         return ""
     text = f", mean |d| {before:.3g}"

@@ -11,43 +11,13 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from pipeline.compare.diagnosis import KNOWN_CAUSES
 from pipeline.compare.noise_test import failed_tests
+from pipeline.contracts.causes import KNOWN_CAUSES, Severity
+from pipeline.contracts.metrics import LIMITED_METRICS
+from pipeline.contracts.report import Finding, Judgement
 from pipeline.errors import BadInput
 
 PRECISION_ORDER = ("float32", "float16", "bfloat16")  # most to least precise
-# Metrics a profile may limit: compare's batch metrics (pipeline/compare/metrics.py) plus
-# the worst sequence's mean |d|, the top-1 flip rate and the KLs over recorded top-k ids
-# (pipeline/compare/topk.py).
-LIMITED_METRICS = (
-    "max_abs_diff",
-    "mean_abs_diff",
-    "rms_diff",
-    "p50_abs_diff",
-    "p99_abs_diff",
-    "p999_abs_diff",
-    "mean_diff",
-    "frac_over_tau",
-    "max_rel_diff",
-    "mean_rel_diff",
-    "max_prob_diff",
-    "mean_prob_diff",
-    "k1",
-    "k2",
-    "k3",
-    "is_ratio_mean",
-    "chi2_token",
-    "ess",
-    "clip_frac",
-    "token_mult_prob_error",
-    "token_mult_prob_error_median",
-    "token_mult_prob_error_trimmed_mean",
-    "token_mult_prob_error_frac_above_1_1",
-    "max_seq_mean_abs_diff",
-    "top1_flip_rate",
-    "topk_kl_forward_mean",
-    "topk_kl_reverse_mean",
-)
 VERDICT_PASS, VERDICT_FAIL = "pass", "fail"
 
 
@@ -126,7 +96,7 @@ def _whole_number(value):
 Threshold = Annotated[float, BeforeValidator(_plain_number), Field(ge=0, allow_inf_nan=False)]
 Tau = Annotated[float, BeforeValidator(_plain_number), Field(gt=0, allow_inf_nan=False)]
 LimitedMetric = Literal[LIMITED_METRICS]
-Cause = Literal[KNOWN_CAUSES]
+CauseName = Literal[tuple(cause.value for cause in KNOWN_CAUSES)]
 
 
 class ProfileSchema(BaseModel):
@@ -139,7 +109,7 @@ class PolicyFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: Annotated[Literal[1], BeforeValidator(_whole_number)]
     profiles: dict[str, ProfileSchema] = Field(min_length=1)
-    fail_on_findings: list[Cause] = []
+    fail_on_findings: list[CauseName] = []
 
 
 def profile_for(dtypes: list[str]) -> str:
@@ -152,11 +122,11 @@ def judge(
     policy: Policy,
     profile_name: str,
     metrics: dict,
-    findings: list[dict],
+    findings: list[Finding],
     limits: dict | None = None,
     exact: bool = False,
     gate: dict | None = None,
-) -> dict:
+) -> Judgement:
     """Verdict plus every violated limit and failing finding. ``limits`` replaces the
     profile's (a calibrated comparison's, `calibrated.effective_limits`); ``gate`` is a
     calibrated comparison's precision gate (`noise_test.precision_gate`), whose failed tests
@@ -182,20 +152,20 @@ def judge(
             {"metric": "bitwise_mismatches", "value": metrics["bitwise_mismatches"], "limit": 0}
         )
     failing = [
-        f["cause"]
+        str(f.cause)
         for f in findings
-        if f["cause"] in policy.fail_on_findings and f.get("severity") == "fault"
+        if f.cause in policy.fail_on_findings and f.severity == Severity.FAULT
     ]
     verdict = VERDICT_FAIL if violations or failing else VERDICT_PASS
-    return {
-        "verdict": verdict,
-        "profile": profile_name,
-        "tau": profile["tau"],
-        "limits": limits,
-        "violations": violations,
-        "not_measured": not_measured,
-        "failing_findings": sorted(set(failing)),
-        "source": policy.source,
-        "exact": exact,
-        "gate": None if gate is None else {"passed": gate["passed"], "alpha": gate["alpha"]},
-    }
+    return Judgement(
+        verdict=verdict,
+        profile=profile_name,
+        tau=profile["tau"],
+        limits=limits,
+        violations=violations,
+        not_measured=not_measured,
+        failing_findings=sorted(set(failing)),
+        source=policy.source,
+        exact=exact,
+        gate=None if gate is None else {"passed": gate["passed"], "alpha": gate["alpha"]},
+    )

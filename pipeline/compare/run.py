@@ -27,6 +27,9 @@ from pipeline.compare.metrics import (
 )
 from pipeline.compare.policy import Policy, judge, load_policy, profile_for
 from pipeline.compare.topk import topk_kl
+from pipeline.contracts.causes import Cause, Severity, Status
+from pipeline.contracts.metrics import PER_VERSION_METRICS
+from pipeline.contracts.report import Finding, Judgement, Report
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table, validate_table
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
@@ -40,7 +43,7 @@ CONTEXT_TOKENS = 6  # left-context token ids kept with each worst token
 
 @dataclass
 class Comparison:
-    report: dict
+    report: Report
     aligned: Aligned
     tau: float
 
@@ -191,7 +194,7 @@ def compare_tables(
         token_tau,
         context,
     )
-    findings = [f.as_dict() for f in findings] + _missing_versions(replay, aligned)
+    findings += _missing_versions(replay, aligned)
     forced = bool((replay.metadata.get("knobs") or {}).get("router_replay"))
     findings += _routing_flips(routing, gate, aligned, token_tau, forced)
     if gate is not None and not gate["passed"]:
@@ -200,10 +203,13 @@ def compare_tables(
     if pair:
         findings += _precision_over_user_limits(judgement, findings, floor.expected, aligned)
         judgement["calibrated"] = True
-    report = {
-        "verdict": judgement["verdict"],
-        "sign_convention": SIGN_CONVENTION,
-        "metrics": {
+    # Built without re-validating: every part is made here, from numpy (a re-validation
+    # costs ~50 ms per 32k sequence rows). What compare writes is read back through the
+    # same model by every reader (tests/test_contract.py holds the round trip).
+    report = Report.model_construct(
+        verdict=judgement["verdict"],
+        sign_convention=SIGN_CONVENTION,
+        metrics={
             **metrics,
             "by_region": by_region,
             **_by_weight_version(aligned, tau),
@@ -211,15 +217,16 @@ def compare_tables(
                 completion.train, completion.rollout, aligned.kl_channels
             ),
         },
-        "sequences": _sequence_rows(aligned, per_sequence, tau),
-        "worst": worst_tokens(aligned, WORST_TOKENS),
-        "drift_map": _drift_map(aligned, tau),
-        "routing": routing,
-        "diagnosis": findings,
-        "policy": judgement,
-        "precision_gate": gate,
-        "calibration": calibration_note,
-        "metadata": {
+        sequences=_sequence_rows(aligned, per_sequence, tau),
+        worst=worst_tokens(aligned, WORST_TOKENS),
+        drift_map=_drift_map(aligned, tau),
+        routing=routing,
+        diagnosis=findings,
+        policy=judgement,
+        precision_gate=gate,
+        calibration=calibration_note,
+        verification=None,
+        metadata={
             "fixture": {
                 "path": str(fixture_path),
                 "channel": channel,
@@ -230,28 +237,25 @@ def compare_tables(
             "command_line": command_line,
             "testbed": describe_testbed(),
         },
-    }
+    )
     return Comparison(report, aligned, tau)
 
 
-def rejudge(report: dict, policy: Policy) -> None:
+def rejudge(report: Report, policy: Policy) -> None:
     """The verdict again, after verification changed the findings (same profile, limits)."""
-    judged = report["policy"]
+    judged = report.policy
     judgement = judge(
         policy,
         judged["profile"],
-        report["metrics"],
-        report["diagnosis"],
+        report.metrics,
+        report.diagnosis,
         judged["limits"],
         bool(judged.get("exact")),
-        report.get("precision_gate"),
+        report.precision_gate,
     )
     if judged.get("calibrated"):
         judgement["calibrated"] = True
-    report["policy"], report["verdict"] = judgement, judgement["verdict"]
-
-
-PER_VERSION_METRICS = ("tokens", "max_abs_diff", "mean_abs_diff", "p99_abs_diff", "k3")
+    report.policy, report.verdict = judgement, judgement["verdict"]
 
 
 def _by_weight_version(aligned: Aligned, tau: float) -> dict:
@@ -274,7 +278,7 @@ def _by_weight_version(aligned: Aligned, tau: float) -> dict:
     return {"by_weight_version": rows}
 
 
-def _missing_versions(replay: TokenTable, aligned: Aligned) -> list[dict]:
+def _missing_versions(replay: TokenTable, aligned: Aligned) -> list[Finding]:
     """A finding for tokens a multi-version replay could not score: their version is not in
     the store, so nothing vouches for them (never scored with another version)."""
     from pipeline.weights.multi_version import named_counts
@@ -284,20 +288,15 @@ def _missing_versions(replay: TokenTable, aligned: Aligned) -> list[dict]:
     store = replay.metadata.get("weights_store") or {}
     missing = store.get("missing") or {}
     return [
-        {
-            "cause": "missing_version",
-            "sequences": [],
-            "first_position": {},
-            "evidence": (
+        Finding(
+            cause=Cause.MISSING_VERSION,
+            evidence=(
                 f"{aligned.unscored_tokens} completion tokens were not compared: their weight "
-                f"versions are not in the store {store.get('path')} ({named_counts(missing)}); publish them or "
-                "retain more versions (lpx weights publish --keep)"
+                f"versions are not in the store {store.get('path')} ({named_counts(missing)}); "
+                "publish them or retain more versions (lpx weights publish --keep)"
             ),
-            "severity": "fault",
-            "details": {"missing": missing, "unscored_tokens": aligned.unscored_tokens},
-            "confidence": 1.0,
-            "runner_up": None,
-        }
+            details={"missing": missing, "unscored_tokens": aligned.unscored_tokens},
+        )
     ]
 
 
@@ -353,7 +352,7 @@ def _routing(aligned: Aligned) -> dict | None:
 
 def _routing_flips(
     routing: dict | None, gate: dict | None, aligned: Aligned, tau, forced: bool = False
-) -> list[dict]:
+) -> list[Finding]:
     """A `routing_flip` claim where tokens went to other experts and the drift is beyond
     precision (the gate failed; uncalibrated, a flipped token beyond tau), or where the
     replay was told the rollout's experts (router replay, ``forced``) and used others: no
@@ -379,23 +378,20 @@ def _routing_flips(
     on, rest = routing["drift_on_flipped"], routing["drift_on_rest"]
     rest_text = f"{rest['mean_abs_diff']:.3g}" if rest["tokens"] else "none left"
     return [
-        {
-            "cause": "routing_flip",
-            "sequences": ids,
-            "first_position": dict(routing["first_flip"]),
-            "evidence": (
+        Finding(
+            cause=Cause.ROUTING_FLIP,
+            sequences=ids,
+            first_position=dict(routing["first_flip"]),
+            evidence=(
                 ("router replay forced the rollout's experts, yet " if forced else "")
                 + f"{routing['tokens_with_flip']} of {routing['tokens']} tokens "
                 f"({routing['flip_rate']:.2%}) were routed to other experts (most on layer "
                 f"{worst['layer']}: {worst['flip_rate']:.2%}); mean |d| {on['mean_abs_diff']:.3g} "
                 f"on them, {rest_text} on the rest"
             ),
-            "severity": "fault",
-            "details": {"layers": routing["layers"], "first_flip": routing["first_flip"]},
-            "confidence": 0.5,
-            "runner_up": None,
-            "status": "plausible",
-        }
+            details={"layers": routing["layers"], "first_flip": routing["first_flip"]},
+            confidence=0.5,
+        )
     ]
 
 
@@ -424,11 +420,11 @@ def _lengths(fixture: TokenTable, aligned: Aligned) -> dict:
     }
 
 
-def _beyond_precision(gate: dict, findings: list[dict], aligned: Aligned) -> list[dict]:
+def _beyond_precision(gate: dict, findings: list[Finding], aligned: Aligned) -> list[Finding]:
     """The precision gate failed, yet no finding names a fault: the drift is small on every
     token (none past its tau) and beyond precision over the batch. A fault all the same, to
     be explained (verification tries every reproducible cause on it)."""
-    if any(f.get("severity") == "fault" for f in findings):
+    if any(f.is_fault for f in findings):
         return []
     failed = [t for t in gate["tests"] if not t["passed"]]
     said = "; ".join(
@@ -437,35 +433,31 @@ def _beyond_precision(gate: dict, findings: list[dict], aligned: Aligned) -> lis
         for t in failed
     )
     return [
-        {
-            "cause": "unexplained",
-            "sequences": list(aligned.sequence_ids),
-            "first_position": {},
-            "evidence": (
+        Finding(
+            cause=Cause.UNEXPLAINED,
+            sequences=list(aligned.sequence_ids),
+            evidence=(
                 f"the batch's drift is beyond what precision gives at {gate['tokens']} tokens "
                 f"({said}), though no token passes its tau: a small change of every token, as "
                 "other weights give (a stale or differently converted checkpoint, another "
                 "router), or computing in another precision than declared"
             ),
-            "severity": "fault",
-            "details": {"precision_gate": [t["name"] for t in failed]},
-            "confidence": 0.0,
-            "runner_up": None,
-            "status": "plausible",
-        }
+            details={"precision_gate": [t["name"] for t in failed]},
+            confidence=0.0,
+        )
     ]
 
 
 def _precision_over_user_limits(
-    judgement: dict, findings: list[dict], expected: dict, aligned: Aligned
-) -> list:
+    judgement: Judgement, findings: list[Finding], expected: dict, aligned: Aligned
+) -> list[Finding]:
     """A limit the user set, exceeded by drift the precision gate passes (no finding beyond
     precision): propose precision, so the failure is not read as a semantic bug. A claim
     like any other: verification re-scores in the declared precisions to verify it."""
     gate_failed = any(
         v.get("source", "").startswith("precision gate") for v in judgement["violations"]
     )
-    if not judgement["violations"] or gate_failed or any(f["cause"] != "dtype" for f in findings):
+    if not judgement["violations"] or gate_failed or any(f.cause != Cause.DTYPE for f in findings):
         return []
     names = ", ".join(
         f"{v['metric']} {v['value']:.3g} > {v['limit']:.3g} (noise alone: "
@@ -473,22 +465,19 @@ def _precision_over_user_limits(
         for v in judgement["violations"]
     )
     return [
-        {
-            "cause": "dtype",
-            "sequences": list(aligned.sequence_ids),
-            "first_position": {},
-            "evidence": (
+        Finding(
+            cause=Cause.DTYPE,
+            sequences=list(aligned.sequence_ids),
+            evidence=(
                 f"the drift passes the precision gate (what this model's calibrated noise "
                 f"gives at this token count), yet limits the policy sets are exceeded: "
                 f"{names}; if precision is the cause, raise the limit or compute in a higher "
                 "precision"
             ),
-            "severity": "info",
-            "details": {"violations": judgement["violations"], "over_user_limits": True},
-            "confidence": 1.0,
-            "runner_up": None,
-            "status": "plausible",
-        }
+            severity=Severity.INFO,
+            details={"violations": judgement["violations"], "over_user_limits": True},
+            status=Status.PLAUSIBLE,
+        )
     ]
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from pipeline.contracts.files import COMPARE_OUTPUTS
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION, BadInput, Interrupted
 from pipeline.paths import check_replaceable_in, output_lock, write_text_atomic
 from pipeline.run_manifest import add_stage, finish, new_manifest, write_manifest
@@ -92,9 +93,7 @@ def smoke_outputs() -> list[str]:
 
     replays = [f"replay-hf-{dtype}.parquet" for dtype in SMOKE_REPLAY_DTYPES]
     compares = [
-        f"compare-hf-{dtype}/{name}"
-        for dtype in SMOKE_REPLAY_DTYPES
-        for name in ("report.json", "tokens.parquet", "summary.md")
+        f"compare-hf-{dtype}/{name}" for dtype in SMOKE_REPLAY_DTYPES for name in COMPARE_OUTPUTS
     ]
     return [MANIFEST, "smoke.json", "fixture.parquet", *replays, *compares]
 
@@ -151,16 +150,16 @@ def _smoke_stages(
         )
         paths = write_outputs(comparison, out_dir / f"compare-hf-{dtype}")
         report = comparison.report
-        add_stage(manifest, f"compare-hf-{dtype}", "ok" if report["verdict"] == "pass" else "fail")
+        add_stage(manifest, f"compare-hf-{dtype}", "ok" if report.verdict == "pass" else "fail")
         write_manifest(out_dir, manifest)
-        metrics = report["metrics"]
-        causes = ", ".join(claim_text(f) for f in report["diagnosis"]) or "none"
+        metrics = report.metrics
+        causes = ", ".join(claim_text(f) for f in report.diagnosis) or "none"
         click.echo(
-            f"{rollout_engine} vs hf {dtype:<8}  {report['verdict'].upper():4}  profile "
-            f"{report['policy']['profile']:<8}  max|d| {metrics['max_abs_diff']:.3g}  "
+            f"{rollout_engine} vs hf {dtype:<8}  {report.verdict.upper():4}  profile "
+            f"{report.policy['profile']:<8}  max|d| {metrics['max_abs_diff']:.3g}  "
             f"mean|d| {metrics['mean_abs_diff']:.3g}  k3 {metrics['k3']:.2g}  findings: {causes}"
         )
-        results[dtype] = {"verdict": report["verdict"], "report": str(paths["report"])}
+        results[dtype] = {"verdict": report.verdict, "report": str(paths["report"])}
     write_text_atomic(out_dir / "smoke.json", json.dumps(results, indent=1) + "\n")
     failed = [d for d, r in results.items() if r["verdict"] != "pass"]
     click.echo(

@@ -91,13 +91,13 @@ def _write_sweep(out_dir: Path, settings, fixtures) -> list[dict]:
         ours, theirs, diverged = common_prefix(fixture, baseline, baseline_name)
         comparison = compare_tables(ours, theirs, fixture_path, f"{baseline_name} (baseline)")
         paths = write_outputs(comparison, out_dir / f"compare-{setting.name}")
-        metrics = comparison.report["metrics"]
+        metrics = comparison.report.metrics
         rows.append(
             {
                 "setting": setting.name,
                 "baseline": False,
                 "knobs_applied": fixture.metadata.get("knobs"),
-                "verdict": comparison.report["verdict"],
+                "verdict": comparison.report.verdict,
                 "tokens_compared": metrics.get("tokens", 0),
                 "max_abs_diff": metrics.get("max_abs_diff", 0.0),
                 "mean_abs_diff": metrics.get("mean_abs_diff", 0.0),

@@ -16,16 +16,16 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from pipeline.contracts.files import BISECT as FILE
+from pipeline.contracts.files import MANIFEST, REPORT
 from pipeline.db.models import Alert, Bisect, Case, MetricValue, Series
 from pipeline.errors import BadInput
 from pipeline.history import keys
 from pipeline.history.detection import Boundary, violates
 
-FILE = "bisect.json"
-
 
 def is_bisect(directory: Path) -> bool:
-    return (Path(directory) / FILE).is_file() and not (Path(directory) / "lpx-run.json").is_file()
+    return (Path(directory) / FILE).is_file() and not (Path(directory) / MANIFEST).is_file()
 
 
 def read_bisect(directory: Path) -> dict:
@@ -108,7 +108,7 @@ def bisects_by_series(session: Session) -> dict[tuple, list[dict]]:
 def _series_of(directory: Path, state: dict) -> dict:
     """The case key and engines of the first probe run that wrote a report."""
     for run in state.get("runs", []):
-        report_path = directory / run["run_dir"] / "compare" / "report.json"
+        report_path = directory / run["run_dir"] / "compare" / REPORT
         try:
             report = json.loads(report_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):

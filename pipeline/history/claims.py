@@ -1,7 +1,7 @@
 """What a diagnosis finding claims and how sure lpx is of it: one wording for every page and
 command that shows a finding (run, index and series pages, `lpx history`, `lpx gate`).
 
-A finding's ``status`` (pipeline/compare/findings.py) says how far it was checked:
+A finding's ``status`` (pipeline/contracts/causes.py) says how far it was checked:
 ``verified`` (re-scoring with the bug committed in the reference model reproduced the
 drift), ``plausible`` (the drift's signatures fit; nothing reproduced it) or ``ruled_out``
 (re-scoring did not reproduce it). The cause ``unexplained`` is a status of its own: no

@@ -16,26 +16,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import orjson
+from pydantic import ValidationError
 
+from pipeline.contracts.files import LOCALIZE as LOCALIZE_FILE
+from pipeline.contracts.files import LOCALIZE_DIR, REPORT, SUMMARY, TOKENS
+from pipeline.contracts.manifest import RunManifest
+from pipeline.contracts.problems import INT64_MAX, describe
+from pipeline.contracts.report import Report, contradictions
 from pipeline.errors import BadInput
-from pipeline.history.localized import (
-    LOCALIZE_DIR,
-    LOCALIZE_FILE,
-    localize_contradictions,
-    read_localize,
-)
-from pipeline.history.schema import (
-    INT64_MAX,
-    contradictions,
-    describe_problems,
-    manifest_problems,
-    report_problems,
-)
+from pipeline.history.localized import localize_contradictions, read_localize
 from pipeline.run_manifest import MANIFEST, RUN_KINDS, read_manifest
 from pipeline.testbed import describe_testbed
 
-REPORT = "report.json"
-COMPARE_PARTS = ("tokens.parquet", "summary.md")  # written before report.json
+COMPARE_PARTS = (TOKENS, SUMMARY)  # written before report.json
 MAX_DEPTH = 4
 
 
@@ -44,10 +37,11 @@ class PairInput:
     """One finished comparison: a single-pair report.json and the files beside it."""
 
     pair: str  # its directory relative to the run directory
-    report: dict
+    report: dict  # as the file has it, unknown fields included
+    checked: Report  # the same, validated (pipeline/contracts/report.py)
     report_path: Path
     tokens_path: Path | None
-    # localize/localize.json beside the report, checked (history/localized.py)
+    # localize/localize.json beside the report, checked (contracts/localize.py)
     localize: dict | None = None
     localize_path: Path | None = None
     # {verdict: error|skipped, message}: lpx run's localize stage for this pair left no file
@@ -84,11 +78,14 @@ def collect_run(
     if not run_dir.is_dir():
         raise BadInput(f"{run_dir}: no such run directory; pass the --out of lpx smoke/compare.")
     manifest = read_manifest(run_dir)
-    if manifest is not None and (problems := manifest_problems(manifest)):
-        raise BadInput(
-            f"{run_dir / MANIFEST}: {describe_problems(problems)}; fix or delete it to record "
-            "the run from its reports alone. Nothing was recorded."
-        )
+    if manifest is not None:
+        try:
+            RunManifest.model_validate(manifest)
+        except ValidationError as error:
+            raise BadInput(
+                f"{run_dir / MANIFEST}: {describe(error, count=3)}; fix or delete it to record "
+                "the run from its reports alone. Nothing was recorded."
+            ) from None
     pairs, unfinished = _find_reports(run_dir)
     stages = (manifest or {}).get("stages", [])
     errors = [
@@ -110,7 +107,7 @@ def collect_run(
             "contradicts itself is an error run, never a pass (rerun `lpx compare`)",
         }
         for p in pairs
-        if (found := contradictions(p.report))
+        if (found := contradictions(p.checked))
     ]
     if manifest is not None and manifest.get("status") == "running":
         errors.append({"stage": "run", "message": "the run never finished (manifest says running)"})
@@ -212,14 +209,15 @@ def _find_reports(run_dir: Path) -> tuple[list[PairInput], list[Path]]:
     for directory in sorted(_walk(run_dir)):
         report_path = directory / REPORT
         if report_path.is_file():
-            report = _load_report(report_path)
-            if "pairs" in report:
+            report, checked = _load_report(report_path)
+            if checked is None:
                 continue  # a matrix: its pairs are single reports in subdirectories
-            tokens = directory / "tokens.parquet"
+            tokens = directory / TOKENS
             pairs.append(
                 PairInput(
                     pair=str(directory.relative_to(run_dir)) if directory != run_dir else ".",
                     report=report,
+                    checked=checked,
                     report_path=report_path,
                     tokens_path=tokens if tokens.is_file() else None,
                 )
@@ -246,7 +244,8 @@ def _walk(root: Path, depth: int = 0):
         yield from _walk(child, depth + 1)
 
 
-def _load_report(path: Path) -> dict:
+def _load_report(path: Path) -> tuple[dict, Report | None]:
+    """The report as the file has it and as the model reads it (None for a matrix)."""
     try:
         report = _parse_json(path.read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -257,15 +256,16 @@ def _load_report(path: Path) -> dict:
     if not isinstance(report, dict):
         raise BadInput(f"{path}: a report must be a JSON object; nothing was recorded.")
     if "pairs" in report:
-        return report
-    problems = report_problems(report)
-    if problems:
+        return report, None
+    try:
+        checked = Report.model_validate(report)
+    except ValidationError as error:
         raise BadInput(
             f"{path}: not an lpx compare report as `lpx record` reads it: "
-            f"{describe_problems(problems)}. Rerun `lpx compare` for this directory (or fix "
-            "the file); nothing was recorded."
-        )
-    return report
+            f"{describe(error, count=3)}. Rerun `lpx compare` for this directory (or fix the "
+            "file); nothing was recorded."
+        ) from None
+    return report, checked
 
 
 def _parse_json(data: bytes):

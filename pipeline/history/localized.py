@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import ValidationError
 
-from pipeline.compare.calibration_file import describe
+from pipeline.contracts.localize import LocalizeResult
+from pipeline.contracts.problems import describe
 from pipeline.errors import BadInput
-from pipeline.history.schema import INT32_MAX, INT64_MAX
 
-LOCALIZE_DIR = "localize"
-LOCALIZE_FILE = "localize.json"
-VERDICTS = ("clean", "localized", "verified")
 # What a pair's localize is when its stage did not leave a localize.json (lpx run).
 STAGE_VERDICTS = ("error", "skipped")
 BOUNDARY_COLUMNS = (
@@ -39,76 +35,6 @@ BOUNDARY_COLUMNS = (
 )
 SUMMARY_KEYS = ("first", "verification", "margin", "sides", "sequences", "tokens", "seconds")
 
-# A finite number >= 0: localize.json never writes a non-finite one.
-Level = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-BoundaryName = Annotated[str, StringConstraints(min_length=1, max_length=128)]  # its column
-Index = Annotated[int, Field(ge=0, le=INT32_MAX)]
-
-
-class _Open(BaseModel):
-    """Strict types (no "0.1" for 0.1, no true for 1); fields lpx does not know are kept (a
-    newer localize may write more)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class First(_Open):
-    boundary: BoundaryName
-    ratio: Level
-
-
-class Verification(_Open):
-    verified: bool
-    by: str | None = None
-    runner: str | None = None
-    attempts: list[dict[str, object]] | None = None
-
-
-class Side(_Open):
-    spec: str
-    engine: str | None = None
-    dtype: str | None = None
-    reference_dtype: str | None = None
-    tp: Index | None = None
-    world_size: Index | None = None
-
-
-class Sides(_Open):
-    a: Side
-    b: Side
-
-
-class Drift(_Open):
-    max: Level
-    rms: Level
-
-
-class Boundary(_Open):
-    boundary: BoundaryName
-    layer: Index | None = None
-    kind: Annotated[str, StringConstraints(min_length=1, max_length=32)]
-    drift: Drift
-    floor: Drift
-    ratio: Level
-    beyond: bool
-
-
-class LocalizeResult(_Open):
-    """localize.json (localize/run.py); ``lpx_localize`` marks it as lpx's (files before
-    the marker have none)."""
-
-    lpx_localize: Annotated[int, Field(ge=1, le=1)] | None = None
-    schema_version: Annotated[int, Field(ge=1, le=1)]
-    verdict: Literal[VERDICTS]
-    first: First | None = None
-    verification: Verification | None = None
-    margin: Level
-    sides: Sides
-    sequences: list[str]
-    tokens: Annotated[int, Field(ge=0, le=INT64_MAX)]
-    boundaries: list[Boundary]
-    seconds: Level | None = None
-
 
 def localize_problems(result) -> list[str]:
     """What is wrong with a localize.json's types and ranges, the first three said in one
@@ -118,7 +44,7 @@ def localize_problems(result) -> list[str]:
     try:
         LocalizeResult.model_validate(result)
     except ValidationError as error:
-        return [describe(error, shown=3)]
+        return [describe(error, count=3)]
     return []
 
 

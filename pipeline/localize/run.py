@@ -12,6 +12,7 @@ import math
 import time
 from pathlib import Path
 
+from pipeline.contracts.files import LOCALIZE as RESULT_FILE
 from pipeline.errors import BadInput
 from pipeline.localize import exact as bitwise
 from pipeline.localize import swap
@@ -23,7 +24,6 @@ from pipeline.localize.verdict import MARGIN, first_beyond
 
 SCHEMA_VERSION = 1
 FORMAT_MARKER = "lpx_localize"  # says lpx wrote it: a rerun may replace it (paths.py)
-RESULT_FILE = "localize.json"
 CHART_FILE = "localize.svg"
 CAPTURES = "captures"
 OUTPUTS = (RESULT_FILE, CHART_FILE, CAPTURES)  # what a run writes or removes in --out
@@ -144,9 +144,13 @@ def _drift(value) -> float:
 
 
 def write(result: dict, out_dir: Path) -> Path:
+    """localize.json, checked by the model `lpx record` reads it with (a writer's bug fails
+    here, not in tomorrow's record), and its chart."""
+    from pipeline.contracts.localize import LocalizeResult
     from pipeline.localize.chart import drift_chart
     from pipeline.paths import write_text_atomic
 
+    LocalizeResult.model_validate(result)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / RESULT_FILE
     write_text_atomic(path, json.dumps(result, indent=1, allow_nan=False) + "\n")

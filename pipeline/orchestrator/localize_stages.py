@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.contracts.files import LOCALIZE as LOCALIZE_FILE
+from pipeline.contracts.files import LOCALIZE_DIR, REPORT
 from pipeline.names import canonical_dtype
 from pipeline.orchestrator.plan import Plan, Replay
 from pipeline.orchestrator.stages import COMPARE, FIXTURE, MODEL, Stage
 
-LOCALIZE_DIR = "localize"
-LOCALIZE_FILE = "localize.json"
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # Engines whose capture adapter takes the TP size as `tp` (the others run the whole model).
 TENSOR_PARALLEL = ("megatron", "vllm")
@@ -47,7 +47,7 @@ def failing_pairs(run_dir: Path, replays: list[Replay]) -> list[tuple[Replay, st
     """(replay, pair directory) for each pair whose comparison failed, from the compare
     stage's report.json: a matrix lists its pairs in the order of the replays compared."""
     try:
-        report = json.loads((run_dir / COMPARE / "report.json").read_text(encoding="utf-8"))
+        report = json.loads((run_dir / COMPARE / REPORT).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []  # the compare stage's own status says what went wrong
     if "pairs" not in report:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import click
 
+from pipeline.contracts.files import MANIFEST
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION, BadInput, Interrupted
 from pipeline.orchestrator.localize_stages import failing_pairs, localize_images, localize_stage
 from pipeline.orchestrator.plan import Plan
@@ -60,7 +61,7 @@ def run_plan(
     plan: Plan, plan_path: Path, run_dir: Path, resume: bool = False, runner_name: str = "local"
 ) -> int:
     run_dir = Path(run_dir).resolve()
-    if resume and not (run_dir / "lpx-run.json").is_file():
+    if resume and not (run_dir / MANIFEST).is_file():
         raise BadInput(f"--resume {run_dir}: no lpx-run.json there; resume a run `lpx run` made.")
     if not resume and run_dir.exists() and any(run_dir.iterdir()):
         raise BadInput(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.contracts.files import CALIBRATION
 from pipeline.names import canonical_dtype
 from pipeline.orchestrator.plan import Plan, Server
 
@@ -17,7 +18,6 @@ LOGS = "logs"
 PROMPTS = "prompts.txt"
 MODEL = "model"
 COMPARE = "compare"
-CALIBRATION = "calibration.json"
 
 
 @dataclass(frozen=True)

@@ -1,32 +1,20 @@
 """Load the whole history once, in a few bulk queries, into plain structures the pages use.
 
 A year of nightlies is ~400k metric values: they are read as tuples in one query and
-grouped per series here, rather than queried page by page.
+grouped per series here, rather than queried page by page. The queries themselves are in
+pipeline/history/queries.py (the terminal's views read the same rows); this module only
+shapes what they return.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
-
-from pipeline.db.models import (
-    Alert,
-    Annotation,
-    Case,
-    Comparison,
-    EngineBuild,
-    LocalizeBoundary,
-    MetricValue,
-    Run,
-    Series,
-    Testbed,
-)
+from pipeline.history import queries
 from pipeline.history.bisects import bisects_by_series
 from pipeline.history.claims import Claim, claims_of
-from pipeline.history.evaluate import build_as_dict
-from pipeline.history.queries import run_row
+
+# site.py reads each run page's rows through this module, as it reads the whole history.
 
 
 @dataclass
@@ -81,18 +69,36 @@ class HistoryData:
     bisects: dict[tuple, list[dict]] = field(default_factory=dict)
 
 
-def load_history(session: Session) -> HistoryData:
-    runs = {}
-    for run in session.scalars(select(Run).order_by(Run.started_at, Run.id)):
-        runs[run.id] = run_row(run)
-    builds = {b.id: build_as_dict(b) for b in session.scalars(select(EngineBuild))}
+def load_history(session) -> HistoryData:
+    """The whole history from one read session (site.py's snapshot), in bulk queries. The
+    session goes unannotated: naming its type would import the database layer here."""
+    runs = {run["id"]: run for run in queries.runs_oldest_first(session)}
+    builds = queries.builds_by_id(session)
+    series = _load_series(session)
+    points, point_index = _load_points(session, series)
+    _load_tracked_boundaries(session, series, points)
+    names = _load_metrics(session, points)
+    alerts = [
+        queries.alert_row(alert, series[alert.series_id].label, points)
+        for alert in queries.every_alert(session)
+    ]
+    return HistoryData(
+        runs,
+        list(runs),
+        series,
+        builds,
+        alerts,
+        queries.annotations(session),
+        sorted(names, key=_metric_order),
+        point_index,
+        bisects_by_series(session),
+    )
+
+
+def _load_series(session) -> dict[int, SeriesData]:
+    """Every series, by id, with no points yet (_load_points adds them)."""
     series = {}
-    for s, case, testbed in session.execute(
-        select(Series, Case, Testbed)
-        .join(Case, Case.id == Series.case_id)
-        .join(Testbed, Testbed.id == Series.testbed_id)
-        .order_by(Series.id)
-    ):
+    for s, case, testbed in queries.series_cases_and_testbeds(session):
         series[s.id] = SeriesData(
             s.id,
             s.key[:12],
@@ -115,24 +121,15 @@ def load_history(session: Session) -> HistoryData:
             },
             case_key=case.key,
         )
+    return series
+
+
+def _load_points(session, series: dict[int, SeriesData]) -> tuple[dict, dict]:
+    """Every comparison as a point, appended to its series oldest first: (points by
+    comparison id, comparison id -> (series, point)). A series takes the profile and the
+    localize boundary of its latest point that has one."""
     points, point_index = {}, {}
-    for row in session.execute(
-        select(
-            Comparison.id,
-            Comparison.series_id,
-            Comparison.run_id,
-            Comparison.started_at,
-            Comparison.verdict,
-            Comparison.profile,
-            Comparison.pair,
-            Comparison.rollout_build_id,
-            Comparison.replay_build_id,
-            Comparison.findings,
-            Comparison.localize_verdict,
-            Comparison.localize_boundary,
-            Comparison.localize,
-        ).order_by(Comparison.started_at, Comparison.id)
-    ):
+    for row in queries.comparison_points(session):
         point = Point(
             row.id,
             row.run_id,
@@ -155,118 +152,28 @@ def load_history(session: Session) -> HistoryData:
         target.profile = row.profile or target.profile
         if row.localize_boundary:
             target.localize_boundary = row.localize_boundary
-    _load_tracked_boundaries(session, series, points)
-    names = set()
-    for row in session.execute(
-        select(
-            MetricValue.comparison_id,
-            MetricValue.name,
-            MetricValue.value,
-            MetricValue.status,
-            MetricValue.lower,
-            MetricValue.upper,
-            MetricValue.baseline,
-        )
-    ):
-        points[row[0]].metrics[row[1]] = row[2:]
-        names.add(row[1])
-    alerts = []
-    for alert in session.scalars(select(Alert).order_by(Alert.id)):
-        alerts.append(
-            {
-                "id": alert.id,
-                "series_id": alert.series_id,
-                "metric": alert.metric,
-                "kind": alert.kind,
-                "status": alert.status,
-                "first_bad": points.get(alert.first_bad_id),
-                "last_good": points.get(alert.last_good_id),
-                "latest": points.get(alert.latest_id),
-                "value_before": alert.value_before,
-                "value_after": alert.value_after,
-                "rule": alert.rule,
-                "attribution": alert.attribution or [],
-                "note": alert.note,
-                "updated_at": alert.updated_at.isoformat(timespec="seconds"),
-            }
-        )
-    annotations = [
-        {
-            "id": a.id,
-            "series_id": a.series_id,
-            "run": a.run_id,
-            "kind": a.kind,
-            "reason": a.reason,
-            "created_at": a.created_at.isoformat(timespec="seconds"),
-        }
-        for a in session.scalars(select(Annotation).order_by(Annotation.id))
-    ]
-    return HistoryData(
-        runs,
-        list(runs),
-        series,
-        builds,
-        alerts,
-        annotations,
-        sorted(names, key=_metric_order),
-        point_index,
-        bisects_by_series(session),
-    )
+    return points, point_index
 
 
-def run_comparisons(session: Session, run_id: int) -> list[Comparison]:
-    """One run's comparisons with their details (worst tokens, heatmap): per run page."""
-    return list(
-        session.scalars(
-            select(Comparison).where(Comparison.run_id == run_id).order_by(Comparison.pair)
-        )
-    )
-
-
-def run_localize_rows(session: Session, comparisons: list[Comparison]) -> dict[int, list[dict]]:
-    """The boundary rows of a run's localized comparisons, in network order (as recorded)."""
-    ids = [c.id for c in comparisons if c.localize_verdict in ("clean", "localized", "verified")]
-    rows: dict[int, list[dict]] = {}
-    if not ids:
-        return rows
-    for row in session.scalars(
-        select(LocalizeBoundary)
-        .where(LocalizeBoundary.comparison_id.in_(ids))
-        .order_by(LocalizeBoundary.id)
-    ):
-        rows.setdefault(row.comparison_id, []).append(
-            {
-                "boundary": row.boundary,
-                "layer": row.layer,
-                "kind": row.kind,
-                "drift_max": row.drift_max,
-                "drift_rms": row.drift_rms,
-                "floor_max": row.floor_max,
-                "floor_rms": row.floor_rms,
-                "ratio": row.ratio,
-                "beyond": row.beyond,
-            }
-        )
-    return rows
-
-
-def _load_tracked_boundaries(session: Session, series: dict, points: dict) -> None:
+def _load_tracked_boundaries(session, series: dict, points: dict) -> None:
     """Each series' tracked boundary (the one its latest localized point names), at every
     point that localized: one query for the whole history, for those boundaries only."""
     tracked = {s.id: s.localize_boundary for s in series.values() if s.localize_boundary}
     if not tracked:
         return
-    for row in session.execute(
-        select(
-            LocalizeBoundary.comparison_id,
-            LocalizeBoundary.series_id,
-            LocalizeBoundary.boundary,
-            LocalizeBoundary.ratio,
-            LocalizeBoundary.beyond,
-        ).where(LocalizeBoundary.boundary.in_(set(tracked.values())))
-    ):
+    for row in queries.boundary_ratios(session, set(tracked.values())):
         if tracked.get(row.series_id) == row.boundary and row.comparison_id in points:
             points[row.comparison_id].localize_tracked = (row.ratio, row.beyond)
+
+
+def _load_metrics(session, points: dict) -> set[str]:
+    """Each point's metric values, as (value, status, lower, upper, baseline) by name;
+    returns every metric name seen."""
+    names = set()
+    for row in queries.metric_values(session):
+        points[row[0]].metrics[row[1]] = row[2:]
+        names.add(row[1])
+    return names
 
 
 def _metric_order(name: str):

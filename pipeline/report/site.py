@@ -20,17 +20,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup, escape
-from sqlalchemy.orm import Session
 
 from pipeline.errors import BadInput
 from pipeline.history.claims import Claim
 from pipeline.history.database import History, describe
+from pipeline.history.queries import run_comparisons, run_localize_rows
 from pipeline.progress import progress_bar
-from pipeline.report.data import load_history, run_comparisons, run_localize_rows
+from pipeline.report.data import load_history
 from pipeline.report.pages import index_page, run_page, series_page
+
+if TYPE_CHECKING:  # the report reads the history through history/queries.py only
+    from sqlalchemy.orm import Session
 
 MARKER = ".lpx-report"
 ASSETS = ("lpx.css", "lpx.js")

@@ -24,22 +24,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.contracts.causes import Cause
+from pipeline.contracts.report import Finding, Report
 from pipeline.verify.families.shifts import shift_onset
 from pipeline.verify.flow import Verifier
 
 __all__ = ["Verifier", "needs_verifying", "shift_onset", "verify_report"]
 
 
-def needs_verifying(findings: list[dict]) -> bool:
+def needs_verifying(findings: list[Finding]) -> bool:
     """Whether any finding is a fault, unexplained drift or a precision claim a re-score
     could decide."""
-    return any(
-        f.get("severity") == "fault" or (f.get("cause") == "dtype" and f.get("sequences"))
-        for f in findings
-    )
+    return any(f.is_fault or (f.cause == Cause.DTYPE and f.sequences) for f in findings)
 
 
-def verify_report(report: dict, fixture, replay, model_dir: Path, policy=None, **options) -> bool:
+def verify_report(report: Report, fixture, replay, model_dir: Path, policy=None, **options) -> bool:
     """compare → verify → re-judge: the report's findings verified by re-scoring with the
     model in ``model_dir`` (options as `Verifier`'s), and its verdict judged again by the
     policy (the default one when none is given). False, and the report untouched, where no
@@ -47,10 +46,8 @@ def verify_report(report: dict, fixture, replay, model_dir: Path, policy=None, *
     from pipeline.compare.policy import load_policy
     from pipeline.compare.run import rejudge
 
-    if not needs_verifying(report["diagnosis"]):
+    if not needs_verifying(report.diagnosis):
         return False
-    report["diagnosis"] = Verifier(fixture, replay, model_dir, **options).verify(
-        report["diagnosis"]
-    )
+    report.diagnosis = Verifier(fixture, replay, model_dir, **options).verify(report.diagnosis)
     rejudge(report, policy if policy is not None else load_policy())
     return True

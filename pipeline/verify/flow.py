@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.contracts.causes import Cause, Severity, Status
+from pipeline.contracts.report import Finding
 from pipeline.fixture.table import TokenTable
 from pipeline.verify import report
 from pipeline.verify.families import FAMILIES, for_cause
@@ -22,13 +24,13 @@ from pipeline.verify.reference import Reference
 
 # Weights causes cannot be re-scored without a store; reproducible causes of the same shape
 # are tried instead, and the weights cause stays the signatures' answer when none verifies
-COMPETED = ("stale_weights", "version_change")
+COMPETED = (Cause.STALE_WEIGHTS, Cause.VERSION_CHANGE)
 NOT_REPRODUCIBLE = {
-    "stale_weights": "other weights cannot be re-created from one side's logprobs; give "
+    Cause.STALE_WEIGHTS: "other weights cannot be re-created from one side's logprobs; give "
     "--weights-store to re-score under the published versions",
-    "version_change": "the weights after the update are not at hand; give --weights-store",
-    "claimed_version": "already decided by re-scoring under the store's versions",
-    "missing_version": "the version is not in the store",
+    Cause.VERSION_CHANGE: "the weights after the update are not at hand; give --weights-store",
+    Cause.CLAIMED_VERSION: "already decided by re-scoring under the store's versions",
+    Cause.MISSING_VERSION: "the version is not in the store",
 }
 
 
@@ -44,22 +46,18 @@ class Verifier:
     def base(self):
         return self.ref.base
 
-    def verify(self, findings: list[dict]) -> list[dict]:
+    def verify(self, findings: list[Finding]) -> list[Finding]:
         """The findings with statuses, residuals and floors."""
         ref = self.ref
-        ref.drifting = {
-            s for f in findings if f.get("severity") == "fault" for s in f.get("sequences") or []
-        }
+        ref.drifting = {s for f in findings if f.is_fault for s in f.sequences}
         out: list[dict] = []
         leftover: list[str] = []
         said: list[str] = []
         ruled_out: list[dict] = []
         reproduced: list[Candidate] = []  # what verified: tried first on the rest
         for finding in findings:
-            cause = finding["cause"]
-            if not finding.get("sequences") or (
-                cause in NOT_REPRODUCIBLE and cause not in COMPETED
-            ):
+            cause = finding.cause
+            if not finding.sequences or (cause in NOT_REPRODUCIBLE and cause not in COMPETED):
                 out.append(finding)
                 continue
             own = self.candidates(finding)
@@ -78,14 +76,14 @@ class Verifier:
                 # that stays plausible, worded as one; no other cause to chase in noise
                 out.append(report.inconclusive_precision(finding, tried[-1]))
                 continue
-            runner = (finding.get("runner_up") or {}).get("cause")
+            runner = (finding.runner_up or {}).get("cause")
             others = [
                 *reproduced,
                 # below the declared precisions: a side that computed in bf16 while it
                 # declares fp32 drifts by a few times the floor, in any shape
-                *Precision().alternatives(ref, {**finding, "cause": "dtype"}),
+                *Precision().alternatives(ref, finding.but(cause=Cause.DTYPE)),
                 *Weights().alternatives(ref, finding),  # other published weights
-                *(self.candidates({**finding, "cause": runner, "details": {}}) if runner else []),
+                *(self.candidates(finding.but(cause=runner, details={})) if runner else []),
                 *self.any_cause(finding),
             ]
             outcome, also = self._first_verified(finding, report.distinct(others, tried))
@@ -108,7 +106,7 @@ class Verifier:
                 # drift has the shape of other weights: that, not the signature, is plausible
                 out.append(report.not_reproduced(weights, tried))
                 continue
-            if cause not in ("unexplained", "dtype"):
+            if cause not in (Cause.UNEXPLAINED, Cause.DTYPE):
                 # Never worse than the signatures: a real engine commits a bug in more ways
                 # than re-scoring can, so a cause the signature named and nothing verified
                 # stays that cause, plausible, with what was tried and how close each came.
@@ -116,7 +114,7 @@ class Verifier:
                 # fault, never "precision".)
                 out.append(report.unverified(finding, tried))
                 continue
-            if cause != "unexplained":
+            if cause != Cause.UNEXPLAINED:
                 out.append(report.ruled_out(finding, tried))
             untestable = self._untestable(finding, runner)
             if untestable is not None:
@@ -124,9 +122,9 @@ class Verifier:
                 # the other weights) remain, and the drift has their shape
                 out.append(report.not_reproduced(untestable, tried))
                 continue
-            leftover += finding["sequences"]
-            if cause == "unexplained":  # what the comparison said of it stays said
-                said.append(finding["evidence"])
+            leftover += finding.sequences
+            if cause == Cause.UNEXPLAINED:  # what the comparison said of it stays said
+                said.append(finding.evidence)
             ruled_out += tried
         if leftover:
             out.append(report.unexplained(sorted(set(leftover)), ruled_out, said))
@@ -135,12 +133,12 @@ class Verifier:
         merged = report.one_per_reproduction(out)
         return report.one_routing_flip(report.both_truncations(merged))
 
-    def candidates(self, finding: dict) -> list[Candidate]:
+    def candidates(self, finding: Finding) -> list[Candidate]:
         """The reproductions a finding's cause and parameters call for."""
-        family = for_cause(finding["cause"])
+        family = for_cause(finding.cause)
         return family.hypotheses(self.ref, finding) if family else []
 
-    def any_cause(self, finding: dict) -> list[Candidate]:
+    def any_cause(self, finding: Finding) -> list[Candidate]:
         """What drift its own cause did not reproduce is tested against: the data bugs first
         (no model), then every family's alternatives in the families' order."""
         offered = [
@@ -152,14 +150,14 @@ class Verifier:
         data = [c for c in offered if c.kind.startswith("data_")]
         return [*data, *(c for c in offered if not c.kind.startswith("data_"))]
 
-    def _first_verified(self, finding: dict, candidates: list[Candidate]):
+    def _first_verified(self, finding: Finding, candidates: list[Candidate]):
         tried = []
         for candidate in candidates:
-            outcome = judge(self.ref, candidate, finding["sequences"])
+            outcome = judge(self.ref, candidate, finding.sequences)
             if outcome is None:
                 continue
             self.ref.say(
-                f"verify: {candidate.kind} {candidate.params or ''} on {finding['cause']}: "
+                f"verify: {candidate.kind} {candidate.params or ''} on {finding.cause}: "
                 f"mean |d| {outcome.before:.3g} -> {outcome.after:.3g} on the {outcome.side} side "
                 f"(floor {outcome.floor:.3g}): {'verified' if outcome.verified else 'ruled out'}"
             )
@@ -168,24 +166,23 @@ class Verifier:
             tried.append(report.describe(outcome))
         return None, tried
 
-    def _untestable(self, finding: dict, runner: str | None) -> dict | None:
+    def _untestable(self, finding: Finding, runner: str | None) -> Finding | None:
         """After every reproduction failed: the runner-up when it is an in-flight update (a
         position onset's), or `weights_differ` when the drift has a weight step's shape;
         else None."""
-        if runner == "version_change":
-            return {
-                **finding,
-                "cause": runner,
-                "severity": "fault",
-                "status": "plausible",
-                "evidence": f"{finding['cause']} did not reproduce the drift; {runner}, the "
+        if runner == Cause.VERSION_CHANGE:
+            return finding.but(
+                cause=Cause.VERSION_CHANGE,
+                severity=Severity.FAULT,
+                status=Status.PLAUSIBLE,
+                evidence=f"{finding.cause} did not reproduce the drift; {runner}, the "
                 "runner-up, fits its shape and needs the other weights to re-score "
                 "(--weights-store)",
-                "details": {"at": (finding.get("first_position") or {}).get("position")},
-            }
+                details={"at": finding.first_position.get("position")},
+            )
         return weights_differ(self.ref, finding)
 
-    def _fills_the_model_explains(self, out: list[dict], reproduced: list[Candidate]):
+    def _fills_the_model_explains(self, out: list[Finding], reproduced: list[Candidate]):
         """A constant in the logprobs is also what a bug of the model gives: a top-p nucleus
         of one token scores exactly 0. A fill is judged on the median of its tokens, so a
         model reproduction that verifies a fill's sequences on every token, on the same
@@ -193,18 +190,16 @@ class Verifier:
         then the truncations (recorded, else searched)."""
         models = [c for c in reproduced if not c.kind.startswith("data_")]
         for index, finding in enumerate(out):
-            by = (finding.get("details") or {}).get("verified_by") or {}
-            if finding.get("status") != "verified" or not by.get("kind", "").startswith("data_"):
+            by = finding.details.get("verified_by") or {}
+            if not finding.verified or not by.get("kind", "").startswith("data_"):
                 continue
             truncations = Truncation().alternatives(self.ref, finding)
             for candidate in report.distinct([*models, *truncations], []):
-                outcome = judge(self.ref, candidate, finding["sequences"])
+                outcome = judge(self.ref, candidate, finding.sequences)
                 if outcome and outcome.verified and outcome.side == by.get("side"):
-                    said = finding["details"].get("signature_evidence", finding["evidence"])
+                    said = finding.details.get("signature_evidence", finding.evidence)
                     how = report.params_text(by["params"])
                     fill = f"{by['kind']} ({how}) matched the median token only"
-                    out[index] = report.verified(
-                        {**finding, "evidence": f"{said}; {fill}"}, outcome
-                    )
+                    out[index] = report.verified(finding.but(evidence=f"{said}; {fill}"), outcome)
                     break
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.contracts.report import Finding
 from pipeline.faults import FaultSettings
 
 VERIFY_MARGIN = 3.0  # a reproduction leaves at most this many times the floor's mean |d|
@@ -58,10 +59,10 @@ class Family:
     causes: tuple[str, ...] = ()
     kinds: tuple[str, ...] = ()
 
-    def hypotheses(self, ref, finding: dict) -> list[Candidate]:
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         return []
 
-    def alternatives(self, ref, finding: dict) -> list[Candidate]:
+    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
         return []
 
     def search(self, ref, candidate: Candidate, rows, observed, clean, side) -> Candidate:

@@ -10,6 +10,7 @@ import numpy as np
 
 from pipeline.compare.calibrated import expected_mean_abs, pair_key
 from pipeline.compare.hypotheses.batch import NUMERIC_CEILING
+from pipeline.contracts.report import Finding
 from pipeline.faults import FaultSettings, rescore
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
 from pipeline.verify.families import family_of
@@ -123,9 +124,9 @@ class Reference:
         layout = self.replay.metadata.get("layout") or {}
         return int(layout.get("micro_batch_size") or 8)
 
-    def onset(self, finding: dict) -> int:
+    def onset(self, finding: Finding) -> int:
         """The completion index a finding's drift starts at (its details' `at` or `onset`,
         else its first drifting token)."""
-        details = finding.get("details") or {}
+        details = finding.details
         at = details.get("at") or details.get("onset")
-        return int(at or (finding.get("first_position") or {}).get("position") or 0)
+        return int(at or finding.first_position.get("position") or 0)

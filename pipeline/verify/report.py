@@ -5,6 +5,8 @@ try came, or gathered as unexplained; and the merges of findings one reproductio
 from __future__ import annotations
 
 from pipeline.compare.noise_test import FAULT_SIZE
+from pipeline.contracts.causes import Cause, Severity, Status
+from pipeline.contracts.report import Finding
 from pipeline.verify.families.precision import UNDECLARED_PRECISIONS
 from pipeline.verify.hypothesis import Candidate, Outcome
 
@@ -25,7 +27,7 @@ def describe(outcome: Outcome) -> dict:
     }
 
 
-def verified(finding: dict, outcome: Outcome, renamed_from: str | None = None) -> dict:
+def verified(finding: Finding, outcome: Outcome, renamed_from: str | None = None) -> Finding:
     """The finding, verified, named by the cause its reproduction stands for; a renamed one
     says what did not reproduce the drift first."""
     params = outcome.candidate.params
@@ -53,43 +55,41 @@ def verified(finding: dict, outcome: Outcome, renamed_from: str | None = None) -
         )
     if renamed_from and renamed_from != cause:
         how = f"{renamed_from} did not reproduce the drift; {how}"
-    return {
-        **finding,
-        "cause": cause,
-        "evidence": f"{finding['evidence']}; {how}",
+    return finding.but(
+        cause=cause,
+        evidence=f"{finding.evidence}; {how}",
         # declared precision is information; a precision other than declared is a fault
-        "severity": "info" if cause == "dtype" and not undeclared else "fault",
-        "status": "verified",
-        "residual_before": outcome.before,
-        "residual_after": outcome.after,
-        "floor": outcome.floor,
-        "details": {
-            "signature_evidence": finding["evidence"],  # kept, should a better one replace it
-            **(finding.get("details") or {}),
+        severity=Severity.INFO if cause == Cause.DTYPE and not undeclared else Severity.FAULT,
+        status=Status.VERIFIED,
+        residual_before=outcome.before,
+        residual_after=outcome.after,
+        floor=outcome.floor,
+        details={
+            "signature_evidence": finding.evidence,  # kept, should a better one replace it
+            **finding.details,
             "verified_by": describe(outcome),
         },
-    }
+    )
 
 
-def only_what_it_moved(finding: dict) -> dict:
+def only_what_it_moved(finding: Finding) -> Finding:
     """A verified finding names the sequences its bug moved: a searched left padding whose
     count for a sequence is 0 re-scored it as it was (its drift is noise), so it is not
     among them. Sequences the search did not see stay."""
-    by = (finding.get("details") or {}).get("verified_by") or {}
+    by = finding.details.get("verified_by") or {}
     counts = (by.get("params") or {}).get("counts")
-    if finding.get("status") != "verified" or not isinstance(counts, dict):
+    if not finding.verified or not isinstance(counts, dict):
         return finding
-    kept = [s for s in finding["sequences"] if counts.get(s, 1) != 0]
-    return {**finding, "sequences": kept} if kept else finding
+    kept = [s for s in finding.sequences if counts.get(s, 1) != 0]
+    return finding.but(sequences=kept) if kept else finding
 
 
-def not_reproduced(finding: dict, tried: list[dict]) -> dict:
-    return {
-        **finding,
-        "details": {**(finding.get("details") or {}), "ruled_out": tried},
-        "evidence": f"{finding['evidence']}; re-scoring reproduces none of: "
+def not_reproduced(finding: Finding, tried: list[dict]) -> Finding:
+    return finding.but(
+        details={**finding.details, "ruled_out": tried},
+        evidence=f"{finding.evidence}; re-scoring reproduces none of: "
         + ", ".join(t["kind"] for t in tried),
-    }
+    )
 
 
 def moved_nothing(tried: list[dict], cause: str) -> bool:
@@ -101,23 +101,22 @@ def moved_nothing(tried: list[dict], cause: str) -> bool:
     )
 
 
-def unverified(finding: dict, tried: list[dict]) -> dict:
+def unverified(finding: Finding, tried: list[dict]) -> Finding:
     """A signature's cause that no reproduction verified: kept, plausible, saying what was
     tried and how close each try came (its residual in floors)."""
     closest = sorted(tried, key=lambda t: t["residual_after"] / max(t["floor"], 1e-12))
-    own = [t for t in closest if t["cause"] == finding["cause"]]
+    own = [t for t in closest if t["cause"] == finding.cause]
     shown = (own or closest)[:3]
     how = "; ".join(
         f"{_tried_text(t)}, {t['residual_after'] / max(t['floor'], 1e-12):.1f}x the floor"
         for t in shown
     )
-    return {
-        **finding,
-        "status": "plausible",
-        "evidence": f"{finding['evidence']}; no reproduction verified it (the engine may commit "
+    return finding.but(
+        status=Status.PLAUSIBLE,
+        evidence=f"{finding.evidence}; no reproduction verified it (the engine may commit "
         f"it in a way re-scoring does not), so it stays as its signature named it"
         + (f"; closest tries: {how}" if how else "; nothing could be re-scored"),
-        "details": {**(finding.get("details") or {}), "tried": tried},
+        details={**finding.details, "tried": tried},
         **(
             {
                 "residual_before": closest[0]["residual_before"],
@@ -127,7 +126,7 @@ def unverified(finding: dict, tried: list[dict]) -> dict:
             if closest
             else {}
         ),
-    }
+    )
 
 
 def distinct(candidates: list[Candidate], tried: list[dict]) -> list[Candidate]:
@@ -142,39 +141,37 @@ def distinct(candidates: list[Candidate], tried: list[dict]) -> list[Candidate]:
     return out
 
 
-def ruled_out(finding: dict, tried: list[dict]) -> dict:
+def ruled_out(finding: Finding, tried: list[dict]) -> Finding:
     best = min(tried, key=lambda t: t["residual_after"])
-    return {
-        **finding,
-        "severity": "info",
-        "status": "ruled_out",
-        "residual_before": best["residual_before"],
-        "residual_after": best["residual_after"],
-        "floor": best["floor"],
-        "evidence": (
-            f"{finding['evidence']}; ruled out by re-scoring: "
+    return finding.but(
+        severity=Severity.INFO,
+        status=Status.RULED_OUT,
+        residual_before=best["residual_before"],
+        residual_after=best["residual_after"],
+        floor=best["floor"],
+        evidence=(
+            f"{finding.evidence}; ruled out by re-scoring: "
             + "; ".join(_tried_text(t) for t in tried)
         ),
-        "details": {**(finding.get("details") or {}), "ruled_out": tried},
-    }
+        details={**finding.details, "ruled_out": tried},
+    )
 
 
-def inconclusive_precision(finding: dict, tried: dict) -> dict:
+def inconclusive_precision(finding: Finding, tried: dict) -> Finding:
     params = tried["params"]
-    return {
-        **finding,
-        "status": "plausible",
-        "evidence": (
-            f"{finding['evidence']}; re-scored in the declared precisions "
+    return finding.but(
+        status=Status.PLAUSIBLE,
+        evidence=(
+            f"{finding.evidence}; re-scored in the declared precisions "
             f"({params_text(_declared(params))}) these {params['tokens']} tokens drift by mean |d| "
             f"{tried['residual_after']:.3g} and the observed {tried['residual_before']:.3g} "
             f"passes the precision gate, but so few tokens cannot rule out a fault of "
             f"{FAULT_SIZE:g}x the noise: plausibly precision, not verified (compare more tokens)"
         ),
-        "details": {**(finding.get("details") or {}), "precision_check": tried},
-        "residual_before": tried["residual_before"],
-        "residual_after": tried["residual_after"],
-    }
+        details={**finding.details, "precision_check": tried},
+        residual_before=tried["residual_before"],
+        residual_after=tried["residual_after"],
+    )
 
 
 def _tried_text(tried: dict) -> str:
@@ -195,26 +192,22 @@ def _tried_text(tried: dict) -> str:
     )
 
 
-def unexplained(sequences: list[str], tried: list[dict], said: list[str] = ()) -> dict:
+def unexplained(sequences: list[str], tried: list[dict], said: list[str] = ()) -> Finding:
     names = sorted({f"{t['cause']}/{t['kind']}" for t in tried})
     before = "".join(f"{text}; " for text in said)
-    return {
-        "cause": "unexplained",
-        "sequences": sequences,
-        "first_position": {},
-        "evidence": (
+    return Finding(
+        cause=Cause.UNEXPLAINED,
+        sequences=sequences,
+        evidence=(
             f"{before}drift in {len(sequences)} sequences that no re-scored hypothesis reproduces; "
             f"ruled out: {', '.join(names) or 'nothing testable'}; inspect the worst tokens"
         ),
-        "severity": "fault",
-        "details": {"ruled_out": tried},
-        "confidence": 0.0,
-        "runner_up": None,
-        "status": "plausible",
-        "residual_before": min((t["residual_before"] for t in tried), default=None),
-        "residual_after": min((t["residual_after"] for t in tried), default=None),
-        "floor": min((t["floor"] for t in tried), default=None),
-    }
+        details={"ruled_out": tried},
+        confidence=0.0,
+        residual_before=min((t["residual_before"] for t in tried), default=None),
+        residual_after=min((t["residual_after"] for t in tried), default=None),
+        floor=min((t["floor"] for t in tried), default=None),
+    )
 
 
 def _declared(params: dict) -> dict:
@@ -225,20 +218,22 @@ def params_text(params: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items())
 
 
-def one_per_reproduction(findings: list[dict]) -> list[dict]:
+def one_per_reproduction(findings: list[Finding]) -> list[Finding]:
     """Findings verified by the same reproduction (kind and parameters) are one bug: one
     finding, over all their sequences."""
     out, seen = [], {}
     for finding in findings:
-        by = (finding.get("details") or {}).get("verified_by")
+        by = finding.details.get("verified_by")
         key = None
-        if finding.get("status") == "verified" and by:
+        if finding.verified and by:
             # what is searched per sequence (pad counts, onsets) is not its shape
             params = {k: v for k, v in by["params"].items() if k not in PER_SEQUENCE}
-            key = (finding["cause"], by["kind"], repr(sorted(params.items())), by["side"])
+            key = (finding.cause, by["kind"], repr(sorted(params.items())), by["side"])
         if key in seen:
             first = out[seen[key]]
-            first["sequences"] = sorted(set(first["sequences"]) | set(finding["sequences"]))
+            out[seen[key]] = first.but(
+                sequences=sorted(set(first.sequences) | set(finding.sequences))
+            )
             continue
         if key is not None:
             seen[key] = len(out)
@@ -246,27 +241,26 @@ def one_per_reproduction(findings: list[dict]) -> list[dict]:
     return out
 
 
-def both_truncations(findings: list[dict]) -> list[dict]:
+def both_truncations(findings: list[Finding]) -> list[Finding]:
     """A reproduction by top-k then top-p verifies both causes: name each once."""
     out = list(findings)
     for finding in findings:
-        verified = (finding.get("details") or {}).get("verified_by") or {}
-        if finding.get("status") != "verified" or verified.get("kind") != "top_k_top_p":
+        verified_by = finding.details.get("verified_by") or {}
+        if not finding.verified or verified_by.get("kind") != "top_k_top_p":
             continue
-        for cause in ("top_k", "top_p"):
-            if not any(f["cause"] == cause and f.get("status") == "verified" for f in out):
-                out.append({**finding, "cause": cause})
+        for cause in (Cause.TOP_K, Cause.TOP_P):
+            if not any(f.cause == cause and f.verified for f in out):
+                out.append(finding.but(cause=cause))
     return out
 
 
-def one_routing_flip(findings: list[dict]) -> list[dict]:
+def one_routing_flip(findings: list[Finding]) -> list[Finding]:
     """Routing flips verified from several findings (the routing claim, and drift another
     signature named first) are one cause: one finding, the routing claim's, over all their
     sequences."""
-    verified = [f for f in findings if f["cause"] == "routing_flip" and f["status"] == "verified"]
-    if len(verified) < 2:
+    flips = [f for f in findings if f.cause == Cause.ROUTING_FLIP and f.verified]
+    if len(flips) < 2:
         return findings
-    keep = next((f for f in verified if "first_flip" in (f.get("details") or {})), verified[0])
-    sequences = sorted({s for f in verified for s in f["sequences"]})
-    merged = {**keep, "sequences": sequences}
-    return [merged if f is keep else f for f in findings if f is keep or f not in verified]
+    keep = next((f for f in flips if "first_flip" in f.details), flips[0])
+    merged = keep.but(sequences=sorted({s for f in flips for s in f.sequences}))
+    return [merged if f is keep else f for f in findings if f is keep or f not in flips]

@@ -3,7 +3,6 @@ claims the drifting sequences its evidence explains and says why it beat the run
 
 from __future__ import annotations
 
-from pipeline.compare.findings import Finding
 from pipeline.compare.hypotheses.batch import Batch, unexplained
 from pipeline.compare.hypotheses.records import (
     claimed_version_rule,
@@ -20,6 +19,7 @@ from pipeline.compare.hypotheses.shapes import (
     sampling_rule,
     shared_onset_rule,
 )
+from pipeline.contracts.report import Finding
 
 RULES = (
     fingerprint_rule,

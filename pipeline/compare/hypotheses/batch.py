@@ -9,8 +9,9 @@ from functools import cached_property
 
 import numpy as np
 
-from pipeline.compare.findings import FAULT_CAUSES, Finding
 from pipeline.compare.signatures import Signatures, segment_sum
+from pipeline.contracts.causes import FAULT_CAUSES, Cause
+from pipeline.contracts.report import Finding
 
 EXPLAINS = 0.75  # fraction of a sequence's drifting tokens a signature must explain
 MIN_TOKENS = 2
@@ -122,7 +123,7 @@ def clean_at_floor(batch: Batch) -> np.ndarray:
 def unexplained(batch: Batch, open_: np.ndarray) -> Finding:
     return finding(
         batch,
-        "unexplained",
+        Cause.UNEXPLAINED,
         open_,
         f"drift above tau in {int(open_.sum())} sequences (RMS {rms(batch, open_):.3g}) that no "
         "known cause explains; ruled out: a token shift, a constant fill, labels off by one, "
@@ -158,14 +159,14 @@ def finding(
         at = position_of(batch, first) if position is None else int(position)
         where = {"sequence_id": batch.ids[first], "position": at}
     return Finding(
-        cause,
-        ids,
-        where,
-        evidence,
-        severity or ("fault" if cause in FAULT_CAUSES else "info"),
-        details or {},
-        round(float(confidence), 3),
-        None if runner_up is None else {"cause": runner_up[0], "why_not": runner_up[1]},
+        cause=cause,
+        sequences=ids,
+        first_position=where,
+        evidence=evidence,
+        severity=severity or ("fault" if cause in FAULT_CAUSES else "info"),
+        details=details or {},
+        confidence=round(float(confidence), 3),
+        runner_up=None if runner_up is None else {"cause": runner_up[0], "why_not": runner_up[1]},
         **verification,
     )
 

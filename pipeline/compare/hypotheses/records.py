@@ -19,6 +19,7 @@ from pipeline.compare.hypotheses.batch import (
     weights_evidence,
 )
 from pipeline.compare.signatures import segment_sum
+from pipeline.contracts.causes import Cause
 
 
 def fingerprint_rule(batch: Batch, open_: np.ndarray):
@@ -32,7 +33,7 @@ def fingerprint_rule(batch: Batch, open_: np.ndarray):
     yield (
         finding(
             batch,
-            "stale_weights",
+            Cause.STALE_WEIGHTS,
             claimed,
             f"{evidence} ({drift})",
             severity="fault" if claimed.any() else "info",
@@ -50,7 +51,7 @@ def data_shift_rule(batch: Batch, open_: np.ndarray):
             yield (
                 finding(
                     batch,
-                    "token_shift",
+                    Cause.TOKEN_SHIFT,
                     fits,
                     f"shifted by {shift:+d}, the replay logprob at t equals the rollout logprob at "
                     f"t{shift:+d} for {share:.0%} of the drifting tokens: logprobs and tokens are "
@@ -83,14 +84,14 @@ def constant_fill_rule(batch: Batch, open_: np.ndarray):
             yield (
                 finding(
                     batch,
-                    "mask_padding",
+                    Cause.MASK_PADDING,
                     filled,
                     f"the {name} side repeats one value ({float(values[first]):g}) at "
                     f"{float(np.mean(sig.constant_fill[side][filled])):.0%} of the drifting tokens "
                     "while the other side varies: padding or masked tokens were treated as "
                     "active; check the completion mask and pad handling",
                     details={"side": name, "fill_value": float(values[first])},
-                    runner_up=("token_shift", "the values repeat rather than move by a token"),
+                    runner_up=(Cause.TOKEN_SHIFT, "the values repeat rather than move by a token"),
                 ),
                 filled,
             )
@@ -118,14 +119,14 @@ def label_shift_rule(batch: Batch, open_: np.ndarray):
         yield (
             finding(
                 batch,
-                "token_shift",
+                Cause.TOKEN_SHIFT,
                 fits,
                 f"the {side} side is lower on {float(np.mean(lower[fits])):.0%} of the drifting "
                 f"tokens by {gap:.2g} nats (median over sequences) from the first token: it scores "
                 "each token with the logits of the wrong position (labels off by one)",
                 details={"shift": "labels", "side": side, "median_gap": gap},
                 runner_up=(
-                    "top_k",
+                    Cause.TOP_K,
                     f"a truncation gap stays near 0 on confident tokens; this one is {gap:.2g}",
                 ),
             ),
@@ -142,7 +143,7 @@ def precision_rounding_rule(batch: Batch, open_: np.ndarray):
                 yield (
                     finding(
                         batch,
-                        "dtype",
+                        Cause.DTYPE,
                         rounded,
                         f"the {name} logprobs are exactly representable in {dtype} at every "
                         "drifting token and the other side's are not: they were rounded to "
@@ -172,7 +173,7 @@ def claimed_version_rule(batch: Batch, open_: np.ndarray):
         yield (
             finding(
                 batch,
-                "claimed_version",
+                Cause.CLAIMED_VERSION,
                 claimed,
                 f"{misclaim.tokens} tokens in {int(claimed.sum())} sequences claim weight "
                 f"version {misclaim.claimed} but match version {misclaim.served}: mean |d| "
@@ -222,7 +223,7 @@ def weight_version_rule(batch: Batch, open_: np.ndarray):
         yield (
             finding(
                 batch,
-                "version_change",
+                Cause.VERSION_CHANGE,
                 part,
                 f"the weight version changes within {int(part.sum())} sequences (to "
                 f"{', '.join(other_versions)}, from completion index {at} in most) while the "
@@ -232,7 +233,7 @@ def weight_version_rule(batch: Batch, open_: np.ndarray):
                 first=first,
                 position=at,
                 runner_up=(
-                    "stale_weights",
+                    Cause.STALE_WEIGHTS,
                     "the tokens before the recorded change agree; only those after it drift",
                 ),
             ),
@@ -242,7 +243,7 @@ def weight_version_rule(batch: Batch, open_: np.ndarray):
         yield (
             finding(
                 batch,
-                "stale_weights",
+                Cause.STALE_WEIGHTS,
                 whole,
                 f"{int(whole.sum())} sequences were sampled under weight_version "
                 f"{', '.join(other_versions)} while the batch is at {reference}; mean |d| "

@@ -31,6 +31,7 @@ from pipeline.compare.hypotheses.batch import (
     weight_like,
     weighted_ceiling,
 )
+from pipeline.contracts.causes import Cause
 
 
 def sampling_rule(batch: Batch, open_: np.ndarray):
@@ -59,23 +60,23 @@ def sampling_rule(batch: Batch, open_: np.ndarray):
     causes = []
     if one_signed and (top_k > 0 or top_p < 1.0):
         if top_k > 0:
-            causes.append(("top_k", f"top-k {top_k} in the rollout's sampling"))
+            causes.append((Cause.TOP_K, f"top-k {top_k} in the rollout's sampling"))
         if top_p < 1.0:
             bound = -np.log(top_p)
             causes.append(
                 ("top_p", f"top-p {top_p:g} in the rollout's sampling; gap <= {bound:.3g} nats")
             )
     elif fit and (temperature != 1.0 or batch.context.get("temperature_hint") or not sampling):
-        causes.append(("temperature", fit[0]))
+        causes.append((Cause.TEMPERATURE, fit[0]))
     elif one_signed and not sampling:
         if max_gap <= -np.log(0.5):
             causes.append(
                 ("top_p", f"every gap under {max_gap:.3g} nats: top-p ~{np.exp(-max_gap):.2f}")
             )
         else:
-            causes.append(("top_k", f"gaps up to {max_gap:.3g} nats, beyond a top-p bound"))
+            causes.append((Cause.TOP_K, f"gaps up to {max_gap:.3g} nats, beyond a top-p bound"))
     elif batch.context.get("temperature_hint") and one_signed:
-        causes.append(("temperature", batch.context["temperature_hint"]))
+        causes.append((Cause.TEMPERATURE, batch.context["temperature_hint"]))
     if not causes:
         return
     claimed = candidates.copy()
@@ -92,15 +93,15 @@ def sampling_rule(batch: Batch, open_: np.ndarray):
                 details={
                     "processed_side": side,
                     "max_gap": max_gap,
-                    **({"temperature_fit": fit[1]} if fit and cause == "temperature" else {}),
+                    **({"temperature_fit": fit[1]} if fit and cause == Cause.TEMPERATURE else {}),
                 },
                 runner_up=(
-                    "stale_weights",
+                    Cause.STALE_WEIGHTS,
                     "weights move sampled tokens both ways; here one side is higher throughout",
                 )
                 if one_signed
                 else (
-                    "stale_weights",
+                    Cause.STALE_WEIGHTS,
                     "the gap is linear in the logprob, as a temperature makes it",
                 ),
             ),
@@ -171,7 +172,7 @@ def shared_onset_rule(batch: Batch, open_: np.ndarray):
     yield (
         finding(
             batch,
-            "version_change",
+            Cause.VERSION_CHANGE,
             up,
             f"from completion index {at} on, {int(up.sum())} sequences drift more than before "
             f"it (the batch's mean |d| by index, in multiples of the noise floor, steps from "
@@ -189,7 +190,7 @@ def shared_onset_rule(batch: Batch, open_: np.ndarray):
             first=first,
             position=at,
             runner_up=(
-                "position_ids",
+                Cause.POSITION_IDS,
                 f"a position bug scrambles attention, moving logprobs by tens of % "
                 f"(here {relative:.1%})",
             ),
@@ -230,7 +231,7 @@ def onset_rule(batch: Batch, open_: np.ndarray):
         yield (
             finding(
                 batch,
-                "version_change",
+                Cause.VERSION_CHANGE,
                 late,
                 f"{int(late.sum())} sequences are clean up to completion index {k0} and drift "
                 f"from there on ({int(shared.sum())} of them within {ONSET_WINDOW} tokens of it), "
@@ -241,7 +242,7 @@ def onset_rule(batch: Batch, open_: np.ndarray):
                 confidence=float(shared.sum() / late.sum()),
                 first=onset_seq,
                 runner_up=(
-                    "position_ids",
+                    Cause.POSITION_IDS,
                     f"a position bug scrambles attention, moving logprobs by tens of % "
                     f"(here {relative:.1%})",
                 ),
@@ -261,7 +262,7 @@ def onset_rule(batch: Batch, open_: np.ndarray):
         yield (
             finding(
                 batch,
-                "position_ids",
+                Cause.POSITION_IDS,
                 positions,
                 f"drift starts at position {position_of(batch, first)} of seq {batch.ids[first]} "
                 f"(clean before) and stays on ({float(np.mean(sig.bad_after_onset[positions])):.0%} "
@@ -270,7 +271,7 @@ def onset_rule(batch: Batch, open_: np.ndarray):
                 "(restarted at the completion, KV-cache or packing position bug)",
                 details={"onset": position_of(batch, first)},
                 runner_up=(
-                    "version_change",
+                    Cause.VERSION_CHANGE,
                     "the onsets are not one shared index across the batch"
                     if positions.sum() > 1
                     else "only one sequence drifts; a weight update hits every sequence in flight",
@@ -330,7 +331,7 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
         yield (
             finding(
                 batch,
-                "dtype",
+                Cause.DTYPE,
                 open_,
                 f"numeric drift in {int(open_.sum())} sequences: mean |d| {mean_abs:.3g} "
                 f"({floor}), from lower-precision kernels, TF32 or another reduction order, "
@@ -351,7 +352,7 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
                 residual_before=mean_abs,
                 floor=float(np.average(batch.noise_mean[open_], weights=sig.tokens[open_])),
                 runner_up=(
-                    "stale_weights",
+                    Cause.STALE_WEIGHTS,
                     f"weights bias whole sequences, the same way or strongly; {why_weights}",
                 ),
             ),
@@ -366,7 +367,7 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
         yield (
             finding(
                 batch,
-                "prompt_mismatch",
+                Cause.PROMPT_MISMATCH,
                 open_,
                 f"drift in every sequence ({int(open_.sum())}) from the first tokens on, mean "
                 f"|d| {mean_abs:.3g} ({beyond}), not biased as a "
@@ -376,7 +377,7 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
                 details={"mean_abs_diff": mean_abs, "bias": bias},
                 confidence=0.6,
                 runner_up=(
-                    "stale_weights",
+                    Cause.STALE_WEIGHTS,
                     f"weights one step apart bias whole sequences, the same way or strongly; "
                     f"{why_weights}",
                 ),
@@ -387,7 +388,7 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
     yield (
         finding(
             batch,
-            "stale_weights",
+            Cause.STALE_WEIGHTS,
             open_,
             f"drift in every sequence ({int(open_.sum())}) from the first tokens on, mean |d| "
             f"{mean_abs:.3g} ({beyond}), biased per sequence as a weight change biases them "
@@ -398,7 +399,7 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
             details={"mean_abs_diff": mean_abs, "bias": bias},
             confidence=0.9,
             runner_up=(
-                "prompt_mismatch",
+                Cause.PROMPT_MISMATCH,
                 "a prompt mismatch moves each sequence its own way, and weakly on average",
             ),
         ),
@@ -420,14 +421,14 @@ def _context_findings(batch: Batch, open_, clean):
     prompt_lengths = batch.context.get("prompt_lengths")
     lengths = batch.context.get("sequence_lengths")
     drift_ids = open_
-    cause, why = "mask_padding", ""
+    cause, why = Cause.MASK_PADDING, ""
     if prompt_lengths is not None and lengths is not None:
         longest_prompts = prompt_lengths[drift_ids].min() > prompt_lengths[clean].max()
         padded = lengths[drift_ids].max() < lengths[clean].max() or (
             np.median(lengths[drift_ids]) < np.median(lengths[clean])
         )
         if longest_prompts:
-            cause = "prompt_mismatch"
+            cause = Cause.PROMPT_MISMATCH
             why = (
                 f"every drifting sequence has a longer prompt ({int(prompt_lengths[drift_ids].min())}+ "
                 f"tokens) than every clean one (<= {int(prompt_lengths[clean].max())}): the long "
@@ -444,7 +445,7 @@ def _context_findings(batch: Batch, open_, clean):
                 "the drifting and clean sequences do not differ in length, as in packed "
                 "micro-batches whose segments attend to each other (position ids not reset)"
             )
-    runner = "prompt_mismatch" if cause == "mask_padding" else "mask_padding"
+    runner = Cause.PROMPT_MISMATCH if cause == Cause.MASK_PADDING else Cause.MASK_PADDING
     yield (
         finding(
             batch,
@@ -454,7 +455,7 @@ def _context_findings(batch: Batch, open_, clean):
             f"{int(clean.sum())} are clean at the noise floor; {why}",
             confidence=0.8 if why else 0.5,
             runner_up=(
-                "stale_weights",
+                Cause.STALE_WEIGHTS,
                 f"weights are shared by the whole batch, yet {int(clean.sum())} sequences are "
                 f"clean (second: {runner})",
             ),

@@ -12,25 +12,27 @@ from dataclasses import replace
 
 import numpy as np
 
+from pipeline.contracts.causes import Cause
+from pipeline.contracts.report import Finding
 from pipeline.verify.families.weights import published, scored_under
 from pipeline.verify.hypothesis import Candidate, Family
 
 
 class InFlight(Family):
     name = "in-flight"
-    causes = ("version_change",)
+    causes = (Cause.VERSION_CHANGE,)
     kinds = ("store_version_from",)
 
-    def hypotheses(self, ref, finding: dict) -> list[Candidate]:
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         at = ref.onset(finding)
         names = published(ref)
         common = [
-            Candidate("version_change", "store_version_from", replace(ref.base, at=at),
+            Candidate(Cause.VERSION_CHANGE, "store_version_from", replace(ref.base, at=at),
                       {"version": name, "at": at})
             for name in names
         ]  # fmt: skip
         own = [
-            Candidate("version_change", "store_version_from", ref.base,
+            Candidate(Cause.VERSION_CHANGE, "store_version_from", ref.base,
                       {"version": name, "onsets": "searched"})
             for name in names
         ]  # fmt: skip

@@ -9,6 +9,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from pipeline.contracts.causes import Cause
+from pipeline.contracts.report import Finding
 from pipeline.faults import left_padded, rescore
 from pipeline.verify.hypothesis import Candidate, Family
 from pipeline.verify.search import mean_abs
@@ -19,17 +21,17 @@ PAD_ROWS = 32  # pad counts scored per forward in the left-padding search
 
 class Padding(Family):
     name = "padding"
-    causes = ("mask_padding",)
+    causes = (Cause.MASK_PADDING,)
     kinds = (*BATCHED, "pad_positions", "left_pad_search", "left_pad", "data_fill")
 
-    def hypotheses(self, ref, finding: dict) -> list[Candidate]:
-        details = finding.get("details") or {}
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
+        details = finding.details
         if "fill_value" in details:
             params = {"fill_value": details["fill_value"], "side": details.get("side", "rollout")}
-            return [Candidate("mask_padding", "data_fill", ref.base, params)]
+            return [Candidate(Cause.MASK_PADDING, "data_fill", ref.base, params)]
         return _model_kinds(ref)
 
-    def alternatives(self, ref, finding: dict) -> list[Candidate]:
+    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
         return [*fills(ref), *_model_kinds(ref)]
 
     def search(self, ref, candidate, rows, observed, clean, side) -> Candidate:
@@ -73,7 +75,7 @@ class Padding(Family):
 def fills(ref) -> list[Candidate]:
     """A 0 written into either side's logprobs (where its mask said padding)."""
     return [
-        Candidate("mask_padding", "data_fill", ref.base, {"fill_value": 0.0, "side": side})
+        Candidate(Cause.MASK_PADDING, "data_fill", ref.base, {"fill_value": 0.0, "side": side})
         for side in ("rollout", "replay")
     ]
 
@@ -82,8 +84,8 @@ def _model_kinds(ref) -> list[Candidate]:
     size = ref.micro_batch()
     settings = replace(ref.base, micro_batch=size)
     return [
-        *(Candidate("mask_padding", kind, settings, {"micro_batch": size}) for kind in BATCHED),
-        Candidate("mask_padding", "left_pad_search", ref.base, {}),
+        *(Candidate(Cause.MASK_PADDING, kind, settings, {"micro_batch": size}) for kind in BATCHED),
+        Candidate(Cause.MASK_PADDING, "left_pad_search", ref.base, {}),
     ]
 
 

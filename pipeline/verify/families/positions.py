@@ -15,6 +15,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from pipeline.contracts.causes import Cause
+from pipeline.contracts.report import Finding
 from pipeline.faults import offset_positions
 from pipeline.verify.hypothesis import Candidate, Family
 from pipeline.verify.search import closest, mean_abs, rescored_gap, with_settings
@@ -31,21 +33,21 @@ ROWS = 32  # shapes scored per forward
 
 class Positions(Family):
     name = "positions"
-    causes = ("position_ids",)
+    causes = (Cause.POSITION_IDS,)
     kinds = ("position_ids", "positions_restart")
 
-    def hypotheses(self, ref, finding: dict) -> list[Candidate]:
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         onset = ref.onset(finding)
         if onset <= 1:
             return [_restart(ref), _in_prompt(ref)]
         return [_from(ref, onset)]
 
-    def alternatives(self, ref, finding: dict) -> list[Candidate]:
+    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
         onset = ref.onset(finding)
         return [_restart(ref), _from(ref, onset) if onset > 1 else _in_prompt(ref)]
 
     def search(self, ref, candidate, rows, observed, clean, side) -> Candidate:
-        if candidate.kind != "position_ids":
+        if candidate.kind != Cause.POSITION_IDS:
             return candidate
         row, prompt_length = rows[0], len(ref.fixture.prompt_of(rows[0]))
         at = candidate.settings.at
@@ -94,14 +96,16 @@ class _Gaps:
 
 
 def _restart(ref) -> Candidate:
-    return Candidate("position_ids", "positions_restart", ref.base, {})
+    return Candidate(Cause.POSITION_IDS, "positions_restart", ref.base, {})
 
 
 def _from(ref, onset: int) -> Candidate:
-    return Candidate("position_ids", "position_ids", replace(ref.base, at=onset), {"at": onset})
+    return Candidate(Cause.POSITION_IDS, "position_ids", replace(ref.base, at=onset), {"at": onset})
 
 
 def _in_prompt(ref) -> Candidate:
     """An offset from somewhere in the prompt (searched): the completion drifts from its
     first token."""
-    return Candidate("position_ids", "position_ids", replace(ref.base, at=1), {"in_prompt": True})
+    return Candidate(
+        Cause.POSITION_IDS, "position_ids", replace(ref.base, at=1), {"in_prompt": True}
+    )

@@ -13,6 +13,8 @@ import numpy as np
 from pipeline.compare.calibrated import TAU_MARGIN, pair_key, side_precision
 from pipeline.compare.floor import expect
 from pipeline.compare.noise_test import bucket_level_tests, precision_gate, rules_out_faults
+from pipeline.contracts.causes import Cause
+from pipeline.contracts.report import Finding
 from pipeline.verify.hypothesis import Candidate, Family, Outcome
 
 ROUNDINGS = ("bfloat16", "float16")  # logprobs rounded to these after the forward
@@ -22,29 +24,29 @@ UNDECLARED_PRECISIONS = {"bf16": "bfloat16", "fp16": "float16", "lm_head_bf16": 
 
 class Precision(Family):
     name = "precision"
-    causes = ("dtype",)
+    causes = (Cause.DTYPE,)
     kinds = ("precision", "data_round", *UNDECLARED_PRECISIONS)
 
-    def hypotheses(self, ref, finding: dict) -> list[Candidate]:
-        details = finding.get("details") or {}
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
+        details = finding.details
         if "mean_abs_diff" not in details and details.get("dtype") in ROUNDINGS:
             # one side's logprobs are exact values of a low precision: rounded after the
             # forward, a data bug of its own that re-scoring cannot give
             params = {"side": details.get("side", "rollout"), "dtype": details["dtype"]}
-            return [Candidate("dtype", "data_round", ref.base, params)]
+            return [Candidate(Cause.DTYPE, "data_round", ref.base, params)]
         precisions = {
             "rollout": side_precision(ref.fixture.metadata),
             "replay": side_precision(ref.replay.metadata),
         }
-        return [Candidate("dtype", "precision", ref.base, precisions)]
+        return [Candidate(Cause.DTYPE, "precision", ref.base, precisions)]
 
-    def alternatives(self, ref, finding: dict) -> list[Candidate]:
+    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
         """Beyond the declared precisions: one side computed in a lower one (tried on what
         the precision test failed)."""
-        if finding["cause"] != "dtype":
+        if finding.cause != Cause.DTYPE:
             return []
         return [
-            Candidate("dtype", kind, ref.base, {"computed_in": computed})
+            Candidate(Cause.DTYPE, kind, ref.base, {"computed_in": computed})
             for kind, computed in UNDECLARED_PRECISIONS.items()
         ]
 

@@ -10,6 +10,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from pipeline.contracts.causes import Cause
+from pipeline.contracts.report import Finding
 from pipeline.faults import rescore
 from pipeline.verify.hypothesis import Candidate, Family
 from pipeline.verify.search import closest, rescored_gap, with_settings
@@ -20,17 +22,17 @@ TRUNCATION_SPAN = 64  # max prompt lengths searched above the longest clean prom
 
 class Prompt(Family):
     name = "prompt"
-    causes = ("prompt_mismatch",)
+    causes = (Cause.PROMPT_MISMATCH,)
     kinds = ("bos_extra", "bos_missing", "template_edit", "prompt_truncated")
 
-    def hypotheses(self, ref, finding: dict) -> list[Candidate]:
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         return self.alternatives(ref, finding)
 
-    def alternatives(self, ref, finding: dict) -> list[Candidate]:
+    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
         base = ref.base
         return [
-            Candidate("prompt_mismatch", "bos_extra", base, {"extra_leading": base.bos_id}),
-            Candidate("prompt_mismatch", "bos_missing", base, {"missing_leading": 1}),
+            Candidate(Cause.PROMPT_MISMATCH, "bos_extra", base, {"extra_leading": base.bos_id}),
+            Candidate(Cause.PROMPT_MISMATCH, "bos_missing", base, {"missing_leading": 1}),
             *_template_edits(ref),
             *_truncation(ref, finding),
         ]
@@ -89,7 +91,7 @@ def _template_edits(ref) -> list[Candidate]:
             continue
         for how in ("doubled", "missing"):
             params = {"where": where, "edit": how, "tokens": tokens, "after": lead}
-            out.append(Candidate("prompt_mismatch", "template_edit", ref.base, params))
+            out.append(Candidate(Cause.PROMPT_MISMATCH, "template_edit", ref.base, params))
     return out
 
 
@@ -107,9 +109,9 @@ def _shared(prompts: list[np.ndarray], from_end: bool = False) -> int:
     return n
 
 
-def _truncation(ref, finding: dict) -> list[Candidate]:
+def _truncation(ref, finding: Finding) -> list[Candidate]:
     """A max prompt length that cut exactly the drifting prompts: the longest clean one."""
-    drifting = set(finding["sequences"]) | ref.drifting
+    drifting = set(finding.sequences) | ref.drifting
     fixture = ref.fixture
     clean = [len(fixture.prompt_of(row)) for sid, row in ref.rows.items() if sid not in drifting]
     longest = max((len(fixture.prompt_of(ref.rows[s])) for s in drifting if s in ref.rows),
@@ -118,4 +120,4 @@ def _truncation(ref, finding: dict) -> list[Candidate]:
         return []
     limit = max(clean)
     settings = replace(ref.base, max_prompt=limit)
-    return [Candidate("prompt_mismatch", "prompt_truncated", settings, {"max_prompt": limit})]
+    return [Candidate(Cause.PROMPT_MISMATCH, "prompt_truncated", settings, {"max_prompt": limit})]

@@ -9,20 +9,22 @@ from dataclasses import replace
 
 import numpy as np
 
+from pipeline.contracts.causes import Cause
+from pipeline.contracts.report import Finding
 from pipeline.verify.hypothesis import Candidate, Family
 
 
 class Routing(Family):
     name = "routing"
-    causes = ("routing_flip",)
+    causes = (Cause.ROUTING_FLIP,)
     kinds = ("router_replay",)
 
-    def hypotheses(self, ref, finding: dict) -> list[Candidate]:
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         if ref.fixture.routed_experts is None or ref.replay.routed_experts is None:
             return []
-        return [Candidate("routing_flip", "router_replay", ref.base, {})]
+        return [Candidate(Cause.ROUTING_FLIP, "router_replay", ref.base, {})]
 
-    def alternatives(self, ref, finding: dict) -> list[Candidate]:
+    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
         return self.hypotheses(ref, finding)
 
     def search(self, ref, candidate, rows, observed, clean, side) -> Candidate:

@@ -6,21 +6,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.contracts.causes import Cause
+from pipeline.contracts.report import Finding
 from pipeline.verify.hypothesis import Candidate, Family
 
 
 class Shifts(Family):
     name = "shifts"
-    causes = ("token_shift",)
+    causes = (Cause.TOKEN_SHIFT,)
     kinds = ("data_shift+1", "data_shift-1", "label_shift")
 
-    def hypotheses(self, ref, finding: dict) -> list[Candidate]:
-        shift = (finding.get("details") or {}).get("shift")
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
+        shift = finding.details.get("shift")
         if shift in (1, -1):
             return [_data(ref, shift)]
         return [_labels(ref)]
 
-    def alternatives(self, ref, finding: dict) -> list[Candidate]:
+    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
         return [_data(ref, 1), _data(ref, -1), _labels(ref)]
 
     def data(self, candidate, rollout, replay, drifting):
@@ -44,18 +46,18 @@ class Shifts(Family):
 
 
 def _data(ref, shift: int) -> Candidate:
-    return Candidate("token_shift", f"data_shift{shift:+d}", ref.base, {"shift": shift})
+    return Candidate(Cause.TOKEN_SHIFT, f"data_shift{shift:+d}", ref.base, {"shift": shift})
 
 
 def _labels(ref) -> Candidate:
-    return Candidate("token_shift", "label_shift", ref.base, {})
+    return Candidate(Cause.TOKEN_SHIFT, "label_shift", ref.base, {})
 
 
-def onset_of_shift(ref, finding: dict, candidate: Candidate) -> dict:
+def onset_of_shift(ref, finding: Finding, candidate: Candidate) -> Finding:
     """A verified logprob shift starts where the change point says, not at the first token
     past tau: under noise, a token whose neighbour scores alike drifts too little to cross
     it, so the first drifting token can come a few after the shift."""
-    spot = finding.get("first_position") or {}
+    spot = finding.first_position
     sid = spot.get("sequence_id")
     if not candidate.kind.startswith("data_shift") or not ref.comparable([sid]):
         return finding
@@ -63,7 +65,7 @@ def onset_of_shift(ref, finding: dict, candidate: Candidate) -> dict:
     onset = shift_onset(rollout, replay, candidate.params["shift"])
     if onset is None:
         return finding
-    return {**finding, "first_position": {**spot, "position": int(positions[onset])}}
+    return finding.but(first_position={**spot, "position": int(positions[onset])})
 
 
 def shift_onset(rollout: np.ndarray, replay: np.ndarray, shift: int) -> int | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.contracts.causes import Cause
+from pipeline.contracts.report import Finding
 from pipeline.verify.hypothesis import Candidate, Family
 from pipeline.verify.search import Processed, golden_section, with_settings
 
@@ -14,19 +16,19 @@ LOG_SPAN = 0.7  # log T searched this far either side of the estimate (T x/÷ 2)
 
 class Temperature(Family):
     name = "temperature"
-    causes = ("temperature",)
+    causes = (Cause.TEMPERATURE,)
     kinds = ("temperature",)
 
-    def hypotheses(self, ref, finding: dict) -> list[Candidate]:
-        fit = (finding.get("details") or {}).get("temperature_fit") or {}
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
+        fit = finding.details.get("temperature_fit") or {}
         sampling = ref.fixture.metadata.get("sampling") or {}
         t = fit.get("estimated_temperature") or sampling.get("temperature")
         if not t or float(t) == 1.0:
             return []
         return [_at(ref.base, float(t))]
 
-    def alternatives(self, ref, finding: dict) -> list[Candidate]:
-        return [Candidate("temperature", "temperature", ref.base, {})]  # T from the drift
+    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
+        return [Candidate(Cause.TEMPERATURE, "temperature", ref.base, {})]  # T from the drift
 
     def search(self, ref, candidate, rows, observed, clean, side) -> Candidate:
         given = candidate.params.get("T")
@@ -47,7 +49,7 @@ class Temperature(Family):
 
 def _at(base, t: float) -> Candidate:
     return with_settings(
-        Candidate("temperature", "temperature", base, {}), {"T": round(t, 4)}, temperature=t
+        Candidate(Cause.TEMPERATURE, "temperature", base, {}), {"T": round(t, 4)}, temperature=t
     )
 
 

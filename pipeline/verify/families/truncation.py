@@ -8,6 +8,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from pipeline.contracts.causes import Cause
+from pipeline.contracts.report import Finding
 from pipeline.verify.hypothesis import Candidate, Family
 from pipeline.verify.search import Processed, closest
 
@@ -27,16 +29,16 @@ class Truncation(Family):
     causes = ("top_k", "top_p", "top_k+top_p")
     kinds = ("top_k", "top_p", "top_k_top_p", *SEARCHED)
 
-    def hypotheses(self, ref, finding: dict) -> list[Candidate]:
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         # the recorded truncation is what is re-scored, and what a reproduction proves: named
         # by it, whichever truncation the signature guessed; then the searches, the
         # signature's own guess first
         searched = _searches(ref)
-        if finding["cause"] == "top_k":
+        if finding.cause == Cause.TOP_K:
             searched.reverse()
         return [*_recorded(ref), *searched]
 
-    def alternatives(self, ref, finding: dict) -> list[Candidate]:
+    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
         # processed logprobs on one side: recorded, else searched (on a flat distribution a
         # top-p moves every token by about the same, which no signature takes for one)
         return _recorded(ref) or _searches(ref)
@@ -46,19 +48,22 @@ class Truncation(Family):
             return candidate
         processed = Processed(ref, rows[0], observed[0])
         kept = _kept_mass(processed)
-        if candidate.cause == "top_p":
+        if candidate.cause == Cause.TOP_P:
             read = np.quantile(kept[kept < 1 - TRUNCATED], READ_QUANTILES) if _cut(kept) else []
             values = sorted({round(float(v), 6) for v in read} | set(TOP_P_GRID))
             p = closest(values, lambda v: processed.gap({"top_p": v}))
             return Candidate(
-                "top_p", "top_p", replace(candidate.settings, top_p=p), {"p": p, "searched": True}
+                Cause.TOP_P,
+                "top_p",
+                replace(candidate.settings, top_p=p),
+                {"p": p, "searched": True},
             )
         vocab = processed.logits.shape[-1]
         read = _counts_read(processed, kept) if _cut(kept) else []
         values = sorted({int(k) for k in [*read, *TOP_K_GRID] if 0 < k < vocab})
         k = closest(values, lambda v: processed.gap({"top_k": v}))
         return Candidate(
-            "top_k", "top_k", replace(candidate.settings, top_k=k), {"k": k, "searched": True}
+            Cause.TOP_K, "top_k", replace(candidate.settings, top_k=k), {"k": k, "searched": True}
         )
 
 
@@ -67,16 +72,18 @@ def _recorded(ref) -> list[Candidate]:
     k, p, base = int(sampling.get("top_k") or 0), float(sampling.get("top_p") or 1.0), ref.base
     if k and p < 1.0:
         settings = replace(base, top_k=k, top_p=p)
-        return [Candidate("top_k", "top_k_top_p", settings, {"k": k, "p": p})]
+        return [Candidate(Cause.TOP_K, "top_k_top_p", settings, {"k": k, "p": p})]
     if k:
-        return [Candidate("top_k", "top_k", replace(base, top_k=k), {"k": k})]
+        return [Candidate(Cause.TOP_K, "top_k", replace(base, top_k=k), {"k": k})]
     if p < 1.0:
-        return [Candidate("top_p", "top_p", replace(base, top_p=p), {"p": p})]
+        return [Candidate(Cause.TOP_P, "top_p", replace(base, top_p=p), {"p": p})]
     return []
 
 
 def _searches(ref) -> list[Candidate]:
-    return [Candidate(cause, f"{cause}_search", ref.base, {}) for cause in ("top_p", "top_k")]
+    return [
+        Candidate(cause, f"{cause}_search", ref.base, {}) for cause in (Cause.TOP_P, Cause.TOP_K)
+    ]
 
 
 def _kept_mass(processed: Processed) -> np.ndarray:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.contracts.causes import Cause, Severity, Status
+from pipeline.contracts.report import Finding
 from pipeline.faults import rescore
 from pipeline.verify.hypothesis import Candidate, Family
 
@@ -20,18 +22,18 @@ Z2_CAP = 100.0  # one sequence's z^2 counts at most this much toward the batch's
 
 class Weights(Family):
     name = "weights"
-    causes = ("stale_weights",)
+    causes = (Cause.STALE_WEIGHTS,)
     kinds = ("store_version",)
 
-    def hypotheses(self, ref, finding: dict) -> list[Candidate]:
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         return [
-            Candidate(finding["cause"], "store_version", ref.base, {"version": name})
+            Candidate(finding.cause, "store_version", ref.base, {"version": name})
             for name in published(ref)
         ]
 
-    def alternatives(self, ref, finding: dict) -> list[Candidate]:
+    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
         # other weights explain any drift when the store holds them
-        return self.hypotheses(ref, {**finding, "cause": "stale_weights"})
+        return self.hypotheses(ref, finding.but(cause=Cause.STALE_WEIGHTS))
 
     def commit(self, ref, candidate, rows):
         return scored_under(ref, candidate.params["version"], rows)
@@ -59,10 +61,10 @@ def scored_under(ref, name: str, rows: list[int]) -> list[np.ndarray]:
     return ref.compared(values, rows)
 
 
-def weights_differ(ref, finding: dict) -> dict | None:
+def weights_differ(ref, finding: Finding) -> Finding | None:
     """After every reproduction failed: `weights_differ` when the drift covers the batch
     and moves whole sequences one way; else None."""
-    rows = ref.comparable(finding["sequences"])
+    rows = ref.comparable(finding.sequences)
     # weights move the batch: most sequences past the floor (a small step hides in some
     # under noise), and the sign test over every sequence, drifting or not
     if len(rows) < max(WEIGHT_LIKE_SEQUENCES, 0.5 * ref.fixture.num_sequences):
@@ -73,17 +75,16 @@ def weights_differ(ref, finding: dict) -> dict | None:
     mean = float(np.minimum(z2, Z2_CAP).mean())
     if mean <= needed:
         return None
-    return {
-        **finding,
-        "cause": "weights_differ",
-        "severity": "fault",
-        "status": "plausible",
-        "evidence": f"no reproducible cause reproduces the drift of these {len(rows)} "
+    return finding.but(
+        cause=Cause.WEIGHTS_DIFFER,
+        severity=Severity.FAULT,
+        status=Status.PLAUSIBLE,
+        evidence=f"no reproducible cause reproduces the drift of these {len(rows)} "
         f"sequences, and the batch's {len(z2)} sequences each move their own way "
         f"throughout (sign test: mean z^2 {mean:.2f} > {needed:.2f}), as a weight step "
         "does: the two sides likely hold different weights (give --weights-store to "
         "re-score under the published versions)",
-    }
+    )
 
 
 def sign_z(rollout: np.ndarray, replay: np.ndarray) -> float:

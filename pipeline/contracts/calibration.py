@@ -1,0 +1,178 @@
+"""calibration.json: what `lpx calibrate` writes (calibrate/run.py) and compare judges by,
+one model. Types, ranges, finite values and monotone quantiles are held: a NaN quantile
+compares false with every |d| and a negative one makes every token drift, and either could
+end as a PASS. Fields lpx does not know are kept: a newer `lpx calibrate` may write more (the
+format number says when an old reader must refuse). Floors: compare/floor.py."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
+
+CALIBRATION_FORMAT = 2  # 1 predates the precision gate (no design, no variant levels)
+PRECISIONS = ("float32", "bfloat16", "float16", "float32+tf32")
+# Rounding puts a mean of equal samples, or an interpolated quantile, a few ulps past its
+# neighbour; anything further is not rounding.
+RELATIVE_SLACK = 1e-9
+COUNT_MAX = 2**63 - 1  # counts go into the history's integer columns
+
+Count = Annotated[int, Field(ge=1, le=COUNT_MAX)]
+Tally = Annotated[int, Field(ge=0, le=COUNT_MAX)]
+Magnitude = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # |d| and its moments
+Signed = Annotated[float, Field(allow_inf_nan=False)]
+Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Name = Annotated[str, StringConstraints(min_length=1)]
+PairKey = Annotated[str, StringConstraints(pattern=r"^[^|]+\|[^|]+$")]
+
+
+class _Open(BaseModel):
+    """Strict types (no "0.1" for 0.1, no true for 1), unknown fields kept."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class Cell(_Open):
+    """The |d| samples of one bucket (floor.py `_cell`)."""
+
+    n: Count
+    mean: Magnitude
+    max: Magnitude
+    q50: Magnitude
+    q90: Magnitude
+    q99: Magnitude
+    q999: Magnitude
+    var: Magnitude
+    m3: Signed  # a third central moment: either sign
+    mean_sq: Magnitude
+    var_sq: Magnitude
+    mean_expm1: Magnitude
+    var_expm1: Magnitude
+    sketch: Annotated[list[Magnitude], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _monotone(self) -> Cell:
+        ladder = [("q50", self.q50), ("q90", self.q90), ("q99", self.q99)]
+        ladder += [("q999", self.q999), ("max", self.max)]
+        for (low_name, low), (high_name, high) in zip(ladder, ladder[1:], strict=False):
+            _ordered(low, high, f"{low_name} ({low:g}) must not exceed {high_name} ({high:g})")
+        _ordered(self.mean, self.max, f"mean ({self.mean:g}) must not exceed max ({self.max:g})")
+        for index, (low, high) in enumerate(zip(self.sketch, self.sketch[1:], strict=False)):
+            _ordered(
+                low, high, f"sketch[{index + 1}] ({high:g}) is below sketch[{index}] ({low:g})"
+            )
+        _ordered(
+            self.sketch[-1], self.max, f"sketch ends at {self.sketch[-1]:g}, past max {self.max:g}"
+        )
+        return self
+
+
+class Design(_Open):
+    """How strongly one sequence's tokens share their noise (noise_test.design_of)."""
+
+    icc: Fraction
+    icc_tail: Fraction
+    sequences: Count
+    mean_length: Magnitude
+    design_effect: Annotated[float, Field(ge=1, allow_inf_nan=False)]
+    design_effect_tail: Annotated[float, Field(ge=1, allow_inf_nan=False)]
+
+
+class TauExceedance(_Open):
+    count: Tally
+    samples: Tally
+
+    @model_validator(mode="after")
+    def _within(self) -> TauExceedance:
+        if self.count > self.samples:
+            raise ValueError(f"count ({self.count}) exceeds samples ({self.samples})")
+        return self
+
+
+class Floor(_Open):
+    """One pair of precisions (calibrate/run.py `fit_pair`, floor.py `fit_floor`)."""
+
+    tokens: Count
+    all: Cell
+    cells: dict[str, Cell]
+    surprisal_edges: Annotated[list[Magnitude], Field(min_length=1)]
+    position_edges: Annotated[list[Magnitude], Field(min_length=1)]
+    spread: Annotated[float, Field(ge=1 - RELATIVE_SLACK, allow_inf_nan=False)]
+    variant_means: dict[Name, Magnitude]
+    variants: Count
+    fitted_on: Annotated[list[Name], Field(min_length=1)]
+    design: Design
+    tau_exceedance: TauExceedance
+    sequence_mean_abs_max: Magnitude
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Floor:
+        for name, edges in (("surprisal", self.surprisal_edges), ("position", self.position_edges)):
+            if any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+                raise ValueError(f"{name}_edges must increase, not {edges}")
+        if self.all.n != self.tokens:
+            raise ValueError(f"all.n ({self.all.n}) must equal tokens ({self.tokens})")
+        rows, columns = len(self.surprisal_edges), len(self.position_edges)
+        for name in self.cells:
+            parts = name.split(",")
+            if not (
+                1 <= len(parts) <= 2
+                and all(p.isdigit() and p.isascii() for p in parts)
+                and int(parts[0]) < rows
+                and (len(parts) == 1 or int(parts[1]) < columns)
+            ):
+                raise ValueError(
+                    f"cell {name!r} is not a bucket of these edges (S or S,P with S < {rows}, "
+                    f"P < {columns})"
+                )
+        unknown = [label for label in self.fitted_on if label not in self.variant_means]
+        if unknown:
+            raise ValueError(f"fitted_on names {unknown[0]!r}, which is not in variant_means")
+        return self
+
+
+class Key(_Open):
+    """What the calibration is valid for (calibrate/run.py `calibration_key`)."""
+
+    format: Count | None = None
+    model_fingerprint: str | None = None
+    model_path: str | None = None
+    engine: str | None = None
+    layout: dict[str, object] | None = None
+    hardware: str | None = None
+    versions: dict[str, str | None] | None = None
+
+
+class Calibration(_Open):
+    lpx_calibration: Literal[2]
+    key: Key
+    created_at: str
+    sequences: Count
+    tokens: Count
+    micro_batches: Annotated[list[Count], Field(min_length=1)]
+    precisions: Annotated[list[Literal[PRECISIONS]], Field(min_length=1)]
+    timing_s: dict[str, Magnitude] = {}
+    pairs: Annotated[dict[PairKey, Floor], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _pairs_of_precisions(self) -> Calibration:
+        for key in self.pairs:
+            a, b = key.split("|")
+            if a not in self.precisions or b not in self.precisions:
+                measured = ", ".join(self.precisions)
+                raise ValueError(f"`pairs.{key}`: not two of the precisions measured ({measured})")
+            if a > b:  # compare looks pairs up by their sorted names (calibrated.pair_key)
+                raise ValueError(f"`pairs.{key}`: must name its precisions in order, {b}|{a}")
+        return self
+
+
+def _ordered(low: float, high: float, message: str) -> None:
+    if low > high + RELATIVE_SLACK * abs(high) + math.ulp(0.0):
+        raise ValueError(message)

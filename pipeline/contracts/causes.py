@@ -1,0 +1,48 @@
+"""The causes a diagnosis can name, and what a finding says of its own certainty.
+
+`Cause`, `Status` and `Severity` are string enums: they compare equal to their values and are
+written to JSON as them, so a report stays plain text and a reader of an older one still
+matches.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Cause(StrEnum):
+    TOKEN_SHIFT = "token_shift"
+    MASK_PADDING = "mask_padding"
+    POSITION_IDS = "position_ids"
+    PROMPT_MISMATCH = "prompt_mismatch"
+    TEMPERATURE = "temperature"
+    TOP_K = "top_k"
+    TOP_P = "top_p"
+    STALE_WEIGHTS = "stale_weights"
+    # no store to re-score under: every data and sampling cause ruled out
+    WEIGHTS_DIFFER = "weights_differ"
+    VERSION_CHANGE = "version_change"
+    CLAIMED_VERSION = "claimed_version"
+    MISSING_VERSION = "missing_version"
+    ROUTING_FLIP = "routing_flip"
+    DTYPE = "dtype"  # precision: the drift the declared dtypes give
+    UNEXPLAINED = "unexplained"  # beyond precision, and no signature names it
+
+
+# Every cause but precision and "unexplained" names a fault someone committed.
+FAULT_CAUSES = tuple(c for c in Cause if c not in (Cause.DTYPE, Cause.UNEXPLAINED))
+KNOWN_CAUSES = tuple(Cause)  # what a policy's fail_on_findings may name
+
+
+class Status(StrEnum):
+    # verified: re-scoring with the bug committed reproduced the drift down to the noise
+    # floor (or, for precision, the drift is within the calibrated floor); plausible: the
+    # signatures fit, nothing re-scored; ruled_out is only ever on what a finding tested.
+    VERIFIED = "verified"
+    PLAUSIBLE = "plausible"
+    RULED_OUT = "ruled_out"
+
+
+class Severity(StrEnum):
+    FAULT = "fault"  # fails the verdict where the policy's fail_on_findings names the cause
+    INFO = "info"  # said, never judged (precision within its floor)

@@ -1,0 +1,48 @@
+"""lpx-run.json as `lpx record` reads it: a run's identity, times, testbed and how each stage
+ended (written by pipeline/run_manifest.py; its version, kind and stage statuses are checked
+there, with messages of their own). Fields lpx does not know are kept."""
+
+from __future__ import annotations
+
+from typing import Literal, Required
+
+from pydantic import BaseModel, ConfigDict, with_config
+from typing_extensions import TypedDict
+
+from pipeline.contracts.report import OPEN, Testbed
+
+RUN_STATUSES = ("running", "pass", "fail", "error")
+
+
+@with_config(OPEN)
+class StageImage(TypedDict, total=False):
+    ref: str | None
+    digest: str | None
+
+
+@with_config(OPEN)
+class Stage(TypedDict, total=False):
+    name: Required[str]
+    message: str | None
+    outputs: list | None
+    image: StageImage | None
+    # a stage whose failure leaves the run's verdict standing (localize), and its pair
+    optional: bool | None
+    skipped: bool | None
+    pair: str | None
+
+
+class RunManifest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    run_id: str
+    kind: str | None = None
+    trigger: str | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    command_line: str | None = None
+    lpx_version: str | None = None
+    lpx_revision: str | None = None
+    status: Literal[RUN_STATUSES] | None = None
+    testbed: Testbed | None = None
+    stages: list[Stage] | None = None
