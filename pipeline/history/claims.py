@@ -17,7 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-VERIFIED, PLAUSIBLE, UNEXPLAINED, RULED_OUT = "verified", "plausible", "unexplained", "ruled_out"
+from pipeline.contracts.causes import Cause, Status
+
+# a finding's status, and the cause that is a status of its own (no cause explains it)
+VERIFIED, PLAUSIBLE, RULED_OUT = Status.VERIFIED, Status.PLAUSIBLE, Status.RULED_OUT
+UNEXPLAINED = Cause.UNEXPLAINED
 STATUSES = (VERIFIED, PLAUSIBLE, UNEXPLAINED, RULED_OUT)
 LABELS = {
     VERIFIED: "verified",
@@ -49,14 +53,14 @@ VERIFY_WEIGHTS = (
     "--weights-store STORE` (or `lpx diagnose`)."
 )
 HOW_TO_VERIFY = {
-    "stale_weights": VERIFY_WEIGHTS,
-    "weights_differ": VERIFY_WEIGHTS,
-    "version_change": VERIFY_WEIGHTS,
-    "missing_version": "Publish the missing versions to the store (or retain more: "
+    Cause.STALE_WEIGHTS: VERIFY_WEIGHTS,
+    Cause.WEIGHTS_DIFFER: VERIFY_WEIGHTS,
+    Cause.VERSION_CHANGE: VERIFY_WEIGHTS,
+    Cause.MISSING_VERSION: "Publish the missing versions to the store (or retain more: "
     "`lpx weights publish --keep`) and compare again.",
-    "routing_flip": "Re-scoring forces the drifting side's recorded experts, so both the "
+    Cause.ROUTING_FLIP: "Re-scoring forces the drifting side's recorded experts, so both the "
     f"fixture and the replay must carry routed experts (docs/routing.md). {RESCORING}",
-    "claimed_version": "Read from the versions the tokens claim, re-scored under the store's "
+    Cause.CLAIMED_VERSION: "Read from the versions the tokens claim, re-scored under the store's "
     "versions; compare again with `--weights-store STORE` to re-check it.",
 }
 
