@@ -46,7 +46,29 @@ Verdict = Literal[VERDICTS]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 Index = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Seed = Annotated[int, Field(ge=-INT64_MAX, le=INT64_MAX)]
-Version = Annotated[str | int | float, Field(union_mode="left_to_right")]
+
+
+def _version(value):
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return value
+    raise must_be("a version string")
+
+
+Version = Annotated[str | int | float, PlainValidator(_version)]
+
+
+def _named(enum):
+    """A value of ``enum``, or a string it does not know (a newer lpx's), kept as written."""
+
+    def validate(value):
+        if not isinstance(value, str):
+            raise must_be("a string")
+        try:
+            return enum(value)
+        except ValueError:
+            return value
+
+    return PlainValidator(validate)
 
 
 # -- numbers that may be non-finite ------------------------------------------------------
@@ -307,15 +329,15 @@ class Finding(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, validate_assignment=False)
 
     # a cause a newer lpx names is kept as its string
-    cause: Annotated[Cause | str, Field(union_mode="left_to_right")]
+    cause: Annotated[Cause | str, _named(Cause)]
     sequences: list[str] = []
     first_position: dict = {}
     evidence: str = ""
-    severity: Annotated[Severity | str, Field(union_mode="left_to_right")] = Severity.FAULT
+    severity: Annotated[Severity | str, _named(Severity)] = Severity.FAULT
     details: dict = {}
     confidence: Number = 1.0
     runner_up: dict | None = None  # {"cause", "why_not"}
-    status: Annotated[Status | str, Field(union_mode="left_to_right")] = Status.PLAUSIBLE
+    status: Annotated[Status | str, _named(Status)] = Status.PLAUSIBLE
     residual_before: Number | None = None  # mean |d| on the finding's tokens
     residual_after: Number | None = None  # mean |d| left once the bug is reproduced
     floor: Number | None = None  # mean |d| precision alone gives those tokens
