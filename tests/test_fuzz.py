@@ -226,7 +226,9 @@ def policies(draw):
         profiles[name] = profile
     policy = {"version": 1, "profiles": profiles}
     if draw(st.booleans()):
-        policy["fail_on_findings"] = draw(st.lists(st.sampled_from(KNOWN_CAUSES), max_size=3))
+        policy["fail_on_findings"] = draw(
+            st.lists(st.sampled_from([c.value for c in KNOWN_CAUSES]), max_size=3)
+        )
     mistake = draw(st.sampled_from(["none"] * 5 + ["key", "number", "cause", "version"]))
     profile = profiles[draw(st.sampled_from(names))] if names else policy
     if mistake == "key":

@@ -232,12 +232,13 @@ def test_a_truncation_is_named_by_what_the_rollout_recorded(
 ):
     """The signature guesses top-k or top-p; the re-score uses the fixture's recorded
     truncation, and a reproduction names that (top-k then top-p: both, by _both_truncations)."""
+    from pipeline.contracts.report import Finding
     from pipeline.verify import Verifier
 
     fixture = read_table(run_dir / "fixture.parquet")
     fixture.metadata = {**fixture.metadata, "sampling": {**recorded}}
     verifier = Verifier(fixture, read_table(run_dir / "replay-float32.parquet"), tiny_model)
-    candidate, *searched = verifier.candidates({"cause": guessed, "details": {}})
+    candidate, *searched = verifier.candidates(Finding(cause=guessed))
     assert (candidate.kind, candidate.cause) == (kind, named)
     # then, should the recorded one not reproduce, the truncation searched for, guess first
     assert [c.kind for c in searched] == [

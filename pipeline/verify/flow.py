@@ -50,7 +50,7 @@ class Verifier:
         """The findings with statuses, residuals and floors."""
         ref = self.ref
         ref.drifting = {s for f in findings if f.is_fault for s in f.sequences}
-        out: list[dict] = []
+        out: list[Finding] = []
         leftover: list[str] = []
         said: list[str] = []
         ruled_out: list[dict] = []
