@@ -2,6 +2,7 @@
 
 On the ground (pydantic and the standard library only), so every stage, the history and the
 report can import them:
+- `base.py`: what every model shares (strict types, unknown fields kept);
 - `files.py`: the names of the files stages leave for each other;
 - `metrics.py`: every metric compare writes, with the range it can take;
 - `causes.py`: the causes a diagnosis can name, and a finding's status and severity;

@@ -10,12 +10,12 @@ import math
 from typing import Annotated, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     StringConstraints,
     model_validator,
 )
+
+from pipeline.contracts.base import Open
 
 CALIBRATION_FORMAT = 2  # 1 predates the precision gate (no design, no variant levels)
 PRECISIONS = ("float32", "bfloat16", "float16", "float32+tf32")
@@ -33,13 +33,7 @@ Name = Annotated[str, StringConstraints(min_length=1)]
 PairKey = Annotated[str, StringConstraints(pattern=r"^[^|]+\|[^|]+$")]
 
 
-class _Open(BaseModel):
-    """Strict types (no "0.1" for 0.1, no true for 1), unknown fields kept."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class Cell(_Open):
+class Cell(Open):
     """The |d| samples of one bucket (floor.py `_cell`)."""
 
     n: Count
@@ -74,7 +68,7 @@ class Cell(_Open):
         return self
 
 
-class Design(_Open):
+class Design(Open):
     """How strongly one sequence's tokens share their noise (noise_test.design_of)."""
 
     icc: Fraction
@@ -85,7 +79,7 @@ class Design(_Open):
     design_effect_tail: Annotated[float, Field(ge=1, allow_inf_nan=False)]
 
 
-class TauExceedance(_Open):
+class TauExceedance(Open):
     count: Tally
     samples: Tally
 
@@ -96,7 +90,7 @@ class TauExceedance(_Open):
         return self
 
 
-class Floor(_Open):
+class Floor(Open):
     """One pair of precisions (calibrate/run.py `fit_pair`, floor.py `fit_floor`)."""
 
     tokens: Count
@@ -138,7 +132,7 @@ class Floor(_Open):
         return self
 
 
-class Key(_Open):
+class Key(Open):
     """What the calibration is valid for (calibrate/run.py `calibration_key`)."""
 
     format: Count | None = None
@@ -150,7 +144,7 @@ class Key(_Open):
     versions: dict[str, str | None] | None = None
 
 
-class Calibration(_Open):
+class Calibration(Open):
     lpx_calibration: Literal[2]
     key: Key
     created_at: str

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import Field, StringConstraints
 
+from pipeline.contracts.base import Open
 from pipeline.contracts.problems import INT32_MAX, INT64_MAX
 
 VERDICTS = ("clean", "localized", "verified")
@@ -20,26 +21,19 @@ BoundaryName = Annotated[str, StringConstraints(min_length=1, max_length=128)]  
 Index = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
-class _Open(BaseModel):
-    """Strict types (no "0.1" for 0.1, no true for 1); fields lpx does not know are kept (a
-    newer localize may write more)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class First(_Open):
+class First(Open):
     boundary: BoundaryName
     ratio: Level
 
 
-class Verification(_Open):
+class Verification(Open):
     verified: bool
     by: str | None = None
     runner: str | None = None
     attempts: list[dict[str, object]] | None = None
 
 
-class Side(_Open):
+class Side(Open):
     spec: str
     engine: str | None = None
     dtype: str | None = None
@@ -48,17 +42,17 @@ class Side(_Open):
     world_size: Index | None = None
 
 
-class Sides(_Open):
+class Sides(Open):
     a: Side
     b: Side
 
 
-class Drift(_Open):
+class Drift(Open):
     max: Level
     rms: Level
 
 
-class Boundary(_Open):
+class Boundary(Open):
     boundary: BoundaryName
     layer: Index | None = None
     kind: Annotated[str, StringConstraints(min_length=1, max_length=32)]
@@ -68,7 +62,7 @@ class Boundary(_Open):
     beyond: bool
 
 
-class LocalizeResult(_Open):
+class LocalizeResult(Open):
     """localize.json (localize/run.py); ``lpx_localize`` marks it as lpx's (files before
     the marker have none)."""
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Literal, Required
 
-from pydantic import BaseModel, ConfigDict, with_config
+from pydantic import with_config
 from typing_extensions import TypedDict
 
-from pipeline.contracts.report import OPEN, Testbed
+from pipeline.contracts.base import OPEN, Open
+from pipeline.contracts.report import Testbed
 
 RUN_STATUSES = ("running", "pass", "fail", "error")
 
@@ -32,9 +33,7 @@ class Stage(TypedDict, total=False):
     pair: str | None
 
 
-class RunManifest(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
+class RunManifest(Open):
     run_id: str
     kind: str | None = None
     trigger: str | None = None

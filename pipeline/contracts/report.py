@@ -21,8 +21,6 @@ import math
 from typing import Annotated, Any, Literal, NotRequired, Required
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     PlainValidator,
     ValidationError,
@@ -32,6 +30,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails
 from typing_extensions import TypedDict
 
+from pipeline.contracts.base import OPEN, Open
 from pipeline.contracts.causes import Cause, Severity, Status
 from pipeline.contracts.metrics import BY_NAME, VERDICT_METRICS
 from pipeline.contracts.problems import INT32_MAX, INT64_MAX, must_be
@@ -40,7 +39,6 @@ VERDICTS = ("pass", "fail")
 NON_FINITE = ("nan", "inf", "-inf")  # how JSON holds non-finite numbers (compare/outputs.py)
 # Rounding may put a fraction a few ulps past its bound; anything further is not rounding.
 SLACK = 1e-9
-OPEN = ConfigDict(extra="allow", strict=True)
 
 Verdict = Literal[VERDICTS]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
@@ -322,11 +320,9 @@ class Judgement(TypedDict, total=False):
     gate: dict | None
 
 
-class Finding(BaseModel):
+class Finding(Open):
     """One cause a diagnosis names, with its evidence; verification re-scores it and sets
     its status and residuals."""
-
-    model_config = ConfigDict(extra="allow", strict=True, validate_assignment=False)
 
     # a cause a newer lpx names is kept as its string
     cause: Annotated[Cause | str, _named(Cause)]
@@ -361,11 +357,9 @@ class Finding(BaseModel):
         return {**dict(self), **(self.model_extra or {})}
 
 
-class Report(BaseModel):
+class Report(Open):
     """report.json. ``verification`` is the note `lpx compare` adds when it re-scores
     findings; ``routing`` is a MoE pair's routing agreement (pipeline/routing.py)."""
-
-    model_config = OPEN
 
     verdict: Verdict
     sign_convention: str | None = None
@@ -387,11 +381,6 @@ class Report(BaseModel):
         data = {name: getattr(self, name) for name in type(self).model_fields}
         data["diagnosis"] = [f.as_dict() for f in self.diagnosis or []]
         return {**data, **(self.model_extra or {})}
-
-
-def read_report(data) -> Report:
-    """A report.json's parsed JSON as a Report; ValidationError names each bad field."""
-    return Report.model_validate(data)
 
 
 def contradictions(report: Report) -> list[str]:
