@@ -1,5 +1,5 @@
-"""report.json: what `lpx compare` writes and `lpx record`, `lpx localize` and `lpx bisect`
-read, as one set of models.
+"""report.json: what `lpx compare` writes and `lpx record` and `lpx localize --report`
+validate, as one set of models.
 
 Compare builds a `Report` and writes its JSON; a reader validates the file with the same
 model. Reports are inputs too: a report someone edited, truncated or wrote with another tool
