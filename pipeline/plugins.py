@@ -22,6 +22,7 @@ BUILTIN: dict[str, dict[str, str]] = {
         "hf": "pipeline.engines.hf_rollout:HFRolloutEngine",
         "vllm": "pipeline.engines.vllm_engine:VLLMRolloutEngine",
         "http": "pipeline.engines.http_rollout:HTTPRolloutEngine",
+        "sglang": "pipeline.engines.sglang_engine:SGLangRolloutEngine",
     },
     SCORING: {
         "hf": "pipeline.engines.hf_replay:HFScoringEngine",
@@ -30,6 +31,7 @@ BUILTIN: dict[str, dict[str, str]] = {
         "deepspeed": "pipeline.engines.deepspeed_replay:DeepSpeedScoringEngine",
         "megatron": "pipeline.engines.megatron_replay:MegatronScoringEngine",
         "logprob-server": "pipeline.engines.logprob_server:LogprobServerEngine",
+        "sglang": "pipeline.engines.sglang_engine:SGLangScoringEngine",
     },
     CAPTURE: {
         "hf": "pipeline.localize.adapters.hf:open_session",

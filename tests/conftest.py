@@ -143,6 +143,6 @@ def bf16_calibration(run_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def environment_cache(tmp_path_factory) -> Path:
     """One LPX_CACHE for the session's layered engine environments
-    (pipeline/orchestrator/environments.py): each release is installed once (~8 s), whichever
+    (pipeline/environments.py): each release is installed once (~8 s), whichever
     test needs it first. Set it with monkeypatch.setenv("LPX_CACHE", ...)."""
     return tmp_path_factory.mktemp("lpx-cache")

@@ -13,9 +13,9 @@ import pytest
 from pipeline.db.models import EngineBuild
 from sqlalchemy import select
 
+from pipeline.environments import Environment, ensure, python_of
 from pipeline.history import queries
 from pipeline.history.database import open_history
-from pipeline.orchestrator.environments import Environment, ensure, python_of
 from tests.chromium import CHROMIUM, headless_chromium, open_page
 from tests.helpers import run_lpx
 

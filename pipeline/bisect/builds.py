@@ -3,7 +3,7 @@
 Three kinds, written the way `--good`, `--bad` and a `--builds` file say them:
 
 * ``pip:transformers==5.18.0`` (or a bare ``NAME==VERSION``): an environment layered on
-  lpx's own with that requirement pinned (orchestrator/environments.py), from a wheelhouse
+  lpx's own with that requirement pinned (pipeline/environments.py), from a wheelhouse
   when one is given; builds between two versions are the package's releases between them;
 * ``image:vllm/vllm-openai:v0.33.0``: a container image (``--runner docker``); builds
   between two images come from a ``--builds`` file, in order;

@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from pipeline import environments
 from pipeline.bisect.builds import Build
 from pipeline.bisect.search import BAD, ERROR, GOOD
 from pipeline.contracts.files import MANIFEST, REPORT
 from pipeline.errors import BadInput
-from pipeline.orchestrator import environments
 from pipeline.orchestrator.plan import Plan
 from pipeline.orchestrator.run import execute_stage, run_stages
 from pipeline.orchestrator.runners import LocalRunner, StageFailed, make_runner
@@ -81,7 +81,11 @@ def prepare(
         return Prepared(build, image=build.image, description={"image": build.image})
     try:
         if build.kind == "pip":
-            environment = environments.Environment(build.requirements, build.patch, wheelhouse)
+            environment = (
+                environments.for_requirement(build.requirements[0], build.patch, wheelhouse)
+                if len(build.requirements) == 1
+                else environments.Environment(build.requirements, build.patch, wheelhouse)
+            )
         else:
             tree = _checkout(source, build.revision)
             environment = environments.Environment(

@@ -21,8 +21,8 @@ from pipeline.bisect import probe as probes
 from pipeline.bisect.builds import Build, between
 from pipeline.bisect.search import BAD, GOOD, RECONFIRM, RETRIES, RUNS, Answer, bisect
 from pipeline.contracts.files import BISECT as FILE
+from pipeline.environments import DEFAULT_BUILD
 from pipeline.errors import BadInput
-from pipeline.orchestrator.environments import DEFAULT_BUILD
 from pipeline.orchestrator.plan import load_plan
 from pipeline.orchestrator.runners import make_runner
 from pipeline.paths import output_lock, write_text_atomic

@@ -155,6 +155,8 @@ def replay(
         raise BadInput(
             f"engine {engine!r} is not distributed; --nproc applies to fsdp, deepspeed, megatron."
         )
+    if hasattr(scorer, "log_dir") and scorer.log_dir is None:  # a server of its own: its log
+        scorer.log_dir = rank_logs or out_path.with_name(out_path.stem + ".logs")
     if weights_store is not None:
         from pipeline.weights.multi_version import missing_summary, replay_by_version
 

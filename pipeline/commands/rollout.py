@@ -90,6 +90,8 @@ def rollout(
 
     check_model_dir(model_dir)
     rollout_with = rollout_engine(engine)
+    if hasattr(rollout_with, "log_dir"):  # an engine with a server of its own keeps its log
+        rollout_with.log_dir = out_path.with_name(out_path.stem + ".logs")
     knobs = {
         "dtype": dtype,
         **device_knobs(rollout_with, engine, device),

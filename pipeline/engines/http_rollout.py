@@ -2,20 +2,22 @@
 
 Nothing is known of the fleet but its URL, so everything it reports is recorded per
 trajectory: token ids, the sampled token's logprob, finish reason, and the weight version
-(SGLang per token, where a trajectory straddles a weight update; vLLM per request, read from
-its RL endpoint GET /weight_info before and after, "unknown" when an update fell between). A trajectory that was
+(SGLang per token from its weight-version spans, where a trajectory straddles a weight
+update; vLLM per request, read from its RL endpoint GET /weight_info before and after,
+"unknown" when an update fell between). SGLang's protocol is engines/sglang_api.py's. A trajectory that was
 aborted or failed is kept and marked (finish_reason ``abort`` / ``error``), never dropped.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.engines.base import SamplingParams, knobs_from_dict, trajectories
 from pipeline.engines.hf_common import model_metadata, software_versions
 from pipeline.engines.http_json import json_request
+from pipeline.engines.sglang_api import Asked, Connection, Trajectory, generate_trajectory
 from pipeline.errors import BadInput
 from pipeline.fixture.table import TokenTable, table_from_sequences
 from pipeline.progress import progress_bar
@@ -50,17 +52,6 @@ class HTTPKnobs:
         if knobs_obj.api not in APIS:
             raise BadInput(f"http api must be one of {', '.join(APIS)}.")
         return knobs_obj
-
-
-@dataclass
-class Trajectory:
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    weight_versions: list[str] = field(default_factory=list)
-    top_ids: list[int] = field(default_factory=list)
-    finish_reason: str = "length"
-    error: str | None = None
-    requests: int = 0
 
 
 class HTTPRolloutEngine:
@@ -217,53 +208,10 @@ class _Client:
     def sglang_trajectory(
         self, prompt, sampling: SamplingParams, seed: int, model: str
     ) -> Trajectory:
-        trajectory = Trajectory()
-        while True:
-            remaining = sampling.max_tokens - len(trajectory.tokens)
-            body = {
-                "input_ids": list(prompt) + trajectory.tokens,
-                "sampling_params": {
-                    "max_new_tokens": remaining,
-                    "temperature": sampling.temperature,
-                    "top_p": sampling.top_p,
-                    "top_k": sampling.top_k or -1,
-                    "ignore_eos": sampling.ignore_eos,
-                    "sampling_seed": seed,
-                },
-                "return_logprob": True,
-            }
-            try:
-                response = self._request("POST", "/generate", body)
-                meta = response["meta_info"]
-                pieces = meta.get("output_token_logprobs") or []
-                version = str(meta.get("weight_version", "unknown"))
-                per_token = meta.get("output_token_weight_versions")  # where a server gives them
-                trajectory.tokens += [int(p[1]) for p in pieces]
-                trajectory.logprobs += [float(p[0]) for p in pieces]
-                trajectory.weight_versions += (
-                    [str(v) for v in per_token] if per_token else [version] * len(pieces)
-                )
-                finish = meta.get("finish_reason") or {}
-                trajectory.finish_reason = str(
-                    finish.get("type", finish) if isinstance(finish, dict) else finish
-                )
-                trajectory.requests += 1
-            except (KeyError, IndexError, TypeError, ValueError) as error:
-                trajectory.error, trajectory.finish_reason = (
-                    f"unexpected response shape: {error}",
-                    "error",
-                )
-                return trajectory
-            except BadInput as error:
-                trajectory.error, trajectory.finish_reason = str(error), "error"
-                return trajectory
-            resumable = trajectory.finish_reason == "abort" and self.settings.resume_aborted
-            if (
-                not resumable
-                or trajectory.requests > self.settings.max_resumes
-                or remaining - len(pieces) <= 0
-            ):
-                return trajectory
+        settings = self.settings
+        connection = Connection(self.base, settings.timeout_s, settings.retries, settings.backoff_s)
+        asked = Asked(resume_aborted=settings.resume_aborted, max_resumes=settings.max_resumes)
+        return generate_trajectory(connection, prompt, sampling, seed, asked)
 
     def _request(
         self, method: str, path: str, body: dict | None = None, retries: int | None = None

@@ -41,7 +41,7 @@ def server_argv(stage: Stage, model: Path) -> list[str]:
 
 class LocalRunner:
     """Each stage as a process here: in lpx's own interpreter, or in ``python`` (an
-    environment's, orchestrator/environments.py) when one is given."""
+    environment's, pipeline/environments.py) when one is given."""
 
     name = "local"
 

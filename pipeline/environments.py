@@ -11,6 +11,12 @@ reuses it. Built offline from a wheelhouse when one is given (pip --no-index).
 A patch (a unified diff, ``patch -p1`` against site-packages) is applied to the copy the
 environment installed: that is how a test seeds a fault into a real engine release, and how
 a user tries a fix before it ships.
+
+Some engine releases pin a stack lpx cannot share (SGLang 0.5.23 pins torch 2.14.1 and
+CUDA kernel wheels): `STACKS` says how such a release installs over lpx's environment,
+without its own dependencies, beside the few it needs that lpx lacks. `for_requirement`
+applies it, so setup, the engine that runs the release and a bisect over its releases make
+the same environment.
 """
 
 from __future__ import annotations
@@ -54,13 +60,64 @@ class Environment:
     command: str | None = None
     # what identifies the source when its path does not (a git commit)
     source_id: str = ""
+    # installed after the requirements, with their dependencies, every package lpx's
+    # environment already has held at its version there (so torch is never replaced)
+    companions: tuple[str, ...] = ()
 
     def key(self) -> str:
         """Everything that makes two environments differ, hashed: same key, same files."""
         patch = self.patch.read_bytes().hex() if self.patch else ""
         parts = [sys.executable, *self.requirements, patch, str(self.no_deps)]
         parts += [self.source_id or str(self.source or ""), self.command or ""]
+        parts += list(self.companions)
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """How one engine package installs over lpx's environment when its own pins cannot be
+    met: the release without dependencies, ``alongside`` it (also without dependencies)
+    and ``companions`` with theirs."""
+
+    alongside: tuple[str, ...] = ()
+    companions: tuple[str, ...] = ()
+    why: str = ""
+
+
+STACKS: dict[str, Stack] = {
+    "sglang": Stack(
+        # SGLang imports torchvision whatever the model; 0.28.0 is the release of torch
+        # 2.13's series. PyPI's build cannot load its compiled ops beside the CPU torch: the
+        # launcher (engines/sglang_launch.py) lets it import anyway.
+        alongside=("torchvision==0.28.0",),
+        # imported at server start and absent from lpx's environment
+        companions=("IPython", "gguf", "soundfile"),
+        why="sglang pins torch==2.14.1 and CUDA-only kernel wheels; lpx's torch and "
+        "transformers serve it on the CPU",
+    ),
+}
+
+
+def for_requirement(
+    requirement: str, patch: Path | None = None, wheelhouse: Path | None = None
+) -> Environment:
+    """The environment that runs one pinned package (``sglang==0.5.23``): plain pip for most,
+    its `Stack` for an engine whose own pins lpx cannot share."""
+    stack = STACKS.get(requirement_name(requirement).lower())
+    if stack is None:
+        return Environment((requirement,), patch, wheelhouse)
+    return Environment(
+        (requirement, *stack.alongside),
+        patch,
+        wheelhouse,
+        no_deps=True,
+        companions=stack.companions,
+    )
+
+
+def requirement_name(requirement: str) -> str:
+    """The distribution a requirement line names (``sglang`` of ``sglang==0.5.23``)."""
+    return re.split(r"[<>=!~;\[ @]", requirement.strip(), maxsplit=1)[0]
 
 
 def cache_root() -> Path:
@@ -74,9 +131,9 @@ def python_of(directory: Path) -> Path:
 def ensure(environment: Environment, log: Path | None = None) -> Path:
     """The environment's directory, made now unless the cache has it; its interpreter is
     ``python_of(directory)``. Raises EnvironmentFailed with pip's or patch's own words."""
+    if made(environment) is not None:
+        return made(environment)
     directory = cache_root() / environment.key()
-    if (directory / READY).is_file():
-        return directory
     if directory.exists():  # a half-made one (killed while pip ran): start it again
         shutil.rmtree(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -86,6 +143,7 @@ def ensure(environment: Environment, log: Path | None = None) -> Path:
     try:
         _layer(staging)
         _pip_install(staging, environment, log)
+        _install_companions(staging, environment, log)
         if environment.patch:
             _apply_patch(staging, environment.patch, log)
         if environment.command:
@@ -110,6 +168,12 @@ def ensure(environment: Environment, log: Path | None = None) -> Path:
     except OSError:  # another process made the same one meanwhile: keep theirs
         shutil.rmtree(staging, ignore_errors=True)
     return directory
+
+
+def made(environment: Environment) -> Path | None:
+    """The environment's directory where the cache already holds it whole, else None."""
+    directory = cache_root() / environment.key()
+    return directory if (directory / READY).is_file() else None
 
 
 def description(directory: Path) -> dict:
@@ -137,6 +201,13 @@ def _layer(directory: Path) -> None:
 def _pip_install(directory: Path, environment: Environment, log: Path | None) -> None:
     if not environment.requirements:
         return
+    argv = _pip_base(directory, environment)
+    argv += ["--no-deps"] if environment.no_deps else []
+    argv += list(environment.requirements)
+    _checked(argv, log, f"pip could not install {' '.join(environment.requirements)}")
+
+
+def _pip_base(directory: Path, environment: Environment) -> list[str]:
     argv = [sys.executable, "-m", "pip", "--python", str(python_of(directory)), "install"]
     # no .pyc now: a run imports a few dozen of the thousands of modules, and compiles those
     argv += [
@@ -152,9 +223,30 @@ def _pip_install(directory: Path, environment: Environment, log: Path | None) ->
                 "the environments install from (or none, to use the package index)."
             )
         argv += ["--no-index", "--find-links", str(environment.wheelhouse)]
-    argv += ["--no-deps"] if environment.no_deps else []
-    argv += list(environment.requirements)
-    _checked(argv, log, f"pip could not install {' '.join(environment.requirements)}")
+    return argv
+
+
+def _install_companions(directory: Path, environment: Environment, log: Path | None) -> None:
+    if not environment.companions:
+        return
+    held = directory / "lpx-held.txt"
+    held.write_text("\n".join(held_versions()) + "\n", encoding="utf-8")
+    argv = [*_pip_base(directory, environment), "--constraint", str(held)]
+    argv += list(environment.companions)
+    _checked(argv, log, f"pip could not install {' '.join(environment.companions)}")
+
+
+def held_versions() -> list[str]:
+    """``name==version`` of every distribution lpx's environment has (lpx itself aside): the
+    constraints that keep a companion from replacing torch, transformers or numpy."""
+    from importlib import metadata
+
+    lines = {}
+    for distribution in metadata.distributions():
+        name = distribution.metadata["Name"]
+        if name and name.lower() not in ("lpx", "pip") and distribution.version:
+            lines[name.lower()] = f"{name}=={distribution.version}"
+    return sorted(lines.values())
 
 
 DEFAULT_BUILD = "{pip} install --no-deps --no-build-isolation {source}"
@@ -186,7 +278,7 @@ def _checked(argv: list[str], log: Path | None, what: str) -> None:
 
 
 def _versions_seen(directory: Path, requirements: tuple[str, ...]) -> dict[str, str]:
-    names = [re.split(r"[<>=!~;\[ @]", line.strip(), maxsplit=1)[0] for line in requirements]
+    names = [requirement_name(line) for line in requirements]
     names = [name for name in names if name]
     if not names:
         return {}

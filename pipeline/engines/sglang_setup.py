@@ -1,0 +1,62 @@
+"""Install SGLang for lpx: fetch its wheels once, then make its environment offline.
+
+``python -m pipeline.engines.sglang_setup`` (scripts/setup runs it) downloads the pinned
+release, the torchvision it imports and the companions of environments.STACKS["sglang"]
+into the wheelhouse (the venv's engine-wheels/ unless LPX_WHEELHOUSE), then makes the
+environment the `sglang` engine finds (engines/sglang_server.py). A second run fetches
+nothing and, with the environment cached, does nothing. ~75 MB, no second torch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline import environments
+from pipeline.engines.sglang_server import SGLANG_RELEASE, default_environment
+
+
+def fetch(wheelhouse: Path) -> None:
+    """Download what the environment installs, unless the wheelhouse has the release."""
+    environment = default_environment()
+    if any(wheelhouse.glob(f"sglang-{SGLANG_RELEASE}-*.whl")):
+        return
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+           "--dest", str(wheelhouse)]  # fmt: skip
+    _run([*pip, "--no-deps", *environment.requirements])
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as held:
+        held.write("\n".join(environments.held_versions()) + "\n")
+    _run([*pip, "--constraint", held.name, *environment.companions])
+    Path(held.name).unlink()
+
+
+def _run(argv: list[str]) -> None:
+    result = subprocess.run(argv, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+        sys.exit(f"error: {' '.join(argv[3:6])}...: {' | '.join(tail[-3:])[:600]}")
+
+
+def main() -> None:
+    started = time.monotonic()
+    environment = default_environment()
+    fetch(Path(environment.wheelhouse))
+    if environments.made(environment) is None:
+        print(f"making the SGLang {SGLANG_RELEASE} environment (offline) ...", file=sys.stderr)
+        try:
+            directory = environments.ensure(environment)
+        except environments.EnvironmentFailed as error:
+            sys.exit(f"error: the SGLang environment: {error}")
+        print(
+            f"SGLang {SGLANG_RELEASE}: {environments.python_of(directory)} "
+            f"({time.monotonic() - started:.0f} s)",
+            file=sys.stderr,
+        )
+
+
+if __name__ == "__main__":
+    main()
