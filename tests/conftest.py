@@ -146,3 +146,18 @@ def environment_cache(tmp_path_factory) -> Path:
     (pipeline/environments.py): each release is installed once (~8 s), whichever
     test needs it first. Set it with monkeypatch.setenv("LPX_CACHE", ...)."""
     return tmp_path_factory.mktemp("lpx-cache")
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> Path:
+    """The interpreter of the SGLang environment scripts/setup made. Where it is missing the
+    SGLang tests skip, except under CI=true, where a missing SGLang fails."""
+    from pipeline.engines.sglang_server import sglang_python as find
+    from pipeline.errors import EngineNotInstalled
+
+    try:
+        return find()
+    except EngineNotInstalled as error:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true but SGLang is not installed: {error}")
+        pytest.skip(str(error))

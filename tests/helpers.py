@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -53,3 +54,15 @@ def publish_one_step(tiny_model: Path, fixture_path: Path, root: Path) -> tuple[
     publish(tiny_model, store)
     publish(stepped, store, delta=True)
     return store, stepped
+
+
+@contextlib.contextmanager
+def sglang_serving(python, model_dir, log, moe=False, env=None, **knobs):
+    """A real SGLang server on ``model_dir`` for a module's tests, started as lpx starts one
+    (engines/sglang_common.server_arguments); yields its URL. ~40 s on two cores."""
+    from pipeline.engines.sglang_common import SGLangKnobs, server_arguments
+    from pipeline.engines.sglang_server import running_server
+
+    argv = server_arguments(SGLangKnobs.from_dict(knobs), model_dir, "cpu", 1024, moe)
+    with running_server(python, argv, log, env) as server:
+        yield server.url

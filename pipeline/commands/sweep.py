@@ -43,9 +43,11 @@ def sweep(
     """Roll out the same prompts under several knob settings; compare each with the first.
 
     Loads the model as few times as the engine allows (vLLM: once per distinct
-    engine-level setting; batch_size and top_logprobs reuse the loaded engine). Writes
+    engine-level setting; batch_size and top_logprobs reuse the loaded engine; SGLang: one
+    server per distinct server-level setting). Every knob is read back from the engine:
+    a setting whose knob the engine did not apply fails, naming it. Writes
     fixture-NAME.parquet and compare-NAME/ per setting and sweep.json; exits 1 when any
-    setting breaks the policy against the baseline.
+    setting breaks the policy against the baseline or was not applied.
 
     \b
     Example (batch size 1 vs all, prefix caching off, small prefill chunks):
@@ -53,6 +55,9 @@ def sweep(
           --setting baseline: --setting batch1:batch_size=1 \\
           --setting no-prefix-cache:enable_prefix_caching=false \\
           --setting chunk16:enable_chunked_prefill=true,max_num_batched_tokens=16
+      lpx sweep --engine sglang --model models/tiny --prompts prompts.txt --out run/sweep \
+          --setting baseline: --setting no-radix:radix_cache=false \
+          --setting chunk64:chunked_prefill_size=64
     """
     from pipeline.engines import rollout_engine
     from pipeline.engines.base import SamplingParams
@@ -67,7 +72,10 @@ def sweep(
         seed=seed,
         samples_per_prompt=samples_per_prompt,
     )
-    rows = run_sweep(rollout_engine(engine), model_dir, prompts, sampling, parsed, out_dir)
+    rolling = rollout_engine(engine)
+    if hasattr(rolling, "log_dir"):  # an engine with servers of its own keeps their logs
+        rolling.log_dir = out_dir / "logs"
+    rows = run_sweep(rolling, model_dir, prompts, sampling, parsed, out_dir)
     click.echo(
         f"{'setting':<20} {'verdict':<8} {'tokens':>7} {'max|d|':>10} {'mean|d|':>10} diverged"
     )
@@ -79,5 +87,12 @@ def sweep(
             f"{row['setting']:<20} {row['verdict']:<8} {row['tokens_compared']:>7} "
             f"{row['max_abs_diff']:>10.3g} {row['mean_abs_diff']:>10.3g} {len(row['diverged_sequences'])}"
         )
-    failed = any(row.get("verdict") == "fail" for row in rows)
+    label = {"sglang": "SGLang", "vllm": "vLLM"}.get(engine, engine)
+    for row in rows:
+        for knob, values in row["knobs_not_applied"].items():
+            click.echo(
+                f"{row['setting']}: {label} did not apply {knob}={values['requested']} "
+                f"(runs {values['applied']})"
+            )
+    failed = any(row.get("verdict") == "fail" or row["knobs_not_applied"] for row in rows)
     click.get_current_context().exit(EXIT_REGRESSION if failed else EXIT_PASS)

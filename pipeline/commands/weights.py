@@ -154,15 +154,35 @@ def ls(store: Path, as_json: bool) -> None:
 
 @weights.command("hot-load")
 @click.argument("store", type=STORE_PATH)
-@click.option("--url", required=True, help="The server: vLLM with its RL endpoints, or lpx serve.")
+@click.option(
+    "--url", required=True, help="The server: SGLang, vLLM with its RL endpoints, or lpx serve."
+)
 @click.option("--version", help="The version to load [default: latest].")
+@click.option(
+    "--via",
+    type=click.Choice(["disk", "tensor"]),
+    default="disk",
+    show_default=True,
+    help="SGLang: load the pulled directory, or send its tensors by shared memory.",
+)
+@click.option(
+    "--abort-running",
+    is_flag=True,
+    help="SGLang: end the requests in flight (finish reason abort) so they resume under the "
+    "new version.",
+)
 @click.option(
     "--timeout", "timeout_s", type=FiniteFloat(min=0.0, min_open=True), default=600.0,
     show_default=True, help="Seconds to wait for each server call.",
 )  # fmt: skip
-def hot_load(store: Path, url: str, version: str | None, timeout_s: float) -> None:
+def hot_load(
+    store: Path, url: str, version: str | None, via: str, abort_running: bool, timeout_s: float
+) -> None:
     """Load a version of STORE into a running server without restarting it.
 
+    For SGLang: /update_weights_from_disk (or, --via tensor, /update_weights_from_tensor)
+    with the version's name, which SGLang then tags each new token with; its radix cache is
+    flushed.
     For vLLM started with VLLM_SERVER_DEV_MODE=1: pause (in-flight requests finish),
     reload_weights from the pulled version, reset the prefix cache, name the version
     (GET /weight_info then reports it), resume. For lpx serve: POST /update_weights. The
@@ -172,12 +192,14 @@ def hot_load(store: Path, url: str, version: str | None, timeout_s: float) -> No
     Example:
       lpx weights hot-load /shared/policy-weights --url http://127.0.0.1:8000
       lpx weights hot-load /shared/policy-weights --version 12 --url http://127.0.0.1:8400
+      lpx weights hot-load /shared/policy-weights --url http://127.0.0.1:30000 \\
+          --via tensor --abort-running
     """
     from pipeline.weights.hot_load import hot_load as load_version
 
     if not url.startswith(("http://", "https://")):
         raise click.BadParameter("give the server's base URL, http://HOST:PORT", param_hint="--url")
-    done = load_version(url, store, version, timeout_s)
+    done = load_version(url, store, version, timeout_s, via, abort_running)
     click.echo(
         f"{url} ({done['server']}) now serves version {done['version']}: pulled and verified "
         f"in {done['pull_s']:.2f} s, swapped in {done['swap_s']:.2f} s"

@@ -55,6 +55,9 @@ class Asked:
     # only where it differs from the temperature-scaled one: top-k, top-p or min-p set
     sampling_logprobs: bool = False
     routed_experts: bool = False
+    # top-k sent in place of "off" (-1): SGLang returns its sampling mask only under a
+    # finite top-k, and top-k = the vocabulary size keeps every token
+    top_k: int | None = None
 
 
 @dataclass
@@ -70,15 +73,19 @@ class Trajectory:
     requests: int = 0
 
 
-def sampling_params(sampling, seed: int, max_new_tokens: int) -> dict:
-    """SGLang's sampling_params for lpx's SamplingParams, every field set explicitly: a
-    field left out is SGLang's default, and the fixture records what was asked."""
+def sampling_params(sampling, seed: int, max_new_tokens: int, top_k: int | None = None) -> dict:
+    """SGLang's sampling_params for lpx's SamplingParams, every field that changes a logprob
+    set explicitly: a field left out takes the server's --preferred-sampling-params, and the
+    fixture records what was asked."""
     return {
         "max_new_tokens": max_new_tokens,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        "top_k": sampling.top_k or -1,
+        "top_k": top_k or sampling.top_k or -1,
         "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
         "ignore_eos": sampling.ignore_eos,
         "sampling_seed": seed,
     }
@@ -101,7 +108,7 @@ def generate_trajectory(
         remaining = sampling.max_tokens - len(trajectory.tokens)
         body = {
             "input_ids": list(prompt) + trajectory.tokens,
-            "sampling_params": sampling_params(sampling, seed, remaining),
+            "sampling_params": sampling_params(sampling, seed, remaining, asked.top_k),
             "return_logprob": True,
         }
         if asked.sampling_logprobs:
@@ -253,14 +260,80 @@ def model_info(connection: Connection) -> dict:
     return info if isinstance(info, dict) else {}
 
 
-def update_weights_from_disk(connection: Connection, model_dir, version: str) -> dict:
-    """Load new weights into the running server; it tags every later token ``version``."""
-    body = {"model_path": str(model_dir), "weight_version": str(version)}
-    answer = connection.request("POST", "/update_weights_from_disk", body, retries=0)
-    if not answer.get("success", False):
-        raise BadInput(
-            f"{connection.url}/update_weights_from_disk {model_dir}: {answer.get('message')}"
-        )
+def update_weights_from_disk(
+    connection: Connection, model_dir, version: str, abort_running: bool = False
+) -> dict:
+    """Load a checkpoint directory into the running server (it must see the path); every
+    later token is tagged ``version``. ``abort_running`` ends the requests in flight with
+    finish reason abort (a partial rollout, resumed by its client under the new version)."""
+    body = {
+        "model_path": str(model_dir),
+        "weight_version": str(version),
+        "abort_all_requests": abort_running,
+        "flush_cache": True,  # cached prefixes hold keys and values of the old weights
+    }
+    return _succeeded(connection, "/update_weights_from_disk", body)
+
+
+def update_weights_from_tensor(
+    connection: Connection,
+    named_tensors,
+    version: str,
+    abort_running: bool = False,
+    bucket_bytes: int = 512 << 20,
+) -> dict:
+    """Send tensors to the running server by reference (shared memory on this host, as an RL
+    trainer colocated with its rollout engine does), in buckets of about ``bucket_bytes``,
+    inside SGLang's weight-update session; the last bucket names the new ``version``.
+
+    The payload is what SGLang's MultiprocessingSerializer writes (torch's ForkingPickler,
+    base64), made here without importing SGLang: torch's ``file_system`` sharing, because a
+    server process cannot receive another process's file descriptors."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as torch_mp
+
+    buckets, current, size = [], [], 0
+    for name, tensor in named_tensors:
+        current.append((name, tensor.contiguous()))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    buckets += [current] if current else []
+    strategy = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy("file_system")
+    _succeeded(connection, "/begin_weight_update", {})
+    try:
+        answer = {}
+        for index, bucket in enumerate(buckets):
+            buffer = io.BytesIO()
+            ForkingPickler(buffer).dump(bucket)
+            body = {
+                "serialized_named_tensors": [base64.b64encode(buffer.getvalue()).decode()],
+                "flush_cache": True,
+                "abort_all_requests": abort_running and index == 0,
+            }
+            if index == len(buckets) - 1:
+                body["weight_version"] = str(version)
+            answer = _succeeded(connection, "/update_weights_from_tensor", body)
+    finally:
+        _succeeded(connection, "/end_weight_update", {})
+        torch_mp.set_sharing_strategy(strategy)
+    return answer
+
+
+def weight_version(connection: Connection) -> str:
+    """The version the server tags new tokens with (GET /get_model_info)."""
+    return str(model_info(connection).get("weight_version", "unknown"))
+
+
+def _succeeded(connection: Connection, path: str, body: dict) -> dict:
+    answer = connection.request("POST", path, body, retries=0)
+    if not isinstance(answer, dict) or not answer.get("success", False):
+        message = answer.get("message") if isinstance(answer, dict) else answer
+        raise BadInput(f"{connection.url}{path}: {message}")
     return answer
 
 

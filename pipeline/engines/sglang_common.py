@@ -70,6 +70,15 @@ class SGLangKnobs:
     def connection(self, url: str) -> sglang_api.Connection:
         return sglang_api.Connection(url, self.timeout_s, self.retries)
 
+    def server_part(self) -> tuple:
+        """The knobs that need another server when they change."""
+        return tuple(v for k, v in asdict(self).items() if k not in REQUEST_KNOBS)
+
+
+# Knobs of how requests are sent: settings that differ only in these share one server.
+REQUEST_KNOBS = ("concurrency", "batch_size", "timeout_s", "retries", "resume_aborted",
+                 "max_resumes", "original_logprobs")  # fmt: skip
+
 
 # knob -> (server argument, how its value reads as the knob's)
 APPLIED = {
@@ -132,6 +141,7 @@ class Session:
     log: str | None = None
     started_s: float | None = None
     argv: list[str] = field(default_factory=list)
+    model_info: dict = field(default_factory=dict)  # GET /get_model_info
 
     @property
     def version(self) -> str:
@@ -158,7 +168,12 @@ def session(
     ``model_dir`` (stopped after)."""
     if settings.url:
         connection = settings.connection(settings.url)
-        yield Session(connection, sglang_api.server_info(connection), started_by_lpx=False)
+        yield Session(
+            connection,
+            sglang_api.server_info(connection),
+            started_by_lpx=False,
+            model_info=sglang_api.model_info(connection),
+        )
         return
     from pipeline.devices import resolve_device
 
@@ -176,6 +191,7 @@ def session(
             log=str(log),
             started_s=round(server.started_s, 2),
             argv=argv,
+            model_info=sglang_api.model_info(connection),
         )
 
 
@@ -188,9 +204,8 @@ def applied_knobs(settings: SGLangKnobs, found: Session) -> dict:
         if name in args
     }
     applied.update({name: args[name] for name in ALSO_RECORDED if name in args})
-    request_side = ("url", "concurrency", "batch_size", "timeout_s", "retries", "resume_aborted",
-                    "max_resumes", "record_routing", "server_args")  # fmt: skip
-    applied.update({k: v for k, v in asdict(settings).items() if k in request_side})
+    given = ("url", "record_routing", "server_args", *REQUEST_KNOBS)
+    applied.update({k: v for k, v in asdict(settings).items() if k in given})
     applied["server_started_by_lpx"] = found.started_by_lpx
     return applied
 

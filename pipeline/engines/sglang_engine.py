@@ -47,83 +47,122 @@ class SGLangRolloutEngine:
     def rollout(
         self, model_dir: Path, prompts: list[list[int]], sampling: SamplingParams, knobs: dict
     ) -> TokenTable:
-        settings = SGLangKnobs.from_dict(knobs)
-        routing = _routing(model_dir, settings, "rollout")
+        return self.rollout_settings(model_dir, prompts, sampling, [knobs])[0]
+
+    def rollout_settings(
+        self,
+        model_dir: Path,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        knob_sets: list[dict],
+    ) -> list[TokenTable]:
+        """One fixture per knob set, starting one server per distinct server-level setting
+        (a sweep over request-side knobs shares one)."""
+        settings = [SGLangKnobs.from_dict(k) for k in knob_sets]
+        # a raw rollout needs the server's raw logprobs; processed at a temperature, the
+        # temperature-scaled ones it returns by default
         wants_raw = sampling.logprobs_mode == "raw" or sampling.temperature in (0, 1)
         env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1" if wants_raw else "0"}
         longest = max(map(len, prompts), default=0) + sampling.max_tokens
-        with session(settings, model_dir, longest=longest, moe=routing is not None,
-                     log_dir=self.log_dir, role="rollout", env=env, say=_say) as found:  # fmt: skip
-            original = (
-                settings.original_logprobs
-                if settings.url and settings.original_logprobs is not None
-                else wants_raw
-                if not settings.url
-                else sglang_api.returns_original_logprobs(found.connection, prompts[0])
-            )
-            asked = sglang_api.Asked(
-                resume_aborted=settings.resume_aborted,
-                max_resumes=settings.max_resumes,
-                sampling_logprobs=sglang_api.truncates(sampling) and sampling.temperature > 0,
-                routed_experts=routing is not None
-                and found.server_args().get("enable_return_routed_experts", False),
-            )
-            work = trajectories(prompts, sampling)
-            with ThreadPoolExecutor(max_workers=settings.concurrency) as pool:
-                futures = [
-                    pool.submit(
-                        sglang_api.generate_trajectory,
-                        found.connection,
-                        prompt,
-                        sampling,
-                        seed,
-                        asked,
-                    )  # fmt: skip
-                    for _, prompt, seed in work
-                ]
-                results = [
-                    f.result() for f in progress_bar(futures, desc="sglang rollout", unit="seq")
-                ]
-            applied = applied_knobs(settings, found)
-            metadata = {
-                "engine": engine_metadata("rollout", found),
-                "dtype": applied.get("dtype", settings.dtype),
-                "knobs": applied,
-                "knobs_not_applied": not_applied(settings, applied),
-            }
-        failed = [(sid, t.error) for (sid, _, _), t in zip(work, results, strict=True) if t.error]
-        if len(failed) == len(results):
-            raise BadInput(f"SGLang: no trajectory succeeded; {failed[0][0]}: {failed[0][1]}")
-        channels, described = _channels(results, sampling, original)
-        table = table_from_sequences(
-            "fixture",
-            [sequence_id for sequence_id, _, _ in work],
-            [prompt for _, prompt, _ in work],
-            [t.tokens for t in results],
-            channels,
-            weight_versions=[t.weight_versions for t in results],
-            finish_reasons=[t.finish_reason for t in results],
-            metadata={
-                **metadata,
-                "sampling": sampling.as_dict(),
-                "sampling_applied": _sampling_applied(sampling, model_dir, original),
-                "logprob_channels": described,
-                "model": model_metadata(model_dir),
-                "errors": dict(failed),
-                "position_id_rule": "arange",
-            },
-        )
-        if asked.routed_experts:
-            rows = [
-                t.routed_experts if t.routed_experts is not None else
-                np.full((len(p) + len(t.tokens) - 1, routing["width"]), -1, np.int32)
-                for (_, p, _), t in zip(work, results, strict=True)
-            ]  # fmt: skip
-            _attach_routing(table, rows, routing)
-        return table
+        results: list[TokenTable | None] = [None] * len(settings)
+        for server_part in dict.fromkeys(s.server_part() for s in settings):
+            group = [i for i, s in enumerate(settings) if s.server_part() == server_part]
+            first = settings[group[0]]
+            routing = _routing(model_dir, first, "rollout")
+            with session(first, model_dir, longest=longest, moe=routing is not None,
+                         log_dir=self.log_dir, role="rollout", env=env, say=_say) as found:  # fmt: skip
+                original = _returns_original(first, found, prompts, wants_raw)
+                for i in group:
+                    results[i] = _rollout_on(
+                        found, settings[i], model_dir, prompts, sampling, routing, original
+                    )
+        return results
 
 
-def _channels(results, sampling: SamplingParams, original: bool) -> tuple[dict, dict]:
+def _returns_original(settings: SGLangKnobs, found, prompts, wants_raw: bool) -> bool:
+    """Whether the server's returned logprobs are raw: as lpx started it, as declared for a
+    server at a url, else as the server answers a probe."""
+    if found.started_by_lpx:
+        return wants_raw
+    if settings.original_logprobs is not None:
+        return settings.original_logprobs
+    return sglang_api.returns_original_logprobs(found.connection, prompts[0])
+
+
+def _rollout_on(
+    found, settings: SGLangKnobs, model_dir: Path, prompts, sampling, routing, original
+) -> TokenTable:
+    mask_top_k = _mask_top_k(sampling, found, model_dir)
+    asked = sglang_api.Asked(
+        resume_aborted=settings.resume_aborted,
+        max_resumes=settings.max_resumes,
+        sampling_logprobs=mask_top_k is not None,
+        routed_experts=routing is not None
+        and bool(found.server_args().get("enable_return_routed_experts", False)),
+        top_k=mask_top_k if not sampling.top_k else None,
+    )
+    work = trajectories(prompts, sampling)
+    with ThreadPoolExecutor(max_workers=settings.concurrency) as pool:
+        futures = [
+            pool.submit(
+                sglang_api.generate_trajectory, found.connection, prompt, sampling, seed, asked
+            )  # fmt: skip
+            for _, prompt, seed in work
+        ]
+        results = [f.result() for f in progress_bar(futures, desc="sglang rollout", unit="seq")]
+    failed = [(sid, t.error) for (sid, _, _), t in zip(work, results, strict=True) if t.error]
+    if len(failed) == len(results):
+        raise BadInput(f"SGLang: no trajectory succeeded; {failed[0][0]}: {failed[0][1]}")
+    applied = applied_knobs(settings, found)
+    channels, described = _channels(results, sampling, original, asked.sampling_logprobs)
+    table = table_from_sequences(
+        "fixture",
+        [sequence_id for sequence_id, _, _ in work],
+        [prompt for _, prompt, _ in work],
+        [t.tokens for t in results],
+        channels,
+        weight_versions=[t.weight_versions for t in results],
+        finish_reasons=[t.finish_reason for t in results],
+        metadata={
+            "engine": engine_metadata("rollout", found),
+            "dtype": applied.get("dtype", settings.dtype),
+            "knobs": applied,
+            "knobs_not_applied": not_applied(settings, applied),
+            "sampling": sampling.as_dict(),
+            "sampling_applied": _sampling_applied(
+                sampling, model_dir, original, asked.top_k, found.model_info
+            ),
+            "logprob_channels": described,
+            "model": model_metadata(model_dir),
+            "errors": dict(failed),
+            "position_id_rule": "arange",
+        },
+    )
+    if asked.routed_experts:
+        rows = [
+            t.routed_experts if t.routed_experts is not None else
+            np.full((len(p) + len(t.tokens) - 1, routing["width"]), -1, np.int32)
+            for (_, p, _), t in zip(work, results, strict=True)
+        ]  # fmt: skip
+        _attach_routing(table, rows, routing)
+    return table
+
+
+def _mask_top_k(sampling: SamplingParams, found, model_dir: Path) -> int | None:
+    """The top-k under which SGLang returns the sampled distribution's logprob (its sampling
+    mask), where the sampling truncates and SGLang can: a finite top-k of at most
+    --sampling-mask-max-tokens. Top-p alone asks with top-k = the vocabulary, which keeps
+    every token; None where no such request exists (then no processed channel)."""
+    if not sglang_api.truncates(sampling) or sampling.temperature == 0:
+        return None
+    limit = int(found.server_args().get("sampling_mask_max_tokens") or 4096)
+    if sampling.top_k:
+        return sampling.top_k if sampling.top_k <= limit else None
+    vocab = int(_json(Path(model_dir) / "config.json").get("vocab_size") or 0)
+    return vocab if 1 < vocab <= limit else None
+
+
+def _channels(results, sampling: SamplingParams, original: bool, masked: bool) -> tuple[dict, dict]:
     """The fixture's channels from what the server returned, each described."""
     returned = [t.logprobs for t in results]
     truncated = sglang_api.truncates(sampling) and sampling.temperature > 0
@@ -133,16 +172,23 @@ def _channels(results, sampling: SamplingParams, original: bool) -> tuple[dict, 
         channels["rollout_raw"] = returned
         described["rollout_raw"] = "raw logprob of the sampled token (SGLang's returned logprob"
         described["rollout_raw"] += ", SGLANG_RETURN_ORIGINAL_LOGPROB=1)" if original else ")"
-    if truncated:
+    if truncated and masked:
         channels["rollout_processed"] = [t.sampling_logprobs for t in results]
         described["rollout_processed"] = (
             "logprob under the distribution sampled from, after temperature and top-k/top-p "
             "(SGLang's output_token_sampling_logprobs)"
         )
-    elif not original or plain:
+    elif not truncated and (not original or plain):
         channels["rollout_processed"] = returned
         described["rollout_processed"] = "temperature-scaled logprob (SGLang's returned logprob)"
     mode = "rollout_raw" if sampling.logprobs_mode == "raw" else "rollout_processed"
+    if mode == "rollout_processed" and truncated and not masked:
+        raise BadInput(
+            "SGLang returns the logprob of the distribution sampled from only under a finite "
+            "top-k of at most its --sampling-mask-max-tokens (4096) and, for top-p alone, a "
+            "vocabulary that small; set --top-k, or raise it with --set server_args="
+            "'--sampling-mask-max-tokens N', or ask for --logprobs-mode raw."
+        )
     if mode not in channels:
         raise BadInput(
             f"SGLang returned no {sampling.logprobs_mode} logprobs at temperature "
@@ -155,16 +201,32 @@ def _channels(results, sampling: SamplingParams, original: bool) -> tuple[dict, 
     return channels, described
 
 
-def _sampling_applied(sampling: SamplingParams, model_dir: Path, original: bool) -> dict:
-    """The sampling SGLang ran: every parameter lpx sends is explicit, so none comes from the
-    model's generation_config.json (SGLang's /generate applies it to nothing; its chat API
-    does under --sampling-defaults model). Its stop tokens do come from there."""
+def _sampling_applied(
+    sampling: SamplingParams,
+    model_dir: Path,
+    original: bool,
+    top_k_sent: int | None,
+    model_info: dict,
+) -> dict:
+    """The sampling SGLang ran. Every parameter that changes a logprob is sent explicitly, so
+    none comes from the server's --preferred-sampling-params (which fills what a request
+    leaves out) or the model's generation_config.json (SGLang's /generate applies it to
+    nothing; its chat API does, under --sampling-defaults model). Its stop tokens do."""
     config = _json(Path(model_dir) / "generation_config.json")
+    preferred = model_info.get("preferred_sampling_params") or {}
+    sent = set(sglang_api.sampling_params(sampling, 0, 0))
     return {
+        "server_preferred_sampling_params": preferred,
+        "taken_from_server_preferred": {k: v for k, v in preferred.items() if k not in sent},
         "temperature": sampling.temperature,
         "top_k": sampling.top_k or -1,
+        # top-p alone: top-k = the vocabulary was sent, which keeps every token
+        "top_k_sent": top_k_sent or sampling.top_k or -1,
         "top_p": sampling.top_p,
         "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
         "ignore_eos": sampling.ignore_eos,
         "seed_per_trajectory": True,
         "from_generation_config": {"eos_token_id": config.get("eos_token_id")}
@@ -176,6 +238,9 @@ def _sampling_applied(sampling: SamplingParams, model_dir: Path, original: bool)
             if k in config  # fmt: skip
         },
         "returned_logprobs": "raw" if original else "temperature-scaled",
+        # SGLang's top-p counts the mass of the distribution before top-k (its pytorch and
+        # flashinfer samplers alike); HF's warpers and vLLM renormalise top-k first
+        "top_p_mass": "before top-k",
     }
 
 

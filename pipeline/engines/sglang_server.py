@@ -116,6 +116,8 @@ def running_server(
             start_new_session=True,
             preexec_fn=_stop_with_parent,
         )
+        out.write(f"# lpx: server pid {process.pid}, its own process group\n")
+        out.flush()
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, process, log, startup_s, say)

@@ -84,6 +84,7 @@ def _write_sweep(out_dir: Path, settings, fixtures) -> list[dict]:
             "setting": baseline_name,
             "baseline": True,
             "knobs_applied": baseline.metadata.get("knobs"),
+            "knobs_not_applied": baseline.metadata.get("knobs_not_applied") or {},
         }
     ]
     for setting, fixture in zip(settings[1:], fixtures[1:], strict=True):
@@ -97,6 +98,7 @@ def _write_sweep(out_dir: Path, settings, fixtures) -> list[dict]:
                 "setting": setting.name,
                 "baseline": False,
                 "knobs_applied": fixture.metadata.get("knobs"),
+                "knobs_not_applied": fixture.metadata.get("knobs_not_applied") or {},
                 "verdict": comparison.report.verdict,
                 "tokens_compared": metrics.get("tokens", 0),
                 "max_abs_diff": metrics.get("max_abs_diff", 0.0),

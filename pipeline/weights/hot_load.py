@@ -2,7 +2,12 @@
 does after the trainer publishes, done by lpx so a nightly job can drive a real fleet through
 versions and check each one.
 
-Two kinds of server answer:
+Three kinds of server answer:
+- SGLang (0.5.23): `/update_weights_from_disk` with the version's name (SGLang tags every
+  later token with it), or `/update_weights_from_tensor` (tensors by shared memory, inside
+  its begin/end weight-update session). Both flush its radix cache. With ``abort_running``
+  the requests in flight end with finish reason abort: the partial rollouts an RL loop
+  resumes under the new version.
 - vLLM (0.32) with its RL endpoints, which `VLLM_SERVER_DEV_MODE=1` turns on. Its documented
   in-place path for RL: pause (in-flight requests finish), `reload_weights` from a directory
   through `/collective_rpc`, reset the prefix cache (cached KV blocks were computed by the old
@@ -24,10 +29,17 @@ from pipeline.errors import BadInput
 
 
 def server_kind(url: str, timeout_s: float = 10.0) -> str:
-    """``vllm`` (its RL endpoints answer) or ``lpx`` (lpx serve); BadInput otherwise."""
+    """``vllm`` (its RL endpoints answer), ``sglang`` or ``lpx`` (lpx serve); BadInput
+    otherwise."""
     try:
         json_request("GET", url + "/weight_info", timeout_s=timeout_s, retries=0)
         return "vllm"
+    except BadInput:
+        pass
+    try:
+        info = json_request("GET", url + "/get_server_info", timeout_s=timeout_s, retries=0)
+        if isinstance(info, dict) and "version" in info and "model_path" in info:
+            return "sglang"
     except BadInput:
         pass
     try:
@@ -42,8 +54,16 @@ def server_kind(url: str, timeout_s: float = 10.0) -> str:
     )
 
 
-def hot_load(url: str, store: Path, version: str | None = None, timeout_s: float = 600.0) -> dict:
-    """Make the server at ``url`` serve ``version`` (default: latest) of ``store``.
+def hot_load(
+    url: str,
+    store: Path,
+    version: str | None = None,
+    timeout_s: float = 600.0,
+    via: str = "disk",
+    abort_running: bool = False,
+) -> dict:
+    """Make the server at ``url`` serve ``version`` (default: latest) of ``store``; SGLang
+    takes it ``via`` disk or tensor, and may ``abort_running`` requests.
 
     Returns what was done: server kind, version, the directory loaded, seconds to pull and
     seconds the server was paused for the swap."""
@@ -55,7 +75,11 @@ def hot_load(url: str, store: Path, version: str | None = None, timeout_s: float
     model_dir = materialize(store, version or latest_name(store))
     name = (model_dir / "WEIGHT_VERSION").read_text().strip()
     pulled = time.perf_counter()
-    if kind == "lpx":
+    if kind != "sglang" and (via != "disk" or abort_running):
+        raise BadInput(f"{url}: --via tensor and --abort-running are SGLang's; this is {kind}.")
+    if kind == "sglang":
+        served = _sglang_reload(url, model_dir, name, timeout_s, via, abort_running)
+    elif kind == "lpx":
         answer = json_request(
             "POST", url + "/update_weights", {"path": str(store), "version": name}, timeout_s, 0
         )
@@ -90,3 +114,21 @@ def _vllm_reload(url: str, model_dir: Path, name: str, timeout_s: float) -> str:
     finally:
         post("/resume")
     return str(json_request("GET", url + "/weight_info", timeout_s=timeout_s)["weight_version"])
+
+
+def _sglang_reload(
+    url: str, model_dir: Path, name: str, timeout_s: float, via: str, abort_running: bool
+) -> str:
+    from pipeline.engines import sglang_api
+
+    connection = sglang_api.Connection(url, timeout_s, retries=0)
+    if via == "tensor":
+        from safetensors.torch import load_file
+
+        tensors = {}
+        for path in sorted(Path(model_dir).glob("*.safetensors")):
+            tensors.update(load_file(path))
+        sglang_api.update_weights_from_tensor(connection, tensors.items(), name, abort_running)
+    else:
+        sglang_api.update_weights_from_disk(connection, model_dir, name, abort_running)
+    return sglang_api.weight_version(connection)
