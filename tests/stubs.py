@@ -1,10 +1,10 @@
-"""Stand-ins for servers that cannot run on this CPU machine, named as stubs.
+"""A stand-in for an SGLang server that misbehaves on purpose, named as one.
 
-SGLangGenerateStub answers SGLang's native `/generate` request shape (input_ids,
-sampling_params, return_logprob -> meta_info.output_token_logprobs, finish_reason,
-weight_version) with real tokens and logprobs from the HF tiny model. SGLang itself needs
-a GPU or an AMX CPU (shared/notes/engines-on-cpu.md); the real adapter runs against it on
-GPU runners.
+The real SGLang server runs in the suite (tests/test_engines_sglang.py: sampling, scoring,
+weight updates, aborts and resumes). What it cannot be made to do on demand is fail: this
+stand-in answers SGLang's `/generate` shape with real tokens and logprobs from the HF tiny
+model, and can answer 503 first, answer late, or answer a malformed body, for the tests of
+what lpx does when a server misbehaves.
 """
 
 from __future__ import annotations
@@ -22,23 +22,19 @@ from pipeline.engines.hf_common import load_model
 from pipeline.engines.hf_rollout import _generate_batch
 
 
-class SGLangGenerateStub:
+class MisbehavingSGLangStub:
     """A loopback HTTP server in a thread; use as a context manager.
 
-    update_after_tokens: after serving this many tokens in total, the weights "update":
-    the request in flight is cut there and answered with finish_reason abort under the
-    old weight_version; later answers carry the next version (an RL trainer's weight sync).
     fail_first: answer the first N requests with HTTP 503 (for retry tests).
     delay_s: wait this long before answering (for timeout tests).
+    malformed: answer 200 with a body that is not SGLang's shape (no meta_info logprobs).
     """
 
-    def __init__(self, model_dir, update_after_tokens=None, fail_first=0, delay_s=0.0):
+    def __init__(self, model_dir, fail_first=0, delay_s=0.0, malformed=False):
         self.model = load_model(model_dir)
-        self.update_after_tokens = update_after_tokens
         self.fail_first = fail_first
         self.delay_s = delay_s
-        self.weight_version = 1
-        self.tokens_served = 0
+        self.malformed = malformed
         self.requests = 0
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -70,19 +66,11 @@ class SGLangGenerateStub:
         with torch.no_grad():
             (row,) = _generate_batch(self.model, [body["input_ids"]], sampling, generator)
         tokens, logprobs, finish = row["tokens"], row["raw"], row["finish_reason"]
-        with self.lock:
-            version = self.weight_version
-            budget = None
-            if self.update_after_tokens is not None and version == 1:
-                budget = self.update_after_tokens - self.tokens_served
-            if budget is not None and budget < len(tokens):
-                tokens, logprobs, finish = (
-                    tokens[: max(budget, 0)],
-                    logprobs[: max(budget, 0)],
-                    "abort",
-                )
-                self.weight_version += 1
-            self.tokens_served += len(tokens)
+        if self.malformed:
+            return {
+                "output_ids": tokens,
+                "meta_info": {"finish_reason": {"type": finish}, "output_token_logprobs": [[0.5]]},
+            }
         return {
             "output_ids": tokens,
             "meta_info": {
@@ -90,7 +78,7 @@ class SGLangGenerateStub:
                     [lp, t, None] for lp, t in zip(logprobs, tokens, strict=True)
                 ],
                 "finish_reason": {"type": finish},
-                "weight_version": str(version),
+                "weight_version": "1",
                 "completion_tokens": len(tokens),
             },
         }
@@ -112,7 +100,7 @@ class SGLangGenerateStub:
 
             def do_GET(self):
                 if self.path == "/get_server_info":
-                    self._send(200, {"version": "sglang-generate-stub"})
+                    self._send(200, {"version": "misbehaving-sglang-stub"})
                 else:
                     self._send(404, {"error": "not found"})
 

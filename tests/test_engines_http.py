@@ -1,15 +1,14 @@
-"""The http rollout engine against SGLang's /generate shape (a stub: SGLang cannot run on
-this CPU) and, in test_engines_vllm.py, against a real `vllm serve`."""
+"""The http rollout engine when an SGLang server misbehaves (a stand-in that fails on
+purpose; the real server's sampling, weight updates and resumed aborts are in
+test_engines_sglang.py) and, in test_engines_vllm.py, against a real `vllm serve`."""
 
 import numpy as np
 import pytest
 
-from pipeline.compare.run import compare_tables
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_replay import HFScoringEngine
 from pipeline.engines.http_rollout import HTTPRolloutEngine
 from pipeline.errors import BadInput
-from tests.stubs import SGLangGenerateStub
+from tests.stubs import MisbehavingSGLangStub
 
 SAMPLING = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
 
@@ -26,39 +25,21 @@ def rollout(url, prompts, model, **knobs):
     return HTTPRolloutEngine().rollout(model, prompts, SAMPLING, knobs)
 
 
-def test_trajectory_straddling_a_weight_update_is_tagged_per_token(tiny_model, prompts):
-    with SGLangGenerateStub(tiny_model, update_after_tokens=18) as stub:
-        table = rollout(stub.url, prompts[:3], tiny_model)
-    # 3 x 12 tokens; the update lands 18 tokens in: in the middle of the second trajectory,
-    # which the engine resumes under the new version.
-    assert table.num_completion_tokens == 36
-    versions = table.weight_versions.tolist()
-    assert versions[:18] == ["1"] * 18 and versions[18:] == ["2"] * 18
-    assert table.finish_reasons == ["length", "length", "length"]
-    assert table.metadata["engine"]["versions"]["server"] == "sglang-generate-stub"
-    # Real logprobs from the same weights: an HF replay agrees to fp32 precision.
-    replay = HFScoringEngine().score(table, tiny_model, {})
-    report = compare_tables(table, replay, "stub-fixture", "replay").report
-    assert report.verdict == "pass" and report.metrics["max_abs_diff"] < 2e-5
-
-
-def test_aborted_trajectory_is_kept_and_marked(tiny_model, prompts):
-    with SGLangGenerateStub(tiny_model, update_after_tokens=5) as stub:
-        table = rollout(stub.url, prompts[:2], tiny_model, resume_aborted="false")
-    assert table.finish_reasons[0] == "abort"
-    assert np.diff(table.completion_offsets).tolist() == [5, 12]
-    assert table.weight_versions.tolist() == ["1"] * 5 + ["2"] * 12
+def test_a_malformed_answer_is_kept_as_an_error_naming_the_shape(tiny_model, prompts):
+    with MisbehavingSGLangStub(tiny_model, malformed=True) as stub:
+        with pytest.raises(BadInput, match="no trajectory succeeded.*unexpected response shape"):
+            rollout(stub.url, prompts[:2], tiny_model, retries=0)
 
 
 def test_transient_errors_are_retried(tiny_model, prompts):
-    with SGLangGenerateStub(tiny_model, fail_first=2) as stub:
+    with MisbehavingSGLangStub(tiny_model, fail_first=2) as stub:
         table = rollout(stub.url, prompts[:1], tiny_model, retries=2)
         assert stub.requests == 3
     assert table.finish_reasons == ["length"] and table.num_completion_tokens == 12
 
 
 def test_failed_trajectories_are_kept_as_errors_never_dropped(tiny_model, prompts):
-    with SGLangGenerateStub(tiny_model, fail_first=1) as stub:
+    with MisbehavingSGLangStub(tiny_model, fail_first=1) as stub:
         table = rollout(stub.url, prompts[:2], tiny_model, retries=0)
     assert table.sequence_ids == ["0-0", "1-0"]
     assert table.finish_reasons == ["error", "length"]
@@ -68,7 +49,7 @@ def test_failed_trajectories_are_kept_as_errors_never_dropped(tiny_model, prompt
 
 def test_timeouts_and_dead_servers_are_clear(tiny_model, prompts):
     with (
-        SGLangGenerateStub(tiny_model, delay_s=2.0) as stub,
+        MisbehavingSGLangStub(tiny_model, delay_s=2.0) as stub,
         pytest.raises(BadInput, match="timed out|timeout"),
     ):
         rollout(stub.url, prompts[:1], tiny_model, timeout_s=0.3, retries=0)
