@@ -3,13 +3,17 @@ sampling, teacher-forced scoring, weight updates from disk and from tensors, abo
 rollouts resumed across an update, the knobs read back, and lpx starting and stopping the
 server itself.
 
-One server is shared by the module (fp32, tiny Llama, raw returned logprobs, weight version
-1); the tests that lpx starts a server for are the bf16 replay and the interrupt. Where
-SGLang is not installed they skip, except under CI=true, where they fail.
+One server is shared by the module: fp32 on the tiny Llama, as an RL deployment runs it
+(returned logprobs temperature-scaled, SGLang's default), weight version 1, and server-side
+sampling defaults (--preferred-sampling-params, the model's generation defaults as Qwen3
+ships them) that fill what a request leaves out. lpx starts its own servers for the raw +
+processed rollout, the bf16 replay and the interrupt. Where SGLang is not installed these
+skip, except under CI=true, where they fail.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,10 +28,12 @@ import pytest
 from pipeline.compare.run import compare_tables
 from pipeline.engines import sglang_api
 from pipeline.engines.base import SamplingParams
+from pipeline.engines.hf_common import model_metadata
 from pipeline.engines.hf_replay import HFScoringEngine
 from pipeline.engines.sglang_engine import SGLangRolloutEngine, SGLangScoringEngine
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table, write_table
+from pipeline.fixture.table import table_from_sequences
 from pipeline.weights.hot_load import hot_load
 from tests.helpers import publish_one_step, read_report, run_lpx, sglang_serving
 
@@ -36,13 +42,17 @@ pytestmark = [pytest.mark.sglang, pytest.mark.engine]
 SAMPLING = SamplingParams(max_tokens=24, temperature=1.0, seed=0, samples_per_prompt=2)
 
 
+# Qwen3's generation_config.json defaults, set server-side as a deployment may set them
+GENERATION_DEFAULTS = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
+
 @pytest.fixture(scope="module")
 def server(sglang_python, tiny_model, tmp_path_factory):
-    """(url, log): SGLang on the tiny model in fp32, returning raw logprobs (as lpx starts it
-    for a raw rollout), its first weights named version 1."""
+    """(url, log): SGLang on the tiny model in fp32, its first weights named version 1."""
     log = tmp_path_factory.mktemp("sglang") / "server.log"
-    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
-    with sglang_serving(sglang_python, tiny_model, log, env=env, weight_version="1") as url:
+    flags = f"--preferred-sampling-params '{json.dumps(GENERATION_DEFAULTS)}'"
+    with sglang_serving(sglang_python, tiny_model, log, weight_version="1",
+                        server_args=flags) as url:  # fmt: skip
         yield url, log
 
 
@@ -69,32 +79,76 @@ def test_rollout_logprobs_agree_with_hf_fp32(server, tiny_model, prompts):
     assert engine["server"]["server_args"]["dtype"] == "float32"
     assert table.metadata["knobs"]["attention_backend"] == "torch_native"
     assert table.metadata["knobs_not_applied"] == {}
+    # every parameter that changes a logprob is sent: the server's defaults fill nothing
+    applied = table.metadata["sampling_applied"]
+    assert applied["server_preferred_sampling_params"] == GENERATION_DEFAULTS
+    assert applied["taken_from_server_preferred"] == {}
 
 
 @pytest.mark.parametrize("top_k, top_p", [(20, 1.0), (0, 0.9)])
 def test_processed_logprobs_are_the_distribution_sampled_from(
     server, tiny_model, prompts, top_k, top_p
 ):
-    """Temperature 0.7 with top-k 20, or with top-p 0.9: the raw channel is SGLang's
-    returned logprob, the processed one its sampling mask's, and HF recomputes both. (Both
-    together differ by design: SGLang's top-p counts the mass of the distribution before
-    top-k, HF's and vLLM's the renormalised top-k; docs/engines.md.)"""
+    """Temperature 0.7 with top-k 20, or with top-p 0.9 (sent as top-k = the vocabulary, so
+    SGLang returns its sampling mask): the processed channel is the logprob under the
+    distribution sampled from, as HF recomputes it. (Both together differ by design: SGLang's
+    top-p counts the mass before top-k, HF's and vLLM's the renormalised top-k.) This server
+    returns temperature-scaled logprobs, which lpx tells by asking it: no raw channel."""
     url, _ = server
     sampling = SamplingParams(max_tokens=16, temperature=0.7, top_k=top_k, top_p=top_p,
                               seed=3, logprobs_mode="processed")  # fmt: skip
     table = _rollout(url, tiny_model, prompts[:4], sampling)
-    assert sglang_api.returns_original_logprobs(sglang_api.Connection(url), prompts[0])
-    raw = HFScoringEngine().score(table, tiny_model, {})
+    assert not sglang_api.returns_original_logprobs(sglang_api.Connection(url), prompts[0])
     processed = HFScoringEngine().score(
         table, tiny_model, {"temperature": 0.7, "top_k": top_k, "top_p": top_p}
     )
-    assert _max_diff(table.channels["rollout_raw"], raw.channels["replay"]) < 1e-5
     assert _max_diff(table.channels["rollout_processed"], processed.channels["replay"]) < 1e-5
     assert np.array_equal(table.channels["rollout"], table.channels["rollout_processed"])
-    # processed and raw differ by far more than precision at this temperature
-    assert _max_diff(table.channels["rollout_raw"], table.channels["rollout_processed"]) > 0.1
+    assert "rollout_raw" not in table.channels
     applied = table.metadata["sampling_applied"]
-    assert applied["returned_logprobs"] == "raw" and applied["top_k"] == (top_k or -1)
+    assert applied["returned_logprobs"] == "temperature-scaled"
+    assert applied["top_k_sent"] == (top_k or 512)
+
+
+def test_server_defaults_a_client_left_out_are_named_temperature(
+    server, tiny_model, prompts, tmp_path
+):
+    """The generation-defaults fault, committed by the real server: a client that sends only
+    max_new_tokens (as many RL loops do) is sampled under the server's defaults, and SGLang's
+    returned logprobs are at temperature 0.6, while the rollout records temperature 1. lpx
+    compare --model re-scores and names temperature 0.6, verified."""
+    url, _ = server
+    connection = sglang_api.Connection(url)
+    completions, logprobs = [], []
+    for index, prompt in enumerate(prompts[:8]):
+        body = {"input_ids": prompt, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 24, "sampling_seed": index}}  # fmt: skip
+        pieces = connection.request("POST", "/generate", body)["meta_info"]["output_token_logprobs"]
+        completions.append([p[1] for p in pieces])
+        logprobs.append([p[0] for p in pieces])
+    believed = SamplingParams(max_tokens=24)  # what the client thought it asked for
+    fixture = table_from_sequences(
+        "fixture", [f"{i}-0" for i in range(8)], prompts[:8], completions,
+        {"rollout": logprobs},
+        metadata={"engine": {"name": "rl-loop", "role": "rollout"}, "dtype": "float32",
+                  "sampling": believed.as_dict(), "model": model_metadata(tiny_model),
+                  "position_id_rule": "arange"},
+    )  # fmt: skip
+    write_table(fixture, tmp_path / "fixture.parquet")
+    replay = tmp_path / "replay.parquet"
+    assert run_lpx("replay", tmp_path / "fixture.parquet", "--model", tiny_model,
+                   "--out", replay).exit_code == 0  # fmt: skip
+    compared = run_lpx("compare", tmp_path / "fixture.parquet", replay, "--model", tiny_model,
+                       "--out", tmp_path / "cmp")  # fmt: skip
+    assert compared.exit_code == 1, compared.output
+    diagnosis = read_report(tmp_path / "cmp")["diagnosis"]
+    (finding,) = [f for f in diagnosis if f["status"] == "verified"] or [diagnosis]
+    assert finding["cause"] == "temperature" and finding["details"]["verified_by"]["side"] == (
+        "rollout"
+    )
+    # measured: T 0.6 exactly, the rollout matched to mean |d| 9e-8 (drift 0.055)
+    assert abs(finding["details"]["verified_by"]["params"]["T"] - 0.6) < 1e-3
+    assert finding["details"]["verified_by"]["residual_after"] < 1e-5
 
 
 def test_scoring_agrees_with_hf_fp32(server, tiny_model, run_dir):
@@ -205,24 +259,58 @@ def test_weight_updates_tag_tokens_and_aborted_rollouts_resume(
     assert _max_diff(back.channels["rollout"], hf.channels["replay"]) < 1e-5
 
 
-def test_lpx_starts_its_own_server_and_bf16_stays_within_the_calibrated_floor(
+def test_lpx_starts_its_own_server_for_raw_and_processed_logprobs(
+    sglang_python, tiny_model, tmp_path
+):
+    """lpx's own server returns raw logprobs (SGLANG_RETURN_ORIGINAL_LOGPROB=1), and the
+    sampling mask gives the processed ones from the same requests; the log is kept beside the
+    output and no process of the server outlives the command."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox\nOnce upon a time\nIn a galaxy far away\n")
+    out = tmp_path / "fixture.parquet"
+    result = run_lpx("rollout", "--engine", "sglang", "--model", tiny_model, "--prompts", prompts,
+                     "--temperature", "0.7", "--top-k", "20", "-n", "2", "--max-tokens", "16",
+                     "--set", f"python={sglang_python}", "--out", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    table = read_table(out)
+    server = table.metadata["engine"]["server"]
+    assert server["started_by_lpx"] and server["start_s"] > 0
+    assert Path(server["log"]).parent == tmp_path / "fixture.logs"
+    _assert_gone(server["log"])
+    raw = HFScoringEngine().score(table, tiny_model, {})
+    processed = HFScoringEngine().score(table, tiny_model, {"temperature": 0.7, "top_k": 20})
+    assert _max_diff(table.channels["rollout_raw"], raw.channels["replay"]) < 1e-5
+    assert _max_diff(table.channels["rollout_processed"], processed.channels["replay"]) < 1e-5
+    assert np.array_equal(table.channels["rollout"], table.channels["rollout_raw"])
+    assert _max_diff(table.channels["rollout_raw"], table.channels["rollout_processed"]) > 0.1
+    assert table.metadata["sampling_applied"]["returned_logprobs"] == "raw"
+
+
+def test_a_chunked_prefill_without_radix_cache_in_bf16_is_named_precision(
     sglang_python, tiny_model, run_dir, bf16_calibration, tmp_path
 ):
+    """SGLang in bf16 with prefill chunks of 16 tokens and no radix cache, against the HF
+    fp32 rollout: the schedule and the dtype move logprobs by bf16 noise, and lpx compare
+    --model says precision, within the calibrated floor: a pass, not a fault."""
     out = tmp_path / "replay-sglang-bf16.parquet"
     result = run_lpx("replay", run_dir / "fixture.parquet", "--engine", "sglang",
-                     "--dtype", "bf16", "--set", f"python={sglang_python}", "--out", out)  # fmt: skip
+                     "--dtype", "bf16", "--set", f"python={sglang_python}",
+                     "--set", "chunked_prefill_size=16", "--set", "radix_cache=false",
+                     "--out", out)  # fmt: skip
     assert result.exit_code == 0, result.output
     replay = read_table(out)
-    server = replay.metadata["engine"]["server"]
-    assert server["started_by_lpx"] and Path(server["log"]).is_file()
-    assert Path(server["log"]).parent == tmp_path / "replay-sglang-bf16.logs"
-    assert replay.metadata["dtype"] == "bfloat16" and server["start_s"] > 0
-    _assert_gone(server["log"])
-    compared = run_lpx("compare", run_dir / "fixture.parquet", out, "--calibration",
-                       bf16_calibration, "--out", tmp_path / "cmp")  # fmt: skip
+    assert replay.metadata["dtype"] == "bfloat16"
+    knobs = replay.metadata["knobs"]
+    assert knobs["chunked_prefill_size"] == 16 and knobs["radix_cache"] is False
+    assert replay.metadata["knobs_not_applied"] == {}
+    _assert_gone(replay.metadata["engine"]["server"]["log"])
+    compared = run_lpx("compare", run_dir / "fixture.parquet", out, "--model", tiny_model,
+                       "--calibration", bf16_calibration, "--out", tmp_path / "cmp")  # fmt: skip
     assert compared.exit_code == 0, compared.output
-    metrics = read_report(tmp_path / "cmp")["metrics"]
-    assert 1e-4 < metrics["mean_abs_diff"] < 0.05  # bf16 noise, not fp32 agreement
+    report = read_report(tmp_path / "cmp")
+    assert 1e-4 < report["metrics"]["mean_abs_diff"] < 0.05  # bf16 noise, not fp32 agreement
+    causes = {f["cause"] for f in report["diagnosis"]}
+    assert causes <= {"dtype"}, report["diagnosis"]
 
 
 def test_an_interrupted_rollout_stops_the_server(sglang_python, tiny_model, tmp_path):
@@ -287,3 +375,21 @@ def _assert_gone(log) -> None:
     while _group_members(group):
         assert time.monotonic() < deadline, f"SGLang processes left: {_group_members(group)}"
         time.sleep(0.2)
+
+
+def test_torchvision_imports_beside_the_cpu_torch_only_with_the_guard(sglang_python):
+    """The one workaround SGLang's import needs here (pipeline/torchvision_guard.py): without
+    it the pinned torchvision fails to import beside torch 2.13's CPU build; with it (any
+    process that imported `pipeline`) transformers' image utilities and SGLang's configs
+    import."""
+    bare = subprocess.run([str(sglang_python), "-c", "import torchvision"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert bare.returncode != 0 and "operator torchvision::nms does not exist" in bare.stderr
+    guarded = subprocess.run(
+        [str(sglang_python), "-c", "import pipeline, torchvision, transformers.image_utils; "
+         "import sglang.srt.configs; from pipeline.torchvision_guard import OPERATORS; "
+         "import torch; print(sorted(n for n in OPERATORS if torch.ops.torchvision.__getattr__(n)))"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert guarded.returncode == 0, guarded.stderr[-800:]
+    assert guarded.stdout.strip().splitlines()[-1] == "['nms', 'qnms']"

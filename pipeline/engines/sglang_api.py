@@ -346,6 +346,16 @@ def continue_generation(connection: Connection) -> None:
     connection.request("POST", "/continue_generation", {}, retries=0)
 
 
+@dataclass(frozen=True)
+class _Probe:
+    """The probe's sampling: one token from the top 2 at a temperature."""
+
+    temperature: float
+    top_k: int = 2
+    top_p: float = 1.0
+    ignore_eos: bool = True
+
+
 def returns_original_logprobs(connection: Connection, prompt: list[int]) -> bool:
     """Whether a server returns raw logprobs (it runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1)
     rather than temperature-scaled ones, asked with one token sampled at temperature 0.5 from
@@ -354,12 +364,8 @@ def returns_original_logprobs(connection: Connection, prompt: list[int]) -> bool
     temperature = 0.5
     body = {
         "input_ids": list(prompt),
-        "sampling_params": {
-            "max_new_tokens": 1,
-            "temperature": temperature,
-            "top_k": 2,
-            "sampling_seed": 0,
-        },  # fmt: skip
+        # every parameter explicit: the server's own defaults (top-p...) must not join in
+        "sampling_params": sampling_params(_Probe(temperature), 0, 1),
         "return_logprob": True,
         "top_logprobs_num": 2,
         "return_sampling_mask": True,

@@ -3,7 +3,9 @@
 Real releases of one engine rarely differ in logprobs on the tiny model, so a bisect's
 "first bad build" would be unknown. A patch against the release's own source, made from the
 wheel, makes it known. The fault is a real class of engine bug: the RMSNorm of the Gemma
-convention, ``(1 + weight) * x``, applied to a Llama checkpoint whose norm is ``weight * x``.
+convention, ``(1 + weight) * x``, applied to a Llama checkpoint whose norm is ``weight * x``:
+in transformers' Llama model, or in SGLang's RMSNorm (its torch path, which a CPU runs and
+every model family SGLang serves uses).
 
 The flaky variant fires on some runs and not others, decided once per process from a
 repeating pattern and a counter file (LPX_SEEDED_FLAKE_COUNTER), so a test knows exactly
@@ -51,9 +53,18 @@ _LPX_SEEDED_FIRES = _lpx_seeded_fires()
 '''
 
 
+SGLANG_NORM = "sglang/srt/layers/layernorm.py"
+SGLANG_NORM_LINE = "            x = (x * self.weight).to(orig_dtype)\n"
+SGLANG_GEMMA_NORM = "            x = (x * (1.0 + self.weight)).to(orig_dtype)\n"
+
+
 def norm_patch(wheel: Path, out: Path, flaky: bool = False) -> Path:
     """A unified diff (``patch -p1`` in site-packages) that seeds the Gemma-norm fault into
-    the Llama model of the transformers release in ``wheel``."""
+    the release in ``wheel``: transformers' Llama model, or SGLang's RMSNorm."""
+    if Path(wheel).name.startswith("sglang-"):
+        if flaky:
+            raise BadInput("the flaky fault is seeded into transformers wheels only.")
+        return _patch(wheel, out, SGLANG_NORM, SGLANG_NORM_LINE, SGLANG_GEMMA_NORM)
     with zipfile.ZipFile(wheel) as archive:
         try:
             original = archive.read(LLAMA).decode("utf-8")
@@ -72,11 +83,26 @@ def norm_patch(wheel: Path, out: Path, flaky: bool = False) -> Path:
         changed = changed[:at] + "\n" + header + changed[at:]
     else:
         changed = original.replace(NORM_LINE, GEMMA_NORM)
+    return _write_diff(original, changed, LLAMA, out)
+
+
+def _patch(wheel: Path, out: Path, member: str, line: str, replacement: str) -> Path:
+    with zipfile.ZipFile(wheel) as archive:
+        try:
+            original = archive.read(member).decode("utf-8")
+        except KeyError:
+            raise BadInput(f"{wheel}: no {member} in it; cannot seed the fault.") from None
+    if original.count(line) != 1:
+        raise BadInput(f"{wheel}: {member} does not read as lpx expects; cannot seed the fault.")
+    return _write_diff(original, original.replace(line, replacement), member, out)
+
+
+def _write_diff(original: str, changed: str, member: str, out: Path) -> Path:
     diff = difflib.unified_diff(
         original.splitlines(keepends=True),
         changed.splitlines(keepends=True),
-        f"a/{LLAMA}",
-        f"b/{LLAMA}",
+        f"a/{member}",
+        f"b/{member}",
     )
     out.write_text("".join(diff), encoding="utf-8")
     return out

@@ -1,6 +1,7 @@
 """Temperature: one side's logprobs of logits divided by T. The signatures' linear fit is an
 estimate; the reproduction must hold to the noise floor, so T is searched (golden section
-on log T around the estimate, each try re-processing one forward's logits)."""
+on log T around the estimate, moved on while the minimum lands at the bracket's edge, each
+try re-processing one forward's logits)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pipeline.verify.hypothesis import Candidate, Family
 from pipeline.verify.search import Processed, golden_section, with_settings
 
 LOG_SPAN = 0.7  # log T searched this far either side of the estimate (T x/÷ 2)
+EDGE = 0.95  # a minimum this close to the bracket's edge may lie beyond it
+MAX_SHIFTS = 3  # brackets moved on from one that ended at its edge (T x/÷ 2 each)
 
 
 class Temperature(Family):
@@ -38,11 +41,19 @@ class Temperature(Family):
             else slope_temperature(observed[0], clean[0])
         )
         processed = Processed(ref, rows[0], observed[0])
-        log_t = golden_section(
-            lambda x: processed.gap({"temperature": float(np.exp(x))}),
-            np.log(guess) - LOG_SPAN,
-            np.log(guess) + LOG_SPAN,
-        )
+        center = np.log(guess)
+        for _ in range(1 + MAX_SHIFTS):
+            log_t = golden_section(
+                lambda x: processed.gap({"temperature": float(np.exp(x))}),
+                center - LOG_SPAN,
+                center + LOG_SPAN,
+            )
+            if abs(log_t - center) < EDGE * LOG_SPAN:
+                break
+            # the minimum lies at the bracket's edge, so past it: search on around there (a
+            # slope estimate off by more than x/÷ 2, as a sampled token's logprob gives when
+            # its own log-partition moves with T)
+            center = log_t
         t = float(np.exp(log_t))
         return with_settings(candidate, {"T": round(t, 5)}, temperature=t)
 
