@@ -40,6 +40,7 @@ BUILTIN: dict[str, dict[str, str]] = {
         "megatron": "pipeline.localize.adapters.megatron:open_session",
         "vllm": "pipeline.localize.adapters.vllm:open_session",
         "logprob-server": "pipeline.localize.adapters.server:open_session",
+        "sglang": "pipeline.localize.adapters.sglang:open_session",
     },
 }
 

@@ -233,7 +233,7 @@ def test_batched_captures_equal_one_sequence_at_a_time(fixture_path, tiny_model)
     "spec, message",
     [
         ("http:url=http://x", "cannot capture activations from 'http'"),
-        ("sglang", "cannot capture activations from 'sglang'"),
+        ("sglang:url=http://x", "the sglang capture adapter starts its own server"),
         ("nope", "no capture adapter for engine 'nope'"),
         ("hf:dtype", "'dtype' is not knob=value"),
         (

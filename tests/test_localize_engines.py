@@ -351,7 +351,7 @@ def test_an_unreachable_server_is_one_line_naming_it(tiny_model):
     assert time.monotonic() - started < 10
 
 
-@pytest.mark.parametrize("spec", ["http:url=x", "sglang:url=http://a:1"])
+@pytest.mark.parametrize("spec", ["http:url=x"])
 def test_http_only_engines_are_refused_in_one_line(spec, tiny_model):
     with pytest.raises(BadInput) as raised:
         open_side(spec, tiny_model)

@@ -26,10 +26,8 @@ GROUP = plugins.CAPTURE
 # Engines that lpx knows but cannot capture from, and what it would take.
 REFUSED = {
     "http": "an HTTP-only rollout engine returns logprobs, not activations; run its model in "
-    "a capture adapter (hf, vllm) or serve it with `lpx serve`, whose /capture endpoint the "
-    "logprob-server adapter reads",
-    "sglang": "SGLang cannot run on this machine's CPU and exposes no activation hooks over "
-    "HTTP; capture its model with the vllm or hf adapter, or serve it with `lpx serve`",
+    "a capture adapter (hf, vllm, sglang) or serve it with `lpx serve`, whose /capture "
+    "endpoint the logprob-server adapter reads",
 }
 
 
