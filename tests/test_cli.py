@@ -128,7 +128,7 @@ def test_unknown_engine_and_knob_are_clear(run_dir, tmp_path):
     assert (
         result.exit_code == 2
         and "unknown engine 'nope'" in result.output
-        and "known: deepspeed, fsdp, hf, logprob-server, megatron, vllm" in result.output
+        and "known: deepspeed, fsdp, hf, logprob-server, megatron, sglang, vllm" in result.output
     )
     result = run_lpx(
         "replay",
