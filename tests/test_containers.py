@@ -103,34 +103,102 @@ def test_the_defaults_are_the_current_row_and_every_digest_has_a_documented_sour
 
 @pytest.fixture(scope="module")
 def cpu_images(docker_host):
-    """lpx-base:bookworm, the wheelhouses, lpx-train:cpu and lpx-vllm:cpu, built for real
-    once per session whatever order the tests run in (Docker's cache makes reruns cheap)."""
+    """lpx-base:bookworm, the wheelhouses, lpx-train:cpu, lpx-vllm:cpu and lpx-sglang:cpu,
+    built for real once per session whatever order the tests run in (Docker's cache makes
+    reruns cheap)."""
     _run("scripts/docker-base")
-    for family in ("train", "vllm"):
-        if not any((ROOT / "wheelhouse" / family).glob("torch-*.whl")):
+    for family, wheel in (("train", "torch-*.whl"), ("vllm", "torch-*.whl"),
+                          ("sglang", "sglang-*.whl")):  # fmt: skip
+        if not any((ROOT / "wheelhouse" / family).glob(wheel)):
             _run("scripts/wheelhouse", family, timeout=1800)
-    _run("docker", "compose", "build", "train-image", "vllm-image", timeout=1800)
+    _run("docker", "compose", "build", "train-image", "vllm-image", "sglang-image", timeout=2400)
 
 
 def test_compose_smoke_runs_every_engine_container(cpu_images, tmp_path):
-    """`docker compose run smoke`: vLLM-CPU rollout container, HF/FSDP/DeepSpeed/Megatron
-    replay containers, compare, record, report; the report and history in the bind mount."""
+    """`docker compose run smoke`: two plans into one history and one report. vLLM-CPU's
+    rollout container (examples/smoke.yaml) and SGLang's (examples/smoke-sglang.yaml: lpx
+    starts SGLang 0.5.23's server inside it), each replayed by HF/FSDP/DeepSpeed/Megatron
+    containers, compared, recorded and reported; the report and history in the bind mount."""
     env = {**os.environ, "LPX_COMPOSE_OUT": str(tmp_path)}
-    result = _run("docker", "compose", "run", "--rm", "smoke", env=env, timeout=1200)
-    assert "run: PASS" in result.stdout, result.stdout
-    assert (tmp_path / "site" / "index.html").is_file()
+    result = _run("docker", "compose", "run", "--rm", "smoke", env=env, timeout=2400)
+    assert result.stdout.count("run: PASS") == 2, result.stdout
+    index = tmp_path / "site" / "index.html"
+    assert index.is_file()
     from tests.helpers import run_lpx
 
     runs = json.loads(run_lpx("history", "--db", tmp_path / "lpx.db", "--json").output)
-    assert runs and runs[0]["status"] == "pass"
+    assert len(runs) == 2 and {run["status"] for run in runs} == {"pass"}
+    pairs = _recorded_pairs(tmp_path / "lpx.db")
+    rollouts = {(p["plan"], p["rollout"], p["version"], p["image"]) for p in pairs}
+    assert rollouts == {
+        ("smoke", "vllm", "0.32.0", "lpx-vllm:cpu"),
+        ("smoke-sglang", "sglang", "0.5.23", "lpx-sglang:cpu"),
+    }
+    # the rollout stage ran in its container (the runner records each stage's image)
+    stages = {p["plan"]: p["stages"] for p in pairs}
+    assert stages["smoke-sglang"]["rollout"] == ("ok", "lpx-sglang:cpu")
+    assert stages["smoke-sglang"]["model"] == ("ok", "lpx-sglang:cpu")
+    sglang = {p["replay"]: p for p in pairs if p["plan"] == "smoke-sglang"}
+    # every replay container scored every token of the SGLang fixture
+    assert set(sglang) == {"hf-float32", "hf-bfloat16", "fsdp-ws2-float32",
+                           "deepspeed-ws2-float32", "megatron-tp2-ws2-float32"}  # fmt: skip
+    assert {p["replay_image"] for p in sglang.values()} == {"lpx-train:cpu"}
+    assert len({p["tokens"] for p in sglang.values()}) == 1 and pairs[0]["tokens"] > 0
+    for name, pair in sglang.items():
+        assert pair["verdict"] == "pass", pair
+        # fp32 against SGLang's fp32 torch path: equal to rounding (~4e-6 seen); bf16: its own
+        limit = 0.2 if "bfloat16" in name else 1e-4
+        assert pair["max_abs_diff"] < limit, pair
+    # the report's engine x version matrix: SGLang 0.5.23 beside vLLM 0.32.0
+    html = index.read_text()
+    for engine, version in (("sglang", "0.5.23"), ("vllm", "0.32.0")):
+        row = re.search(rf'<tr data-engine="{engine}"><th>{engine} .*?</tr>', html, re.S)
+        assert row and f'<div class="version">{version}</div>' in row.group(0), engine
     labels = json.loads(
         _run(
             "docker", "image", "inspect", "lpx-vllm:cpu", "--format", "{{json .Config.Labels}}"
         ).stdout
     )
     assert labels["ai.lpx.engine.versions"] == "vllm=0.32.0"
-    user = _run("docker", "image", "inspect", "lpx-train:cpu", "--format", "{{.Config.User}}")
-    assert user.stdout.strip() == "1000"  # the images run as a non-root user
+    labels = json.loads(
+        _run(
+            "docker", "image", "inspect", "lpx-sglang:cpu", "--format", "{{json .Config.Labels}}"
+        ).stdout
+    )
+    assert labels["ai.lpx.engine.versions"] == "sglang=0.5.23"
+    assert "sglang" in labels["ai.lpx.engines"].split(",")
+    for image in ("lpx-train:cpu", "lpx-sglang:cpu"):
+        user = _run("docker", "image", "inspect", image, "--format", "{{.Config.User}}")
+        assert user.stdout.strip() == "1000"  # the images run as a non-root user
+
+
+def _recorded_pairs(db: Path) -> list[dict]:
+    """Each comparison the history holds: its plan, both engine builds, verdict, tokens,
+    max |d|, and its run's stages as (status, image)."""
+    import sqlite3
+
+    query = """
+        SELECT r.manifest, c.pair, c.verdict, c.tokens, m.value,
+               rb.engine, rb.version, rb.image_ref, pb.image_ref
+        FROM comparisons c JOIN runs r ON r.id = c.run_id
+        JOIN engine_builds rb ON rb.id = c.rollout_build_id
+        JOIN engine_builds pb ON pb.id = c.replay_build_id
+        JOIN metric_values m ON m.comparison_id = c.id AND m.name = 'max_abs_diff'"""
+    with sqlite3.connect(db) as connection:
+        rows = connection.execute(query).fetchall()
+    pairs = []
+    for manifest, pair, verdict, tokens, value, engine, version, image, replay_image in rows:
+        manifest = json.loads(manifest)
+        stages = {
+            s["name"]: (s["status"], (s.get("image") or {}).get("ref")) for s in manifest["stages"]
+        }
+        pairs.append({
+            # the pair's directory, compare/<index>-<replay engine, layout, dtype>
+            "plan": manifest["plan"]["name"], "replay": Path(pair).name.split("-", 1)[1],
+            "verdict": verdict, "tokens": tokens, "max_abs_diff": value, "rollout": engine,
+            "version": version, "image": image, "replay_image": replay_image, "stages": stages,
+        })  # fmt: skip
+    return pairs
 
 
 def test_a_missing_image_names_the_stage(docker_host, tmp_path):

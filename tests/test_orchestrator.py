@@ -207,6 +207,7 @@ def test_the_example_smoke_plan_runs_locally(tmp_path):
     "name",
     [
         "smoke.yaml",
+        "smoke-sglang.yaml",
         "smoke-local.yaml",
         "smoke-http.yaml",
         "nightly-gpu.yaml",

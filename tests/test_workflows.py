@@ -78,6 +78,9 @@ def test_the_workflows_name_what_the_nightly_needs():
     assert "gpu" in job["runs-on"] and "self-hosted" in job["runs-on"]
     assert "fromJSON" in str(job["strategy"]["matrix"])
     assert any("lpx-train:gpu gate" in str(step.get("run")) for step in job["steps"])
+    # Dockerfile.sglang has a cpu target (the smoke's) too: the nightly builds the GPU one
+    builds = " ".join(str(step.get("run")) for step in job["steps"])
+    assert "-f Dockerfile.sglang --target gpu -t lpx-sglang:gpu" in builds
     versions = json.loads((root / "engine-versions.json").read_text())["include"]
     assert versions and all({"vllm_base", "train_base", "sglang_base"} <= set(v) for v in versions)
     ci = yaml.safe_load((root / "workflows" / "ci.yml").read_text())

