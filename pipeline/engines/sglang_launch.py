@@ -11,7 +11,7 @@ imports this module again (as ``__mp_main__``) before it imports SGLang.
 2. ``SGLANG_USE_CPU_ENGINE=1`` selects SGLang's CPU engine, which needs sgl-kernel's CPU build;
    none exists for this machine, so lpx runs SGLang's plain torch path and unsets it.
 3. ``--enable-return-routed-experts`` allocates its host buffer with ``pin_memory=True`` and
-   page-locks it through ``torch.cuda.cudart().cudaHostRegister``, which asserts "Torch not
+   page-locks it through CUDA's ``cudaHostRegister`` (torch's cudart binding), which asserts "Torch not
    compiled with CUDA enabled" on a CPU torch. Where no CUDA device exists there is nothing
    to page-lock for, so the registration is skipped; the buffer, and what the routers write
    into it, are SGLang's own. Nothing here changes a number SGLang computes.
@@ -23,14 +23,13 @@ import importlib.util
 import os
 import runpy
 
+from pipeline.devices import visible_gpus
 from pipeline.torchvision_guard import let_torchvision_import
 
 
 def let_routing_capture_run_without_cuda() -> bool:
     """Skip page-locking host buffers where torch has no CUDA (3. above); True if skipped."""
-    import torch
-
-    if torch.cuda.is_available() or importlib.util.find_spec("sglang") is None:
+    if visible_gpus() or importlib.util.find_spec("sglang") is None:
         return False
     try:
         from sglang.srt.mem_cache.pool_host import common
