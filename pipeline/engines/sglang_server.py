@@ -126,8 +126,12 @@ def running_server(
         stop(process)
 
 
-def stop(process: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM to the server's process group, SIGKILL what is left after ``grace_s``."""
+def stop(process: subprocess.Popen, grace_s: float = 2.0) -> None:
+    """SIGTERM to the server's process group, SIGKILL what is left after ``grace_s``.
+
+    The grace is short on purpose: when lpx stops a server it has every answer it asked
+    for, and SGLang 0.5.23's launcher, seeing its scheduler end on the same SIGTERM, sleeps
+    5 s "to let GPU activity settle" before it exits, which every stop would otherwise pay."""
     if process.poll() is None:
         _signal_group(process, signal.SIGTERM)
         try:
