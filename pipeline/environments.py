@@ -243,11 +243,18 @@ def held_versions() -> list[str]:
     constraints that keep a companion from replacing torch, transformers or numpy."""
     from importlib import metadata
 
+    # Only the environment's own site-packages, first found first: sys.path can hold more
+    # (setuptools >= 71 puts its _vendor folder there once imported, with an older
+    # typing_extensions among others), and a held version read from there is one pip cannot
+    # satisfy.
+    paths = sysconfig.get_paths()
+    site_packages = list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
     lines = {}
-    for distribution in metadata.distributions():
+    for distribution in metadata.distributions(path=site_packages):
         name = distribution.metadata["Name"]
-        if name and name.lower() not in ("lpx", "pip") and distribution.version:
-            lines[name.lower()] = f"{name}=={distribution.version}"
+        key = re.sub(r"[-_.]+", "-", name or "").lower()
+        if name and key not in ("lpx", "pip") and distribution.version and key not in lines:
+            lines[key] = f"{name}=={distribution.version}"
     return sorted(lines.values())
 
 
