@@ -162,28 +162,3 @@ def sglang_python() -> Path:
             pytest.fail(f"CI=true but SGLang is not installed: {error}")
         pytest.skip(str(error))
 
-
-# The modules that take longest (pytest --durations on this 2-core machine: each over 2 min
-# alone), handed to the two workers first, so neither is left with a long module at the end
-# while the other idles. Order changes scheduling only; every module still runs whole on one
-# worker (--dist loadfile).
-LONGEST_FIRST = (
-    "test_containers.py",
-    "test_bisect.py",
-    "test_engines_distributed.py",
-    "test_orchestrator.py",
-    "test_engines_sglang.py",
-    "test_megatron_families.py",
-    "test_bisect_sglang.py",
-    "test_serve.py",
-    "test_nightly_faults.py",
-    "test_engines_vllm.py",
-    "test_families.py",
-    "test_sglang_families.py",
-    "test_interrupts.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
