@@ -161,4 +161,3 @@ def sglang_python() -> Path:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"CI=true but SGLang is not installed: {error}")
         pytest.skip(str(error))
-
