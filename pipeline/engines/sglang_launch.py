@@ -11,8 +11,8 @@ imports this module again (as ``__mp_main__``) before it imports SGLang.
 2. ``SGLANG_USE_CPU_ENGINE=1`` selects SGLang's CPU engine, which needs sgl-kernel's CPU build;
    none exists for this machine, so lpx runs SGLang's plain torch path and unsets it.
 3. ``--enable-return-routed-experts`` allocates its host buffer with ``pin_memory=True`` and
-   page-locks it through CUDA's ``cudaHostRegister`` (torch's cudart binding), which asserts "Torch not
-   compiled with CUDA enabled" on a CPU torch. Where no CUDA device exists there is nothing
+   page-locks it through CUDA's ``cudaHostRegister`` (torch's cudart binding), which
+   asserts "Torch not compiled with CUDA enabled" on a CPU torch. Where no CUDA device exists there is nothing
    to page-lock for, so the registration is skipped; the buffer, and what the routers write
    into it, are SGLang's own. Nothing here changes a number SGLang computes.
 """
