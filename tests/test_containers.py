@@ -37,6 +37,10 @@ def docker_host():
         pytest.skip(reason)
 
 
+# Every lpx Dockerfile labels its images with the project's source.
+LPX_IMAGE_LABEL = "org.opencontainers.image.source=https://github.com/lpx/lpx"
+
+
 def _run(*args, **kwargs):
     result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, **kwargs)
     assert result.returncode == 0, (
@@ -112,6 +116,10 @@ def cpu_images(docker_host):
         if not any((ROOT / "wheelhouse" / family).glob(wheel)):
             _run("scripts/wheelhouse", family, timeout=1800)
     _run("docker", "compose", "build", "train-image", "vllm-image", "sglang-image", timeout=2400)
+    # A rebuild leaves the previous lpx images untagged (~11 GB each round): drop them, and
+    # cap the build cache, so that nights of CI on one host do not fill its disk.
+    _run("docker", "image", "prune", "-f", "--filter", f"label={LPX_IMAGE_LABEL}")
+    _run("docker", "builder", "prune", "-f", "--keep-storage", "20GB")
 
 
 def test_compose_smoke_runs_every_engine_container(cpu_images, tmp_path):
@@ -358,3 +366,4 @@ def test_a_bisect_over_images_names_the_image_that_brought_the_fault(cpu_images,
     assert found["errors"] == found["maybe_first_bad"] == ["image:lpx-no-such-image:0"]
     before, after = found["changed"]["images"]
     assert before["digest"] and after["digest"] and before["digest"] != after["digest"]
+    _run("docker", "image", "rm", "lpx-bisect-seeded:gemma")
