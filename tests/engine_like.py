@@ -166,3 +166,74 @@ def stored_one_off(fixture, rows, at: dict, shift: int):
     out = copy.copy(fixture)
     out.channels = {"rollout": values}
     return out
+
+
+# --- a sampler's processed logprobs, by transformers' own generate ------------------------
+
+
+def generated_rollout(model_dir, fixture, seed: int = 0, processors=None, **sampling):
+    """The fixture's prompts sampled again by transformers' `generate` under ``sampling``
+    (its own temperature, top_k, top_p, min_p, repetition_penalty, sequence_bias) and the
+    extra ``processors(prompt_length)`` (penalties and soft-caps transformers lacks), each
+    completion as long as the fixture's (no end-of-sequence stop, which would mask EOS), with
+    the processed logprobs the sampler drew from: what an engine that applied that
+    processing returns as its logprobs."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    model = load_fp32(model_dir)
+    model.generation_config.eos_token_id = None
+    completions, values = [], []
+    for row in range(fixture.num_sequences):
+        prompt = torch.as_tensor(np.asarray(fixture.prompt_of(row), dtype=np.int64))[None]
+        length = len(fixture.completion_of(row))
+        torch.manual_seed(seed + row)
+        with torch.no_grad():
+            out = model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=True,
+                max_new_tokens=length,
+                output_scores=True,
+                return_dict_in_generate=True,
+                logits_processor=LogitsProcessorList(
+                    processors(prompt.shape[1]) if processors else []
+                ),
+                pad_token_id=0,
+                # transformers' defaults off (its top-k of 50 above all): only ``sampling``
+                **{"top_k": 0, "top_p": 1.0, "temperature": 1.0, **sampling},
+            )
+        tokens = out.sequences[0, prompt.shape[1] :]
+        scores = torch.stack(out.scores)[:, 0].double().log_softmax(-1)
+        completions.append(tokens.numpy())
+        values.append(scores.gather(-1, tokens[:, None])[:, 0].float().numpy())
+    table = copy.copy(fixture)
+    table.completion_ids = np.concatenate(completions).astype(fixture.completion_ids.dtype)
+    table.channels = {"rollout": np.concatenate(values).astype(np.float32)}
+    table.metadata = {**fixture.metadata, "sampling": {}}  # as a dump that records none
+    return table
+
+
+class PresenceFrequency:
+    """vLLM's presence and frequency penalties, over the output so far, in float64."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float):
+        self.start, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        output = input_ids[0, self.start :]
+        counts = torch.bincount(output, minlength=scores.shape[-1]).to(torch.float64)
+        moved = scores.double() - self.presence * (counts > 0) - self.frequency * counts
+        return moved.to(scores.dtype)
+
+
+class SoftCap:
+    """cap * tanh(logits / cap), as a model with a final-logit soft-cap gives its logits."""
+
+    def __init__(self, cap: float):
+        self.cap = cap
+
+    def __call__(self, input_ids, scores):
+        return (self.cap * (scores.double() / self.cap).tanh()).to(scores.dtype)

@@ -71,6 +71,9 @@ def render_summary(report: Report) -> str:
         lines.append(f"- verification: {_verification_line(verification)}")
     if policy.get("exact"):
         lines.append(f"- exact mode (--exact): {bitwise_line(metrics)}")
+    defaults = (report.model_extra or {}).get("generation_defaults")
+    if defaults:
+        lines.append(f"- generation defaults: {_md(defaults['note'])}")
     lines += ["", "| metric | value | limit |", "|---|---|---|"]
     # the usual metrics, then any other the policy limits (e.g. NeMo-RL's gates)
     limited = [name for name in policy["limits"] if name not in SUMMARY_METRICS]

@@ -16,6 +16,7 @@ from pipeline.compare.calibrated import (
     side_precision,
     usable,
 )
+from pipeline.compare.contradicted import evidence_on_file, rule_out_contradicted
 from pipeline.compare.diagnosis import diagnose_region, weights_evidence
 from pipeline.compare.drift_map import drift_map
 from pipeline.compare.metrics import (
@@ -199,6 +200,7 @@ def compare_tables(
     findings += _routing_flips(routing, gate, aligned, token_tau, forced)
     if gate is not None and not gate["passed"]:
         findings += _beyond_precision(gate, findings, aligned)
+    findings = rule_out_contradicted(findings, evidence_on_file(fixture, replay))
     judgement = judge(policy, profile, metrics, findings, limits, exact, gate)
     if pair:
         findings += _precision_over_user_limits(judgement, findings, floor.expected, aligned)
@@ -226,6 +228,8 @@ def compare_tables(
         precision_gate=gate,
         calibration=calibration_note,
         verification=None,
+        # said only where the model's generation config sets what the sampling leaves unset
+        **_present(generation_defaults=unset_generation_defaults(fixture.metadata)),
         metadata={
             "fixture": {
                 "path": str(fixture_path),
@@ -505,6 +509,33 @@ def _diagnosis_context(fixture_meta: dict, replay_meta: dict, aligned: Aligned, 
             f"{sampling.get('temperature')}) and the replay applied temperature {replay_temperature}"
         )
     return context
+
+
+def _present(**fields) -> dict:
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def unset_generation_defaults(fixture_meta: dict) -> dict | None:
+    """The sampling fields the model's generation_config.json sets that the fixture's
+    recorded sampling leaves unset: an engine that applies the model's defaults (vLLM's
+    `--generation-config auto`, SGLang's chat API) then sampled, and may have returned
+    logprobs, under them. lpx's own rollouts send every field explicitly; a dump (`lpx
+    ingest`) or a table with no sampling record does not say. None when nothing is unset."""
+    config = (fixture_meta.get("model") or {}).get("generation_config") or {}
+    sampling = fixture_meta.get("sampling") or {}
+    if not config or (sampling and not fixture_meta.get("ingested_from")):
+        return None
+    unset = {name: value for name, value in config.items() if name not in sampling}
+    if not unset:
+        return None
+    return {
+        "unset": unset,
+        "logprobs": str((fixture_meta.get("logprob_channels") or {}).get("rollout", "unknown")),
+        "note": "the recorded sampling leaves "
+        + ", ".join(f"{k} unset (the model's generation config: {v})" for k, v in unset.items())
+        + "; an engine that applies the model's defaults sampled with them, and processed "
+        "logprobs carry them (re-scoring searches them first: lpx compare --model)",
+    }
 
 
 def _agreeing_version(aligned: Aligned):

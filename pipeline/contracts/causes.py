@@ -18,6 +18,9 @@ class Cause(StrEnum):
     TEMPERATURE = "temperature"
     TOP_K = "top_k"
     TOP_P = "top_p"
+    # between logits and logprobs: penalties, soft-cap, logit bias, min-p, generation
+    # defaults (the parameters say which; temperature, top-k and top-p alone keep their own)
+    LOGITS_PROCESSING = "logits_processing"
     STALE_WEIGHTS = "stale_weights"
     # no store to re-score under: every data and sampling cause ruled out
     WEIGHTS_DIFFER = "weights_differ"

@@ -85,7 +85,37 @@ def model_metadata(model_dir: Path) -> dict:
         "vocab_size": config.get("vocab_size"),
         "weights_fingerprint": weights_fingerprint(model_dir),
         "tokenizer_fingerprint": tokenizer_fingerprint(model_dir),
+        # what an engine applies where the request leaves a sampling field unset
+        "generation_config": generation_sampling(model_dir),
     }
+
+
+# The fields of generation_config.json that change a logprob when an engine applies them
+GENERATION_SAMPLING = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def generation_sampling(model_dir) -> dict:
+    """The sampling fields a model's generation_config.json sets: what vLLM and SGLang apply
+    where a request leaves them unset (vLLM's `--generation-config auto`, SGLang's chat API).
+    Empty when there is no such file, or it does not sample (do_sample false)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not model_dir or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict) or config.get("do_sample") is False:
+        return {}
+    return {k: config[k] for k in GENERATION_SAMPLING if isinstance(config.get(k), int | float)}
 
 
 def _built_by_lpx(path: Path) -> dict | None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.faults.processing import Processing, apply, model_cap
+
 # kind -> (cause the diagnosis should name, the real bug it stands for)
 FAULTS = {
     "pad_attended": (
@@ -58,6 +60,22 @@ FAULTS = {
         "version_change",
         "an in-flight weight update at token k, no weight versions recorded",
     ),
+    "penalties": (
+        "logits_processing",
+        "presence 0.5 and frequency 0.3 penalties over the output in the logprobs",
+    ),
+    "repetition_penalty": (
+        "logits_processing",
+        "a repetition penalty of 1.3 over prompt and output in the logprobs",
+    ),
+    "soft_cap": ("logits_processing", "a final-logit soft-cap the other side does not apply"),
+    "min_p": ("logits_processing", "processed logprobs after min-p 0.1 on one side"),
+    "logit_bias": ("logits_processing", "a logit bias of +2 on the four commonest tokens"),
+    "generation_defaults": (
+        "logits_processing",
+        "processed logprobs under the model's generation defaults (Qwen3's: temperature 0.6, "
+        "top-k 20, top-p 0.95, where generation_config.json sets none)",
+    ),
     "lm_head_bf16": ("dtype", "the LM head computed in bf16, the rest in fp32"),
     "bf16": ("dtype", "the whole forward in bf16"),
     "fp16": ("dtype", "the whole forward in fp16"),
@@ -76,6 +94,12 @@ class FaultSettings:
     step_lr: float = 1e-4  # stale_weights / version_change: one AdamW step of this size
     position_offset: int = 16
     bos_id: int = 1
+    presence_penalty: float = 0.5  # penalties
+    frequency_penalty: float = 0.3
+    repetition_penalty: float = 1.3  # repetition_penalty
+    soft_cap: float = 5.0  # soft_cap
+    min_p: float = 0.1  # min_p
+    logit_bias: float = 2.0  # logit_bias: added to the four commonest completion tokens
 
 
 def rescore(model, pairs: list, kind: str, settings: FaultSettings) -> list[np.ndarray]:
@@ -97,12 +121,59 @@ def rescore(model, pairs: list, kind: str, settings: FaultSettings) -> list[np.n
         if kind in ("bf16", "fp16"):
             low = copy.deepcopy(model).to(torch.bfloat16 if kind == "bf16" else torch.float16)
             return [_single(low, p, c) for p, c in pairs]
+        if kind in PROCESSING_FAULTS:
+            processing = processing_fault(kind, settings, pairs, model)
+            return [_single(model, p, c, processing=processing) for p, c in pairs]
         if kind == "prompt_truncated":  # a max prompt length: only longer prompts are cut
             limit = settings.max_prompt or max(
                 1, int(max(len(p) for p, _ in pairs) * settings.keep_prompt)
             )
             return [_single(model, np.asarray(p)[-limit:], c) for p, c in pairs]
         return [_single_faulted(model, p, c, kind, settings) for p, c in pairs]
+
+
+PROCESSING_FAULTS = (
+    "penalties",
+    "repetition_penalty",
+    "soft_cap",
+    "min_p",
+    "logit_bias",
+    "generation_defaults",
+)
+# Qwen3's generation_config.json (thinking mode): what vLLM and SGLang apply by default
+QWEN3_DEFAULTS = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
+
+def processing_fault(kind: str, settings: FaultSettings, pairs, model) -> Processing:
+    """The processing a logits-processing fault commits (one per batch, as an engine's
+    sampling parameters are one per request)."""
+    if kind == "penalties":
+        return Processing(
+            presence_penalty=settings.presence_penalty,
+            frequency_penalty=settings.frequency_penalty,
+        )
+    if kind == "repetition_penalty":
+        return Processing(
+            repetition_penalty=settings.repetition_penalty, penalty_scope="prompt+output"
+        )
+    if kind == "soft_cap":  # an extra cap, or the model's own one skipped
+        return Processing(soft_cap=0.0 if model_cap(model) else settings.soft_cap)
+    if kind == "min_p":
+        return Processing(min_p=settings.min_p)
+    if kind == "logit_bias":
+        tokens = np.concatenate([np.asarray(c) for _, c in pairs]).astype(np.int64)
+        commonest = np.argsort(-np.bincount(tokens), kind="stable")[:4]
+        return Processing(logit_bias=tuple((int(t), settings.logit_bias) for t in commonest))
+    defaults = generation_defaults(model) or QWEN3_DEFAULTS
+    return Processing(**{k: v for k, v in defaults.items() if k in QWEN3_DEFAULTS})
+
+
+def generation_defaults(model) -> dict:
+    """The sampling fields the model's generation_config.json sets (what an engine applies
+    where a request leaves them unset)."""
+    from pipeline.engines.hf_common import generation_sampling
+
+    return generation_sampling(getattr(model, "name_or_path", "") or "")
 
 
 def _single_faulted(model, prompt, completion, kind: str, settings: FaultSettings):
@@ -141,17 +212,21 @@ def _single(
     """One sequence in its own row, no padding: the reference layout, with one thing changed."""
 
     hidden = _completion_hidden(model, prompt, completion, positions, label_shift)
-    return _selected(model, hidden, completion, head_dtype, processing)
+    return _selected(model, hidden, completion, head_dtype, processing, prompt)
 
 
-def completion_logits(model, prompt, completion):
+def completion_logits(model, prompt, completion, capped: bool = True):
     """The fp32 logits that score each completion token in the reference layout: what a
-    temperature or truncation acts on, so a search over those needs one forward only."""
+    temperature or truncation acts on, so a search over those needs one forward only.
+    ``capped``: after the model's own final-logit soft-cap (as its forward gives them), else
+    the head's (what `processing.apply` takes)."""
     import torch
 
     with torch.no_grad():
         hidden = _completion_hidden(model, np.asarray(prompt, dtype=np.int64), completion)
-        return model.get_output_embeddings()(hidden).float()
+        logits = model.get_output_embeddings()(hidden).float()
+        cap = model_cap(model) if capped else 0.0
+        return cap * torch.tanh(logits / cap) if cap else logits
 
 
 def select_processed(logits, completion, processing=None) -> np.ndarray:
@@ -301,7 +376,9 @@ def optimiser_step(model, pairs, lr: float):
     return stepped.requires_grad_(False).eval()
 
 
-def _selected(model, hidden_rows, completion, head_dtype=None, processing=None):
+def _selected(model, hidden_rows, completion, head_dtype=None, processing=None, prompt=()):
+    """The completion tokens' logprobs from the hidden states that score them: the head, the
+    model's own soft-cap, then ``processing`` (a sampler's dict, or a `Processing`)."""
     import torch
 
     head = model.get_output_embeddings()
@@ -311,6 +388,12 @@ def _selected(model, hidden_rows, completion, head_dtype=None, processing=None):
         ).float()
     else:
         logits = head(hidden_rows).float()
+    if isinstance(processing, Processing):
+        logits = apply(logits, prompt, completion, processing, model_cap(model))
+        return select_processed(logits, completion)
+    cap = model_cap(model)
+    if cap:
+        logits = cap * torch.tanh(logits / cap)
     return select_processed(logits, completion, processing)
 
 

@@ -106,7 +106,15 @@ def inject_fault(
         **faulted.metadata,
         "injected_faults": [*faulted.metadata.get("injected_faults", []), record],
     }
+    if kind in OTHER_WEIGHTS and faulted.metadata.get("model"):
+        # these logprobs came from weights other than the checkpoint on file: its
+        # fingerprint no longer says what they were scored with (as in a dump whose engine
+        # synced weights in memory), so it is not kept as evidence that they were
+        faulted.metadata["model"] = {**faulted.metadata["model"], "weights_fingerprint": None}
     return faulted
+
+
+OTHER_WEIGHTS = ("stale_weights", "version_change", "version_change_unrecorded")
 
 
 _DATA_CAUSES = {

@@ -43,11 +43,14 @@ def verify_report(report: Report, fixture, replay, model_dir: Path, policy=None,
     model in ``model_dir`` (options as `Verifier`'s), and its verdict judged again by the
     policy (the default one when none is given). False, and the report untouched, where no
     finding needs it."""
+    from pipeline.compare.contradicted import evidence_on_file, rule_out_contradicted
     from pipeline.compare.policy import load_policy
     from pipeline.compare.run import rejudge
 
     if not needs_verifying(report.diagnosis):
         return False
-    report.diagnosis = Verifier(fixture, replay, model_dir, **options).verify(report.diagnosis)
+    verified = Verifier(fixture, replay, model_dir, **options).verify(report.diagnosis)
+    # what verification left plausible is set against the evidence on file again
+    report.diagnosis = rule_out_contradicted(verified, evidence_on_file(fixture, replay))
     rejudge(report, policy if policy is not None else load_policy())
     return True

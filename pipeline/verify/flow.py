@@ -13,11 +13,7 @@ from pipeline.contracts.causes import Cause, Severity, Status
 from pipeline.contracts.report import Finding
 from pipeline.fixture.table import TokenTable
 from pipeline.verify import report
-from pipeline.verify.families import FAMILIES, for_cause
-from pipeline.verify.families.precision import Precision
-from pipeline.verify.families.shifts import onset_of_shift
-from pipeline.verify.families.truncation import Truncation
-from pipeline.verify.families.weights import Weights, weights_differ
+from pipeline.verify.families import families, family_of, for_cause, is_data
 from pipeline.verify.hypothesis import Candidate
 from pipeline.verify.judge import judge
 from pipeline.verify.reference import Reference
@@ -57,15 +53,16 @@ class Verifier:
         reproduced: list[Candidate] = []  # what verified: tried first on the rest
         for finding in findings:
             cause = finding.cause
+            if finding.status == Status.RULED_OUT and not finding.is_fault:
+                out.append(finding)  # ruled out already (the evidence on file contradicts it)
+                continue
             if not finding.sequences or (cause in NOT_REPRODUCIBLE and cause not in COMPETED):
                 out.append(finding)
                 continue
             own = self.candidates(finding)
             outcome, tried = self._first_verified(finding, own)
             if outcome:
-                out.append(
-                    onset_of_shift(ref, report.verified(finding, outcome), outcome.candidate)
-                )
+                out.append(_finished(ref, report.verified(finding, outcome), outcome))
                 reproduced.append(outcome.candidate)
                 continue
             if own and not tried:  # nothing could be re-scored: as the signatures said
@@ -79,10 +76,9 @@ class Verifier:
             runner = (finding.runner_up or {}).get("cause")
             others = [
                 *reproduced,
-                # below the declared precisions: a side that computed in bf16 while it
-                # declares fp32 drifts by a few times the floor, in any shape
-                *Precision().alternatives(ref, finding.but(cause=Cause.DTYPE)),
-                *Weights().alternatives(ref, finding),  # other published weights
+                # what explains drift of any shape: a precision below the declared ones,
+                # other published weights
+                *(c for family in families() for c in family.any_shape(ref, finding)),
                 *(self.candidates(finding.but(cause=runner, details={})) if runner else []),
                 *self.any_cause(finding),
             ]
@@ -91,7 +87,7 @@ class Verifier:
                 if tried:
                     out.append(report.ruled_out(finding, tried))
                 renamed = report.verified(finding, outcome, renamed_from=cause)
-                out.append(onset_of_shift(ref, renamed, outcome.candidate))
+                out.append(_finished(ref, renamed, outcome))
                 reproduced.append(outcome.candidate)
                 continue
             tried += also
@@ -131,7 +127,9 @@ class Verifier:
         out = self._fills_the_model_explains(out, reproduced)
         out = [report.only_what_it_moved(f) for f in out]
         merged = report.one_per_reproduction(out)
-        return report.one_routing_flip(report.both_truncations(merged))
+        for family in families():
+            merged = family.merged(merged)
+        return merged
 
     def candidates(self, finding: Finding) -> list[Candidate]:
         """The reproductions a finding's cause and parameters call for."""
@@ -141,14 +139,9 @@ class Verifier:
     def any_cause(self, finding: Finding) -> list[Candidate]:
         """What drift its own cause did not reproduce is tested against: the data bugs first
         (no model), then every family's alternatives in the families' order."""
-        offered = [
-            c
-            for family in FAMILIES
-            if not isinstance(family, (Precision, Weights))
-            for c in family.alternatives(self.ref, finding)
-        ]
-        data = [c for c in offered if c.kind.startswith("data_")]
-        return [*data, *(c for c in offered if not c.kind.startswith("data_"))]
+        offered = [c for family in families() for c in family.alternatives(self.ref, finding)]
+        data = [c for c in offered if is_data(c.kind)]
+        return [*data, *(c for c in offered if not is_data(c.kind))]
 
     def _first_verified(self, finding: Finding, candidates: list[Candidate]):
         tried = []
@@ -168,8 +161,9 @@ class Verifier:
 
     def _untestable(self, finding: Finding, runner: str | None) -> Finding | None:
         """After every reproduction failed: the runner-up when it is an in-flight update (a
-        position onset's), or `weights_differ` when the drift has a weight step's shape;
-        else None."""
+        position onset's), or what a family says remains plausible without what re-scoring
+        would need (`weights_differ` when the drift has a weight step's shape); else
+        None."""
         if runner == Cause.VERSION_CHANGE:
             return finding.but(
                 cause=Cause.VERSION_CHANGE,
@@ -180,26 +174,48 @@ class Verifier:
                 "(--weights-store)",
                 details={"at": finding.first_position.get("position")},
             )
-        return weights_differ(self.ref, finding)
+        for family in families():
+            remains = family.untestable(self.ref, finding)
+            if remains is not None:
+                return remains
+        return None
 
     def _fills_the_model_explains(self, out: list[Finding], reproduced: list[Candidate]):
         """A constant in the logprobs is also what a bug of the model gives: a top-p nucleus
         of one token scores exactly 0. A fill is judged on the median of its tokens, so a
         model reproduction that verifies a fill's sequences on every token, on the same
         side, is the better explanation, and replaces it: what verified elsewhere first,
-        then the truncations (recorded, else searched)."""
-        models = [c for c in reproduced if not c.kind.startswith("data_")]
+        then what the families that explain fills offer (a truncation, a sampler's
+        processing)."""
+        models = [c for c in reproduced if not is_data(c.kind)]
         for index, finding in enumerate(out):
             by = finding.details.get("verified_by") or {}
-            if not finding.verified or not by.get("kind", "").startswith("data_"):
+            if not finding.verified or not is_data(by.get("kind", "")):
                 continue
-            truncations = Truncation().alternatives(self.ref, finding)
-            for candidate in report.distinct([*models, *truncations], []):
-                outcome = judge(self.ref, candidate, finding.sequences)
-                if outcome and outcome.verified and outcome.side == by.get("side"):
-                    said = finding.details.get("signature_evidence", finding.evidence)
-                    how = report.params_text(by["params"])
-                    fill = f"{by['kind']} ({how}) matched the median token only"
-                    out[index] = report.verified(finding.but(evidence=f"{said}; {fill}"), outcome)
-                    break
+            offered = [
+                c
+                for family in families()
+                if family.explains_fills
+                for c in family.alternatives(self.ref, finding)
+            ]
+            verified = [
+                outcome
+                for candidate in report.distinct([*models, *offered], [])
+                if (outcome := judge(self.ref, candidate, finding.sequences))
+                and outcome.verified
+                and outcome.side == by.get("side")
+            ]
+            if verified:
+                # the closest: a min-p and a top-p may both verify where they keep the same
+                # tokens on most of these; the one that holds on every token is the bug
+                best = min(verified, key=lambda o: o.after / max(o.floor, 1e-12))
+                said = finding.details.get("signature_evidence", finding.evidence)
+                how = report.params_text(by["params"])
+                fill = f"{by['kind']} ({how}) matched the median token only"
+                out[index] = report.verified(finding.but(evidence=f"{said}; {fill}"), best)
         return out
+
+
+def _finished(ref, finding: Finding, outcome) -> Finding:
+    """A verified finding as the family of its reproduction completes it."""
+    return family_of(outcome.candidate.kind).finished(ref, finding, outcome.candidate)

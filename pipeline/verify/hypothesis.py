@@ -40,29 +40,52 @@ class Outcome:
 class Family:
     """A hypothesis family: the bugs of one kind, their parameter space, and how to commit
     them in the reference model. The shared flow asks it for hypotheses, lets it search its
-    space on the observation, and re-scores, judges and reports for it.
+    space on the observation, and re-scores, judges and reports for it; it knows no family
+    by name, so a family is its module and its place in `families.FAMILIES` (`register`).
 
-    - ``hypotheses``: what a finding of one of its ``causes`` calls for, from the finding's
-      parameters and the fixture's records;
+    What a family declares:
+    - ``causes``: the findings whose hypotheses it gives; ``kinds``: the fault kinds it
+      commits; ``data_kinds``: those written into the logprobs after the forward (judged
+      without the model, by ``data``); ``own_judgement``: kinds it judges itself (``judge``);
+    - ``explains_fills``: its alternatives may explain a constant in the logprobs (a one-token
+      kept set scores exactly 0), so they are tried against a verified fill;
+    - ``per_sequence``: parameters it searches per sequence (not part of a reproduction's
+      shape when findings are merged).
+
+    What it does (every method has a neutral default):
+    - ``hypotheses``: what a finding of one of its ``causes`` calls for;
     - ``alternatives``: what it offers for drift another cause failed to reproduce;
-    - ``search``: the hypothesis with its free parameters fitted to the observed side
-      (with the shared search in `verify/search.py`); most families have none;
-    - ``commit``: the rows re-scored under a hypothesis of its ``kinds``, where the plain
-      `faults.rescore` of one sequence at a time is not how the bug happens (batches, other
-      weights, forced routing); None for the plain re-score;
-    - ``judged``: per row, the tokens a reproduction is judged on, where the bug moves only
-      some (None: every compared token);
-    - ``data``: for bugs written into the logprobs after the forward (no model needed):
-      (side, reproduction, what it is set against, tokens judged, judged by the median)."""
+    - ``any_shape``: what it offers before the runner-up, for drift of any shape (a lower
+      precision than declared, other published weights);
+    - ``search``: the hypothesis with its free parameters fitted to the observed side;
+    - ``commit``: the rows re-scored under a hypothesis of its ``kinds`` (None: the plain
+      `faults.rescore` of one sequence at a time);
+    - ``judged``: per row, the tokens a reproduction is judged on (None: every one);
+    - ``data``: (side, reproduction, what it is set against, tokens judged, judged by the
+      median) for a data kind;
+    - ``judge``: the outcome of an ``own_judgement`` kind;
+    - ``finished``: a verified finding completed (a shift's onset);
+    - ``untestable``: after every reproduction failed, the finding that remains plausible
+      without what re-scoring would need (other weights), or None;
+    - ``words``: how a verified outcome of its kinds reads, and its severity;
+    - ``tried_words``: how a failed try of its kinds reads (None: the shared wording);
+    - ``merged``: the findings after verification, with its own duplicates merged."""
 
     name = ""
     causes: tuple[str, ...] = ()
     kinds: tuple[str, ...] = ()
+    data_kinds: tuple[str, ...] = ()
+    own_judgement: tuple[str, ...] = ()
+    explains_fills = False
+    per_sequence: tuple[str, ...] = ()
 
     def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         return []
 
     def alternatives(self, ref, finding: Finding) -> list[Candidate]:
+        return []
+
+    def any_shape(self, ref, finding: Finding) -> list[Candidate]:
         return []
 
     def search(self, ref, candidate: Candidate, rows, observed, clean, side) -> Candidate:
@@ -76,3 +99,23 @@ class Family:
 
     def data(self, candidate: Candidate, rollout, replay, drifting):
         raise NotImplementedError(f"{self.name} commits no data bug")
+
+    def judge(self, ref, candidate: Candidate, rows, observed) -> Outcome:
+        raise NotImplementedError(f"{self.name} judges nothing itself")
+
+    def finished(self, ref, finding: Finding, candidate: Candidate) -> Finding:
+        return finding
+
+    def untestable(self, ref, finding: Finding) -> Finding | None:
+        return None
+
+    def words(self, outcome: Outcome, how: str) -> tuple[str, str]:
+        from pipeline.contracts.causes import Severity
+
+        return how, Severity.FAULT
+
+    def tried_words(self, tried: dict) -> str | None:
+        return None
+
+    def merged(self, findings: list[Finding]) -> list[Finding]:
+        return findings

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from pipeline.compare.calibrated import side_precision
-from pipeline.verify.families import family_of
+from pipeline.verify.families import family_of, is_data
 from pipeline.verify.hypothesis import (
     DATA_DRIFT,
     EXPLAINED,
@@ -36,9 +36,9 @@ def judge(ref, candidate: Candidate, sequence_ids: list[str]) -> Outcome | None:
         return None
     family = family_of(candidate.kind)
     observed = ref.observed(rows)
-    if candidate.kind == "precision":
+    if candidate.kind in family.own_judgement:
         return family.judge(ref, candidate, rows, observed)
-    if candidate.kind.startswith("data_"):
+    if is_data(candidate.kind):
         judged = _judge_data(ref, family, candidate, *observed)
     else:
         judged = _judge_model(ref, family, candidate, rows, *observed)

@@ -51,6 +51,9 @@ class Reference:
         self.drifting: set[str] = set()  # every sequence some fault finding names
         self._clean_scores: dict[int, np.ndarray] = {}
         self.version_model = (None, None)  # (name, model): one store version held at a time
+        # what a family found searching earlier findings, by family name: one bug seen in
+        # several findings is reproduced with the same parameters (and searched once)
+        self.found: dict[str, list] = {}
 
     # --- re-scoring ------------------------------------------------------------------------
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 from pipeline.compare.noise_test import FAULT_SIZE
 from pipeline.contracts.causes import Cause, Severity, Status
 from pipeline.contracts.report import Finding
-from pipeline.verify.families.precision import UNDECLARED_PRECISIONS
+from pipeline.verify.families import family_of
 from pipeline.verify.hypothesis import Candidate, Outcome
 
 # A reproduction that leaves this much of the drift moved nothing toward the observation.
 NOTHING_MOVED = 0.9
-PER_SEQUENCE = ("counts", "onsets")  # searched per sequence: not part of a reproduction's shape
 
 
 def describe(outcome: Outcome) -> dict:
@@ -39,27 +38,13 @@ def verified(finding: Finding, outcome: Outcome, renamed_from: str | None = None
         f"{outcome.side} side"
     )
     cause = outcome.candidate.cause
-    undeclared = outcome.candidate.kind in UNDECLARED_PRECISIONS
-    if undeclared:
-        how += (
-            f": that side computed in {params['computed_in']}"
-            + (" (its LM head)" if outcome.candidate.kind == "lm_head_bf16" else "")
-            + ", not the precision it declares"
-        )
-    if outcome.candidate.kind == "precision":
-        how = (
-            f"re-scored in the declared precisions ({params_text(_declared(params))}), four correct "
-            f"ways each, these tokens drift by mean |d| {outcome.after:.3g}; the observed "
-            f"{outcome.before:.3g} passes the precision gate against it (critical "
-            f"{outcome.floor:.3g}) and in every surprisal bucket: the drift is precision"
-        )
+    how, severity = family_of(outcome.candidate.kind).words(outcome, how)
     if renamed_from and renamed_from != cause:
         how = f"{renamed_from} did not reproduce the drift; {how}"
     return finding.but(
         cause=cause,
         evidence=f"{finding.evidence}; {how}",
-        # declared precision is information; a precision other than declared is a fault
-        severity=Severity.INFO if cause == Cause.DTYPE and not undeclared else Severity.FAULT,
+        severity=severity,
         status=Status.VERIFIED,
         residual_before=outcome.before,
         residual_after=outcome.after,
@@ -95,7 +80,7 @@ def not_reproduced(finding: Finding, tried: list[dict]) -> Finding:
 def moved_nothing(tried: list[dict], cause: str) -> bool:
     """Every re-score of `cause` itself left at least NOTHING_MOVED of the drift: committed,
     the bug does not go the observation's way at all (a wrong guess, not a variant)."""
-    own = [t for t in tried if t["cause"] == cause and t["kind"] != "precision"]
+    own = [t for t in tried if t["cause"] == cause and not family_of(t["kind"]).own_judgement]
     return bool(own) and all(
         t["residual_after"] >= NOTHING_MOVED * t["residual_before"] for t in own
     )
@@ -177,14 +162,9 @@ def inconclusive_precision(finding: Finding, tried: dict) -> Finding:
 def _tried_text(tried: dict) -> str:
     """One ruled-out reproduction, in words."""
     params = tried["params"]
-    if tried["kind"] == "precision":
-        return (
-            f"precision: re-scored in the declared precisions "
-            f"({params_text(_declared(params))}) these tokens drift by mean |d| "
-            f"{tried['residual_after']:.3g}, and the observed {tried['residual_before']:.3g} "
-            f"fails the precision gate ({', '.join(params.get('failed', [])) or 'level'}; "
-            f"critical mean {tried['floor']:.3g})"
-        )
+    own = family_of(tried["kind"]).tried_words(tried)
+    if own is not None:
+        return own
     shown = f" ({params_text(params)})" if params else ""
     return (
         f"{tried['kind']}{shown} leaves mean |d| {tried['residual_after']:.3g} "
@@ -227,7 +207,8 @@ def one_per_reproduction(findings: list[Finding]) -> list[Finding]:
         key = None
         if finding.verified and by:
             # what is searched per sequence (pad counts, onsets) is not its shape
-            params = {k: v for k, v in by["params"].items() if k not in PER_SEQUENCE}
+            per_sequence = family_of(by["kind"]).per_sequence
+            params = {k: _shape(v) for k, v in by["params"].items() if k not in per_sequence}
             key = (finding.cause, by["kind"], repr(sorted(params.items())), by["side"])
         if key in seen:
             first = out[seen[key]]
@@ -241,26 +222,11 @@ def one_per_reproduction(findings: list[Finding]) -> list[Finding]:
     return out
 
 
-def both_truncations(findings: list[Finding]) -> list[Finding]:
-    """A reproduction by top-k then top-p verifies both causes: name each once."""
-    out = list(findings)
-    for finding in findings:
-        verified_by = finding.details.get("verified_by") or {}
-        if not finding.verified or verified_by.get("kind") != "top_k_top_p":
-            continue
-        for cause in (Cause.TOP_K, Cause.TOP_P):
-            if not any(f.cause == cause and f.verified for f in out):
-                out.append(finding.but(cause=cause))
-    return out
-
-
-def one_routing_flip(findings: list[Finding]) -> list[Finding]:
-    """Routing flips verified from several findings (the routing claim, and drift another
-    signature named first) are one cause: one finding, the routing claim's, over all their
-    sequences."""
-    flips = [f for f in findings if f.cause == Cause.ROUTING_FLIP and f.verified]
-    if len(flips) < 2:
-        return findings
-    keep = next((f for f in flips if "first_flip" in f.details), flips[0])
-    merged = keep.but(sequences=sorted({s for f in flips for s in f.sequences}))
-    return [merged if f is keep else f for f in findings if f is keep or f not in flips]
+def _shape(value):
+    """A searched parameter as far as it tells one bug from another: a fitted number to four
+    significant digits (two fits of one temperature differ in the seventh)."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, list | tuple):
+        return [_shape(v) for v in value]
+    return value

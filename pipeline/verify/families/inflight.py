@@ -22,6 +22,7 @@ class InFlight(Family):
     name = "in-flight"
     causes = (Cause.VERSION_CHANGE,)
     kinds = ("store_version_from",)
+    per_sequence = ("onsets",)  # each sequence's change point
 
     def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         at = ref.onset(finding)

@@ -23,6 +23,8 @@ class Padding(Family):
     name = "padding"
     causes = (Cause.MASK_PADDING,)
     kinds = (*BATCHED, "pad_positions", "left_pad_search", "left_pad", "data_fill")
+    data_kinds = ("data_fill",)
+    per_sequence = ("counts",)  # a left padding's pad count per sequence
 
     def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         details = finding.details

@@ -13,7 +13,7 @@ import numpy as np
 from pipeline.compare.calibrated import TAU_MARGIN, pair_key, side_precision
 from pipeline.compare.floor import expect
 from pipeline.compare.noise_test import bucket_level_tests, precision_gate, rules_out_faults
-from pipeline.contracts.causes import Cause
+from pipeline.contracts.causes import Cause, Severity
 from pipeline.contracts.report import Finding
 from pipeline.verify.hypothesis import Candidate, Family, Outcome
 
@@ -26,6 +26,8 @@ class Precision(Family):
     name = "precision"
     causes = (Cause.DTYPE,)
     kinds = ("precision", "data_round", *UNDECLARED_PRECISIONS)
+    data_kinds = ("data_round",)
+    own_judgement = ("precision",)
 
     def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         details = finding.details
@@ -40,11 +42,10 @@ class Precision(Family):
         }
         return [Candidate(Cause.DTYPE, "precision", ref.base, precisions)]
 
-    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
-        """Beyond the declared precisions: one side computed in a lower one (tried on what
-        the precision test failed)."""
-        if finding.cause != Cause.DTYPE:
-            return []
+    def any_shape(self, ref, finding: Finding) -> list[Candidate]:
+        """Beyond the declared precisions: one side computed in a lower one (a side that
+        computed in bf16 while it declares fp32 drifts by a few times the floor, in any
+        shape)."""
         return [
             Candidate(Cause.DTYPE, kind, ref.base, {"computed_in": computed})
             for kind, computed in UNDECLARED_PRECISIONS.items()
@@ -110,6 +111,47 @@ class Precision(Family):
             not failed and not inconclusive,
             time.perf_counter() - started,
         )
+
+    def words(self, outcome: Outcome, how: str) -> tuple[str, str]:
+        """Declared precision is information; a precision other than declared is a fault."""
+        params = outcome.candidate.params
+        if outcome.candidate.kind == "precision":
+            return (
+                f"re-scored in the declared precisions ({_text(_declared(params))}), four "
+                f"correct ways each, these tokens drift by mean |d| {outcome.after:.3g}; the "
+                f"observed {outcome.before:.3g} passes the precision gate against it "
+                f"(critical {outcome.floor:.3g}) and in every surprisal bucket: the drift is "
+                "precision",
+                Severity.INFO,
+            )
+        if outcome.candidate.kind in UNDECLARED_PRECISIONS:
+            head = " (its LM head)" if outcome.candidate.kind == "lm_head_bf16" else ""
+            return (
+                f"{how}: that side computed in {params['computed_in']}{head}, not the "
+                "precision it declares",
+                Severity.FAULT,
+            )
+        return how, Severity.INFO if outcome.candidate.cause == Cause.DTYPE else Severity.FAULT
+
+    def tried_words(self, tried: dict) -> str | None:
+        if tried["kind"] != "precision":
+            return None
+        params = tried["params"]
+        return (
+            f"precision: re-scored in the declared precisions "
+            f"({_text(_declared(params))}) these tokens drift by mean |d| "
+            f"{tried['residual_after']:.3g}, and the observed {tried['residual_before']:.3g} "
+            f"fails the precision gate ({', '.join(params.get('failed', [])) or 'level'}; "
+            f"critical mean {tried['floor']:.3g})"
+        )
+
+
+def _declared(params: dict) -> dict:
+    return {side: params[side] for side in ("rollout", "replay") if side in params}
+
+
+def _text(params: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items())
 
 
 def round_to(values: np.ndarray, dtype: str) -> np.ndarray:

@@ -44,6 +44,17 @@ class Routing(Family):
         scored = score_batch(ref.model, ref.pairs(rows), settings, routing=routing)
         return ref.compared([s.completion for s in scored], rows)
 
+    def merged(self, findings: list[Finding]) -> list[Finding]:
+        """Routing flips verified from several findings (the routing claim, and drift another
+        signature named first) are one cause: one finding, the routing claim's, over all
+        their sequences."""
+        flips = [f for f in findings if f.cause == Cause.ROUTING_FLIP and f.verified]
+        if len(flips) < 2:
+            return findings
+        keep = next((f for f in flips if "first_flip" in f.details), flips[0])
+        merged = keep.but(sequences=sorted({s for f in flips for s in f.sequences}))
+        return [merged if f is keep else f for f in findings if f is keep or f not in flips]
+
     def judged(self, ref, rows):
         """Per row, over its compared tokens: True where the two sides' recorded routing
         differs on some MoE layer (pipeline.routing.flipped); None where none does."""

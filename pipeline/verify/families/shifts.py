@@ -15,6 +15,7 @@ class Shifts(Family):
     name = "shifts"
     causes = (Cause.TOKEN_SHIFT,)
     kinds = ("data_shift+1", "data_shift-1", "label_shift")
+    data_kinds = ("data_shift+1", "data_shift-1")
 
     def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         shift = finding.details.get("shift")
@@ -43,6 +44,9 @@ class Shifts(Family):
             start += len(r)
         judged = drifting & np.concatenate(inside)
         return "rollout", np.concatenate(moved), np.concatenate(replay), judged, False
+
+    def finished(self, ref, finding: Finding, candidate: Candidate) -> Finding:
+        return onset_of_shift(ref, finding, candidate)
 
 
 def _data(ref, shift: int) -> Candidate:

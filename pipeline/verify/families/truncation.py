@@ -28,6 +28,7 @@ class Truncation(Family):
     name = "truncation"
     causes = ("top_k", "top_p", "top_k+top_p")
     kinds = ("top_k", "top_p", "top_k_top_p", *SEARCHED)
+    explains_fills = True  # a one-token kept set scores exactly 0
 
     def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         # the recorded truncation is what is re-scored, and what a reproduction proves: named
@@ -65,6 +66,18 @@ class Truncation(Family):
         return Candidate(
             Cause.TOP_K, "top_k", replace(candidate.settings, top_k=k), {"k": k, "searched": True}
         )
+
+    def merged(self, findings: list[Finding]) -> list[Finding]:
+        """A reproduction by top-k then top-p verifies both causes: name each once."""
+        out = list(findings)
+        for finding in findings:
+            verified_by = finding.details.get("verified_by") or {}
+            if not finding.verified or verified_by.get("kind") != "top_k_top_p":
+                continue
+            for cause in (Cause.TOP_K, Cause.TOP_P):
+                if not any(f.cause == cause and f.verified for f in out):
+                    out.append(finding.but(cause=cause))
+        return out
 
 
 def _recorded(ref) -> list[Candidate]:

@@ -31,9 +31,12 @@ class Weights(Family):
             for name in published(ref)
         ]
 
-    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
+    def any_shape(self, ref, finding: Finding) -> list[Candidate]:
         # other weights explain any drift when the store holds them
         return self.hypotheses(ref, finding.but(cause=Cause.STALE_WEIGHTS))
+
+    def untestable(self, ref, finding: Finding) -> Finding | None:
+        return weights_differ(ref, finding)
 
     def commit(self, ref, candidate, rows):
         return scored_under(ref, candidate.params["version"], rows)

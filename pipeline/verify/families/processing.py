@@ -1,0 +1,499 @@
+"""Logits processing: what an engine does between the logits and the logprobs it returns
+(penalties, a soft-cap, a logit bias, temperature, min-p, top-k, top-p), found by
+re-scoring. One cause, `logits_processing`, whose parameters say which processing the
+observed side carries, searched jointly:
+
+- from the best of its seeds: no processing, the model's generation_config.json (what vLLM
+  and SGLang apply where a request sets nothing), the sampling the fixture records, and the
+  defaults engines ship for Qwen3 (its generation config, thinking and not);
+- by groups of knobs, the one that closes the gap most joining first: the sampler
+  (temperature fitted, top-k, top-p and min-p on grids, round again, so they move
+  together), the penalties (fitted jointly by least squares, in each scope), the soft-cap,
+  a logit bias (on the tokens the rest leaves furthest out);
+- then every continuous knob kept fitted jointly, and a group the result does not need put
+  back (the reproduction names only what it must).
+
+The search re-processes one forward's head logits of one sequence; the judge then re-scores
+the finding's sequences under what it found."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.contracts.causes import Cause
+from pipeline.contracts.report import Finding
+from pipeline.engines.hf_common import generation_sampling
+from pipeline.faults import QWEN3_DEFAULTS, completion_logits, select_processed
+from pipeline.faults.processing import (
+    MODEL_CAP,
+    SCOPES,
+    Processing,
+    apply,
+    apply_seen,
+    model_cap,
+    seen_before,
+    stacked,
+)
+from pipeline.verify.hypothesis import Candidate, Family
+from pipeline.verify.search import SEARCH_LOGITS
+
+KIND = "logits_processing"
+SAMPLER = ("temperature", "top_k", "top_p", "min_p")
+ENGINE_DEFAULTS = (  # what engines apply to Qwen3 unasked: its generation config, both modes
+    QWEN3_DEFAULTS,
+    {"temperature": 0.7, "top_k": 20, "top_p": 0.8},
+)
+TOP_K_GRID = (0, 1, 2, 5, 10, 20, 32, 40, 50, 64, 100, 200)
+TOP_P_GRID = (1.0, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
+MIN_P_GRID = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
+SPANS = {  # continuous knobs: the interval searched (log scale for the multiplicative ones)
+    "temperature": (np.log(0.2), np.log(3.0), True),
+    "repetition_penalty": (np.log(0.5), np.log(2.5), True),
+    "presence_penalty": (-2.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+    "soft_cap": (np.log(1.0), np.log(200.0), True),
+}
+BIAS_TOKENS = 4  # tokens whose logit bias is read off the residual
+NEEDED = 1.02  # a knob stays when putting it back leaves this much more gap
+SEARCH_TOKENS = 256  # completion tokens (of the leading sequences) the search re-processes
+
+
+class LogitsProcessing(Family):
+    name = KIND
+    causes = (Cause.LOGITS_PROCESSING,)
+    kinds = (KIND,)
+    explains_fills = True  # a one-token kept set scores exactly 0
+
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
+        return [Candidate(Cause.LOGITS_PROCESSING, KIND, ref.base, {})]
+
+    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
+        return self.hypotheses(ref, finding)
+
+    def search(self, ref, candidate, rows, observed, clean, side) -> Candidate:
+        if candidate.params.get("searched"):
+            return candidate
+        logits = HeadLogits(ref, rows, observed)
+        earlier = ref.found.setdefault(KIND, [])
+        again = [p for p in earlier if logits.gap(p) <= AGAIN * logits.gap(Processing())]
+        if again:  # the same processing, its numbers refitted on these tokens
+            found = fit_continuous(logits, again[0], _continuous_of(again[0]))
+        else:
+            found = find_processing(logits, seeds(ref))
+        if found not in earlier:
+            earlier.append(found)
+        return Candidate(candidate.cause, KIND, candidate.settings, describe(ref, found, side))
+
+    def merged(self, findings: list[Finding]) -> list[Finding]:
+        """Findings this family verified on the same side with the same knobs, agreeing to
+        MERGE_AGREE, are one processing: one finding over their sequences, with the numbers
+        of the one that held the most sequences (the best determined). Knobs that differ
+        more are different requests' sampling, kept apart."""
+        out: list[Finding] = []
+        for finding in findings:
+            by = finding.details.get("verified_by") or {}
+            same = next(
+                (
+                    i
+                    for i, kept in enumerate(out)
+                    if by.get("kind") == KIND and _agree(kept.details.get("verified_by") or {}, by)
+                ),
+                None,
+            )
+            if same is None:
+                out.append(finding)
+                continue
+            kept = out[same]
+            larger = kept if len(kept.sequences) >= len(finding.sequences) else finding
+            out[same] = larger.but(sequences=sorted(set(kept.sequences) | set(finding.sequences)))
+        return out
+
+    def commit(self, ref, candidate, rows):
+        processing = Processing.from_dict(candidate.params)
+        cap = model_cap(ref.model)
+        out = []
+        for row in rows:
+            prompt, completion = ref.fixture.prompt_of(row), ref.fixture.completion_of(row)
+            logits = completion_logits(ref.model, prompt, completion, capped=False)
+            scored = select_processed(
+                apply(logits, prompt, completion, processing, cap), completion
+            )
+            out.append(scored[ref.mask(row)].astype(np.float64))
+        return out
+
+
+class HeadLogits:
+    """The head logits (before any soft-cap, in float64 so that a fit's finite differences
+    see its knobs, not rounding) of the compared tokens of the leading sequences, as many
+    as SEARCH_LOGITS and SEARCH_TOKENS allow, stacked, with each token's penalty history in
+    either scope and its observed logprob: `gap(processing)` is how far that processing
+    leaves them, `residual(processing)` per token."""
+
+    def __init__(self, ref, rows: list[int], observed: list):
+        import torch
+
+        vocab = ref.model.get_output_embeddings().weight.shape[0]
+        budget = max(8, min(SEARCH_TOKENS, SEARCH_LOGITS // (2 * vocab)))
+        logits, targets, kept, histories = [], [], [], {scope: [] for scope in SCOPES}
+        widths = []
+        for row, seen in zip(rows, observed, strict=True):
+            if budget <= 0:
+                break
+            completion = ref.fixture.completion_of(row)[:budget]
+            prompt = ref.fixture.prompt_of(row)
+            mask = torch.as_tensor(np.asarray(ref.mask(row)[: len(completion)], dtype=bool))
+            head = completion_logits(ref.model, prompt, completion, capped=False).double()
+            logits.append(head[mask.to(head.device)])
+            targets.append(np.asarray(completion, dtype=np.int64)[mask.numpy()])
+            kept.append(seen[: int(mask.sum())])
+            widths.append(int(mask.sum()))
+            for scope in SCOPES:
+                own, counts = seen_before(prompt, completion, len(completion), scope, head.device)
+                histories[scope].append((own, counts[mask.to(head.device)]))
+            budget -= len(completion)
+        self.logits = torch.cat(logits)
+        self.targets = np.concatenate(targets)
+        self.observed = np.concatenate(kept)
+        self.history = {
+            scope: stacked(histories[scope], widths, self.logits.device) for scope in SCOPES
+        }
+        self._targets = torch.as_tensor(self.targets, device=self.logits.device)[:, None]
+        self.cap = model_cap(ref.model)
+        self.vocab = vocab
+        self.evaluations = 0
+
+    def processed(self, processing: Processing):
+        """The processed logits of the compared tokens, stacked."""
+        history = self.history[processing.penalty_scope]
+        return apply_seen(self.logits, processing, self.cap, history)
+
+    def scores(self, processing: Processing) -> np.ndarray:
+        self.evaluations += 1
+        logprobs = self.processed(processing).log_softmax(-1)
+        return logprobs.gather(-1, self._targets)[:, 0].cpu().numpy()
+
+    def residual(self, processing: Processing) -> np.ndarray:
+        """Observed less re-processed, per token. A token the processing makes impossible
+        counts nothing while such tokens are at most IMPOSSIBLE_SHARE (a truncation's
+        boundary, where this float64 re-processing and the engine's float32 part ways),
+        IMPOSSIBLE_GAP each beyond (not this side's processing)."""
+        scores = self.scores(processing)
+        scored = np.isfinite(self.observed)
+        impossible = np.isneginf(scores) & scored
+        out = self.observed - scores
+        out[impossible] = IMPOSSIBLE_GAP if impossible.mean() > IMPOSSIBLE_SHARE else 0.0
+        return np.nan_to_num(out[scored], nan=0.0)
+
+    def gap(self, processing: Processing) -> float:
+        residual = self.residual(processing)
+        if (residual == IMPOSSIBLE_GAP).mean() > IMPOSSIBLE_SHARE:
+            return np.inf  # it makes tokens impossible that this side scored
+        return float(np.mean(np.abs(residual))) if residual.size else 0.0
+
+
+IMPOSSIBLE_GAP = 10.0  # nats: a token a processing rules out, counted in a least-squares fit
+IMPOSSIBLE_SHARE = 0.02  # of the scored tokens: beyond it, a processing is not this side's
+IMPROVES = 1.25  # a group of knobs joins the reproduction when it divides the gap by this
+
+
+def seeds(ref) -> list[Processing]:
+    """Where the search starts: nothing, the model's generation defaults, the recorded
+    sampling, and the defaults engines ship for Qwen3."""
+    config = generation_sampling(ref.model_dir)
+    sampling = ref.fixture.metadata.get("sampling") or {}
+    recorded = {k: sampling[k] for k in ("temperature", "top_k", "top_p") if k in sampling}
+    out = [Processing()]
+    for values in (config, recorded, *ENGINE_DEFAULTS):
+        kept = {k: v for k, v in values.items() if k in Processing.__dataclass_fields__}
+        if kept.get("top_k", 0) < 0:
+            kept["top_k"] = 0
+        seed = Processing.from_dict(kept)
+        if seed not in out:
+            out.append(seed)
+    return out
+
+
+def find_processing(logits: HeadLogits, starts: list[Processing]) -> Processing:
+    """The processing that leaves the least gap, as few groups of knobs as it takes, from
+    the best seed and from no processing: the group (sampler, penalties, soft-cap, logit
+    bias) whose fit closes the gap most joins, while one divides it by IMPROVES; then every
+    continuous knob kept is fitted jointly, and a group the result does not need is put
+    back. Drift that no single group's quick fit halves is not processing: the search stops
+    there (other weights, a prompt edit), at the cost of one round of quick fits."""
+    best_seed = min(starts, key=logits.gap)
+    origins = list(dict.fromkeys([best_seed, Processing()]))
+    quick = [fit(logits, origin, QUICK) for origin in origins for fit in GROUPS.values()]
+    closest = min([best_seed, *quick], key=logits.gap)
+    if logits.gap(closest) > SCREEN * logits.gap(Processing()):
+        return closest
+    found = [grown(logits, start) for start in origins]
+    # fits within SAME of the drift are equally good: the one with fewer knobs is the
+    # explanation (where most tokens keep one token, many processings fit them alike)
+    least = min(logits.gap(p) for p in found)
+    tie = least + SAME * logits.gap(Processing())
+    return min(
+        (p for p in found if logits.gap(p) <= tie), key=lambda p: (len(p.changed()), logits.gap(p))
+    )
+
+
+QUICK = 8  # least-squares evaluations per knob in the screening round
+SCREEN = 0.5  # a processing must halve the drift in one group's quick fit to be searched
+SAME = 1e-4  # of the unprocessed gap: fits closer than this explain the tokens equally
+AGAIN = 0.01  # a processing found on other findings is taken where it leaves this of the gap
+
+
+def grown(logits: HeadLogits, start: Processing) -> Processing:
+    current, chosen = start, set()
+    while len(chosen) < len(GROUPS):
+        trials = {name: GROUPS[name](logits, current) for name in GROUPS if name not in chosen}
+        name = min(trials, key=lambda n: logits.gap(trials[n]))
+        if not logits.gap(trials[name]) * IMPROVES < logits.gap(current):
+            break
+        current = trials[name]
+        chosen.add(name)
+    current = fit_continuous(logits, current, _continuous_of(current))
+    return needed(logits, current)
+
+
+def fit_sampler(logits: HeadLogits, at: Processing, budget: int | None = None) -> Processing:
+    """The sampler's knobs moved together: each round takes the one grid move (top-k, top-p
+    or min-p) that closes the gap most, then fits the temperature, until a round moves
+    nothing."""
+    best = at
+    for _ in range(1 if budget else SAMPLER_ROUNDS):
+        before = best
+        moves = [
+            best.but(**{name: v})
+            for name, grid in (("top_k", TOP_K_GRID), ("top_p", TOP_P_GRID), ("min_p", MIN_P_GRID))
+            for v in grid
+            if name != "top_k" or v < logits.vocab
+        ]
+        best = min([best, *moves], key=logits.gap)
+        best = fit_continuous(logits, best, ("temperature",), budget)
+        if best == before:
+            break
+    return best
+
+
+SAMPLER_ROUNDS = 4
+
+
+def fit_penalties(logits: HeadLogits, at: Processing, budget: int | None = None) -> Processing:
+    """Repetition, presence and frequency penalties fitted jointly, in each scope."""
+    names = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    fits = [fit_continuous(logits, at.but(penalty_scope=scope), names, budget) for scope in SCOPES]
+    return min(fits, key=logits.gap)
+
+
+def fit_cap(logits: HeadLogits, at: Processing, budget: int | None = None) -> Processing:
+    """A soft-cap fitted from the best of a few, or the model's own cap skipped."""
+    tried = [at.but(soft_cap=cap) for cap in (1.0, 2.0, 5.0, 10.0, 30.0, 100.0)]
+    start = min(tried, key=logits.gap)
+    fitted = [fit_continuous(logits, start, ("soft_cap",), budget)]
+    if logits.cap:
+        fitted.append(at.but(soft_cap=0.0))  # the model's own cap skipped
+    return min(fitted, key=logits.gap)
+
+
+def fit_bias(logits: HeadLogits, at: Processing, budget: int | None = None) -> Processing:
+    """A logit bias on the tokens the residual points at, the biases fitted jointly, round
+    after round while a round closes the gap (a bias on one token hides another's). A bias
+    b on token j moves each token's logprob by about c = e^b - 1 times (1[it is j] - p_j):
+    the tokens whose column of that explains most of the residual are the candidates."""
+    best = at
+    for _ in range(1 if budget else BIAS_ROUNDS):
+        tokens = _bias_candidates(logits, best)
+        if not tokens:
+            break
+        start = best.but(logit_bias=(*best.logit_bias, *((t, 0.0) for t in tokens)))
+        names = tuple(f"bias:{t}" for t, _ in start.logit_bias)
+        fitted = fit_continuous(logits, start, names, budget)
+        if not logits.gap(fitted) * IMPROVES < logits.gap(best):
+            break
+        best = fitted
+    return best
+
+
+def _bias_candidates(logits: HeadLogits, at: Processing) -> list[int]:
+    import torch
+
+    residual = logits.observed - logits.scores(at)
+    finite = np.isfinite(residual) & np.isfinite(logits.observed)
+    if not finite.any():
+        return []
+    probs = logits.processed(at).softmax(-1)[torch.as_tensor(finite)]
+    targets = torch.as_tensor(logits.targets[finite])
+    moved = -probs
+    moved[torch.arange(len(targets)), targets] += 1.0
+    r = torch.as_tensor(residual[finite], dtype=moved.dtype)
+    score = (r @ moved).abs() / (moved.square().sum(0).sqrt() + 1e-12)
+    score[[t for t, _ in at.logit_bias]] = 0.0  # already biased
+    return [int(t) for t in score.topk(min(BIAS_TOKENS, score.numel())).indices]
+
+
+BIAS_ROUNDS = 3
+
+
+GROUPS = {
+    "sampler": fit_sampler,
+    "penalties": fit_penalties,
+    "soft_cap": fit_cap,
+    "logit_bias": fit_bias,
+}
+GROUP_OF = {
+    **dict.fromkeys(SAMPLER, "sampler"),
+    "repetition_penalty": "penalties",
+    "presence_penalty": "penalties",
+    "frequency_penalty": "penalties",
+    "penalty_scope": "penalties",
+    "soft_cap": "soft_cap",
+    "logit_bias": "logit_bias",
+}
+
+
+def _touches(processing: Processing, group: str) -> bool:
+    return any(GROUP_OF[name] == group for name in processing.changed())
+
+
+def _continuous_of(processing: Processing) -> tuple[str, ...]:
+    changed = processing.changed()
+    names = [n for n in SPANS if n in changed and not (n == "soft_cap" and changed[n] == 0.0)]
+    return (*names, *(f"bias:{t}" for t, _ in processing.logit_bias))
+
+
+def fit_continuous(
+    logits: HeadLogits, at: Processing, names: tuple[str, ...], budget: int | None = None
+) -> Processing:
+    """``at`` with the continuous knobs ``names`` fitted jointly by least squares on the
+    per-token residual (from their values in ``at``; the log of the multiplicative ones),
+    ``budget`` evaluations per knob (LEAST_SQUARES_EVALUATIONS by default)."""
+    from scipy.optimize import least_squares
+
+    if not names:
+        return at
+
+    def unpack(x) -> Processing:
+        changes, bias = {}, dict(at.logit_bias)
+        for name, value in zip(names, x, strict=True):
+            if name.startswith("bias:"):
+                bias[int(name[5:])] = float(value)
+            else:
+                changes[name] = float(np.exp(value)) if SPANS[name][2] else float(value)
+        return at.but(**changes, logit_bias=tuple(bias.items()))
+
+    def start(name: str) -> float:
+        if name.startswith("bias:"):
+            return dict(at.logit_bias).get(int(name[5:]), 0.0)
+        value = getattr(at, name)
+        if name == "soft_cap" and value <= 0:
+            value = logits.cap or 30.0
+        low, high, logarithmic = SPANS[name]
+        x = np.log(value) if logarithmic else value
+        return float(np.clip(x, low + 1e-6, high - 1e-6))
+
+    lows = [SPANS[n][0] if n in SPANS else -BIAS_SPAN for n in names]
+    highs = [SPANS[n][1] if n in SPANS else BIAS_SPAN for n in names]
+    try:
+        fit = least_squares(
+            lambda x: logits.residual(unpack(x)),
+            [start(n) for n in names],
+            bounds=(lows, highs),
+            x_scale="jac",
+            ftol=1e-14,
+            xtol=1e-14,
+            gtol=1e-14,
+            max_nfev=(budget or LEAST_SQUARES_EVALUATIONS) * len(names),
+        )
+    except ValueError:  # nothing finite to fit
+        return at
+    found = unpack(fit.x)
+    return found if logits.gap(found) <= logits.gap(at) else at
+
+
+BIAS_SPAN = 20.0  # nats either side a logit bias is fitted within
+LEAST_SQUARES_EVALUATIONS = 60  # per knob fitted
+
+
+def needed(logits: HeadLogits, found: Processing) -> Processing:
+    """``found`` with every group it does not need put back to no processing (the rest
+    re-fitted without it), and every logit-biased token it does not need dropped."""
+    neutral = Processing()
+    floor = max(logits.gap(found), 1e-3 * logits.gap(neutral))
+    for group in GROUPS:
+        if not _touches(found, group):
+            continue
+        reset = {n: getattr(neutral, n) for n in found.changed() if GROUP_OF[n] == group}
+        without = found.but(**reset)
+        without = fit_continuous(logits, without, _continuous_of(without))
+        if logits.gap(without) <= floor * NEEDED:
+            found = without
+    for name in [n for n in found.changed() if n in SPANS or n in ("top_k", "top_p", "min_p")]:
+        without = found.but(**{name: getattr(neutral, name)})
+        without = fit_continuous(logits, without, _continuous_of(without))
+        if logits.gap(without) <= floor * NEEDED:
+            found = without
+    for bias in found.logit_bias:
+        without = found.but(logit_bias=tuple(b for b in found.logit_bias if b != bias))
+        if logits.gap(without) <= floor * NEEDED:
+            found = without
+    return found
+
+
+MERGE_AGREE = 0.05  # relative: two fits of one processing on different tokens agree this well
+
+
+def _agree(a: dict, b: dict) -> bool:
+    if a.get("kind") != KIND or a.get("side") != b.get("side"):
+        return False
+    ours, theirs = a.get("params") or {}, b.get("params") or {}
+    knobs = [k for k in ours if k not in ("searched", "what")]
+    if set(knobs) != {k for k in theirs if k not in ("searched", "what")}:
+        return False
+    for knob in knobs:
+        x, y = ours[knob], theirs[knob]
+        if knob == "logit_bias":
+            x, y = dict((int(t), b) for t, b in x), dict((int(t), b) for t, b in y)
+            if set(x) != set(y) or any(not _near(x[t], y[t]) for t in x):
+                return False
+        elif isinstance(x, int | float) and isinstance(y, int | float):
+            if not _near(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _near(x: float, y: float) -> bool:
+    return abs(float(x) - float(y)) <= MERGE_AGREE * max(abs(float(x)), abs(float(y)), 1e-3)
+
+
+def describe(ref, found: Processing, side: str) -> dict:
+    """The parameters a reproduction reports: what it changed, and in words what that is."""
+    params = {**found.changed(), "searched": True}
+    words = []
+    if found.logit_bias:
+        words.append(f"a logit bias on {len(found.logit_bias)} tokens")
+    if found.soft_cap == 0.0:
+        words.append("the model's final-logit soft-cap skipped")
+    elif found.soft_cap != MODEL_CAP:
+        words.append(f"a final-logit soft-cap of {found.soft_cap:.4g}")
+    if found.penalises:
+        words.append(f"sampling penalties (counted over the {found.penalty_scope})")
+    sampler = {k: v for k, v in found.changed().items() if k in SAMPLER}
+    if sampler:
+        config = generation_sampling(ref.model_dir)
+        declared = (ref.fixture.metadata.get("logprob_channels") or {}).get("rollout", "")
+        if config and all(_close(config.get(k), v) for k, v in sampler.items()):
+            words.append("the model's generation defaults (generation_config.json)")
+        elif any(all(_close(d.get(k), v) for k, v in sampler.items()) for d in ENGINE_DEFAULTS):
+            words.append("generation defaults engines apply to Qwen3, unrecorded")
+        else:
+            words.append("sampler processing")
+        if side == "rollout" and not str(declared).startswith("processed"):
+            words.append("in logprobs the fixture declares raw")
+    params["what"] = ", ".join(words) or "none"
+    return params
+
+
+def _close(a, b) -> bool:
+    return a is not None and abs(float(a) - float(b)) <= 1e-3 * max(1.0, abs(float(b)))

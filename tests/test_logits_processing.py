@@ -1,0 +1,262 @@
+"""Logits processing found by re-scoring (issue 41). Each fault is committed by transformers'
+own `generate` (its repetition penalty, min-p, sequence bias and sampler; vLLM's presence and
+frequency penalties and a soft-cap as float64 logits processors), never by the code that
+searches for it, and the dump records no sampling. `lpx diagnose` must name the processing
+with the parameters the engine used. Also: the evidence on file ruling claims out, the
+generation defaults recorded and said, and a family added in one module."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.compare.contradicted import contradiction, rule_out_contradicted
+from pipeline.contracts.report import Finding
+from pipeline.fixture.io import read_table, write_table
+from tests.engine_like import PresenceFrequency, SoftCap, generated_rollout
+from tests.helpers import read_report, run_lpx
+
+
+@pytest.fixture(scope="module")
+def processed(run_dir, tiny_model, tmp_path_factory):
+    """make(name, **generate) -> (fixture, fp32 replay, bf16 replay): the run's prompts
+    sampled again under that processing, processed logprobs, no sampling recorded."""
+    from pipeline.engines.hf_replay import HFScoringEngine
+
+    out = tmp_path_factory.mktemp("processed")
+    base = read_table(run_dir / "fixture.parquet")
+
+    def make(name: str, **generate):
+        fixture = out / f"{name}.parquet"
+        if not fixture.exists():
+            table = generated_rollout(tiny_model, base, seed=5, **generate)
+            write_table(table, fixture)
+            for dtype in ("float32", "bfloat16"):
+                replay = HFScoringEngine().score(table, tiny_model, {"dtype": dtype})
+                write_table(replay, out / f"{name}-{dtype}.parquet")
+        return fixture, out / f"{name}-float32.parquet", out / f"{name}-bfloat16.parquet"
+
+    return make
+
+
+def commonest(run_dir, n: int) -> list[int]:
+    tokens = read_table(run_dir / "fixture.parquet").completion_ids.astype(np.int64)
+    return [int(t) for t in np.argsort(-np.bincount(tokens), kind="stable")[:n]]
+
+
+def diagnosed(fixture, replay, out, *more) -> dict:
+    result = run_lpx("diagnose", fixture, replay, "--out", out, "--quiet", *more)
+    assert result.exit_code in (0, 1), result.output
+    return read_report(out)
+
+
+def the_processing(report) -> dict:
+    """The one fault finding: logits processing, verified to the floor; its parameters."""
+    faults = [f for f in report["diagnosis"] if f["severity"] == "fault"]
+    shown = [(f["cause"], f["status"], f["evidence"][-200:]) for f in faults]
+    assert len(faults) == 1, shown
+    (finding,) = faults
+    assert (finding["cause"], finding["status"]) == ("logits_processing", "verified"), shown
+    assert finding["residual_after"] <= 3 * finding["floor"], finding
+    assert finding["residual_before"] > 10 * finding["residual_after"], finding
+    assert report["verdict"] == "fail"
+    return finding["details"]["verified_by"]["params"]
+
+
+def near(value, want, tolerance=1e-3) -> bool:
+    return abs(float(value) - want) <= tolerance * max(1.0, abs(want))
+
+
+CASES = {
+    # name: (generate arguments, what the parameters found must say)
+    "penalties": (
+        {"processors": lambda n: [PresenceFrequency(n, 0.5, 0.3)]},
+        lambda p: near(p["presence_penalty"], 0.5) and near(p["frequency_penalty"], 0.3)
+        and "repetition_penalty" not in p,
+    ),
+    "repetition": (
+        {"repetition_penalty": 1.3},  # transformers counts the prompt too
+        lambda p: near(p["repetition_penalty"], 1.3) and p["penalty_scope"] == "prompt+output",
+    ),
+    "min_p": ({"min_p": 0.1}, lambda p: p["min_p"] == 0.1 and set(p) == {"min_p", "searched", "what"}),
+    "soft_cap": ({"processors": lambda n: [SoftCap(2.0)]}, lambda p: near(p["soft_cap"], 2.0)),
+    "qwen3_defaults": (
+        {"temperature": 0.6, "top_k": 20, "top_p": 0.95},
+        lambda p: near(p["temperature"], 0.6) and p["top_k"] == 20 and p["top_p"] == 0.95
+        and "generation defaults" in p["what"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_processing_committed_by_a_real_sampler_is_found_by_re_scoring(processed, tmp_path, name):
+    generate, check = CASES[name]
+    fixture, replay, _ = processed(name, **generate)
+    params = the_processing(diagnosed(fixture, replay, tmp_path / "d"))
+    print("PROCESSING", name, params)
+    assert check(params), params
+
+
+def test_a_logit_bias_is_found_on_the_tokens_it_was_put_on(processed, run_dir, tmp_path):
+    tokens = commonest(run_dir, 3)
+    fixture, replay, _ = processed("bias", sequence_bias={(t,): 2.0 for t in tokens})
+    params = the_processing(diagnosed(fixture, replay, tmp_path / "d"))
+    found = {int(t): b for t, b in params["logit_bias"]}
+    assert set(found) == set(tokens) and all(near(b, 2.0) for b in found.values()), found
+
+
+def test_penalties_are_found_under_bf16_noise(processed, bf16_calibration, tmp_path):
+    """The bf16 replay's noise on the other side, judged against the calibrated floor."""
+    fixture, _, replay = processed("penalties", **CASES["penalties"][0])
+    report = diagnosed(fixture, replay, tmp_path / "d", "--calibration", bf16_calibration)
+    params = the_processing(report)
+    assert near(params["presence_penalty"], 0.5, 0.05), params
+    assert near(params["frequency_penalty"], 0.3, 0.05), params
+
+
+def test_a_clean_sampled_rollout_is_not_called_processing(processed, tmp_path):
+    """The control: sampled by the same generate with nothing on, the replay agrees."""
+    fixture, replay, _ = processed("clean")
+    report = diagnosed(fixture, replay, tmp_path / "d")
+    assert report["verdict"] == "pass", [f["cause"] for f in report["diagnosis"]]
+    assert not [f for f in report["diagnosis"] if f["severity"] == "fault"]
+
+
+# --- a family added in one module --------------------------------------------------------
+
+
+def test_a_family_is_one_module_and_its_registration(run_dir, tmp_path):
+    """tests/toy_family.py (an engine writing log2 p), registered, verifies end to end
+    through `lpx diagnose`; flow, judge and report know nothing of it."""
+    from pipeline.verify.families import register, unregister
+    from tests.toy_family import CAUSE, LogBase
+
+    fixture = read_table(run_dir / "fixture.parquet")
+    fixture.channels = {"rollout": fixture.channels["rollout"] / np.float32(np.log(2.0))}
+    write_table(fixture, tmp_path / "log2.parquet")
+    family = register(LogBase())
+    try:
+        report = diagnosed(
+            tmp_path / "log2.parquet", run_dir / "replay-float32.parquet", tmp_path / "d"
+        )
+    finally:
+        unregister(family)
+    faults = [f for f in report["diagnosis"] if f["severity"] == "fault"]
+    assert [(f["cause"], f["status"]) for f in faults] == [(CAUSE, "verified")], faults
+    (finding,) = faults
+    assert finding["details"]["verified_by"]["side"] == "rollout"
+    assert finding["residual_after"] <= 1e-5 < 0.1 < finding["residual_before"], finding
+
+
+# --- claims the evidence on file contradicts ---------------------------------------------
+
+
+def _evidence(**changes) -> dict:
+    evidence = {
+        "fixture_weights": "sha256:aaaa",
+        "replay_weights": "sha256:aaaa",
+        "held_matches_checkpoint": True,
+        "from_checkpoint": True,
+        "fixture_versions": [],
+        "replay_version": None,
+        "weights_store": None,
+        "one_length": None,
+        "replay_packs": None,
+    }
+    return {**evidence, **changes}
+
+
+def _claim(cause: str) -> Finding:
+    return Finding(cause=cause, sequences=["a", "b"], evidence="signature", severity="fault")
+
+
+@pytest.mark.parametrize(
+    ("cause", "evidence", "ruled_out"),
+    [
+        ("stale_weights", {}, True),
+        ("weights_differ", {}, True),
+        ("stale_weights", {"replay_weights": "sha256:bbbb"}, False),
+        ("stale_weights", {"replay_weights": None}, False),
+        ("stale_weights", {"from_checkpoint": False}, False),  # an ingested dump
+        ("stale_weights", {"fixture_versions": ["3"]}, False),  # weights updated in memory
+        # a wrong conversion or sharding holds other weights behind an equal file fingerprint
+        ("stale_weights", {"held_matches_checkpoint": False}, False),
+        ("version_change", {"fixture_versions": ["3"], "replay_version": "3"}, True),
+        ("version_change", {"fixture_versions": ["3", "4"]}, False),
+        ("version_change", {}, False),  # nothing recorded: unrecorded updates stay possible
+        ("mask_padding", {"one_length": 40, "replay_packs": False}, True),
+        ("mask_padding", {"one_length": 40, "replay_packs": None}, False),
+        ("mask_padding", {"one_length": None, "replay_packs": False}, False),
+    ],
+)
+def test_a_claim_the_evidence_contradicts_is_ruled_out(cause, evidence, ruled_out):
+    assert (contradiction(_claim(cause), _evidence(**evidence)) is not None) is ruled_out
+
+
+def test_ruled_out_claims_leave_their_sequences_unexplained():
+    findings = [_claim("stale_weights"), _claim("top_k").but(sequences=["c"])]
+    out = rule_out_contradicted(findings, _evidence())
+    assert [(str(f.cause), str(f.status), str(f.severity)) for f in out] == [
+        ("stale_weights", "ruled_out", "info"),
+        ("top_k", "plausible", "fault"),
+        ("unexplained", "plausible", "fault"),
+    ]
+    assert out[2].sequences == ["a", "b"] and "stale_weights ruled out" in out[2].evidence
+    verified = _claim("stale_weights").but(status="verified")
+    assert rule_out_contradicted([verified], _evidence()) == [verified]
+
+
+# --- generation defaults as evidence ------------------------------------------------------
+
+
+def test_generation_defaults_are_recorded_and_said_where_the_sampling_leaves_them_unset(
+    run_dir, tiny_model, tmp_path
+):
+    """The model's generation_config.json sampling fields travel in every table's model
+    metadata; compare says which ones a dump's sampling leaves unset."""
+    import shutil
+
+    from pipeline.engines.hf_common import model_metadata
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config.update(do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
+    (model / "generation_config.json").write_text(json.dumps(config))
+    recorded = model_metadata(model)["generation_config"]
+    assert recorded == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
+    fixture = read_table(run_dir / "fixture.parquet")
+    fixture.metadata = {
+        **fixture.metadata,
+        "model": {**fixture.metadata["model"], "generation_config": recorded},
+        "sampling": {},
+        "ingested_from": "dump.jsonl",
+    }
+    write_table(fixture, tmp_path / "dump.parquet")
+    result = run_lpx(
+        "compare",
+        tmp_path / "dump.parquet",
+        run_dir / "replay-float32.parquet",
+        "--out",
+        tmp_path / "c",
+    )
+    report = read_report(tmp_path / "c")
+    assert report["generation_defaults"]["unset"] == recorded
+    assert (
+        "top_k unset (the model's generation config: 20)" in report["generation_defaults"]["note"]
+    )
+    assert "- generation defaults: the recorded sampling leaves temperature unset" in result.output
+    # lpx's own rollout sends every field: nothing to say
+    plain = read_table(run_dir / "fixture.parquet")
+    write_table(plain, tmp_path / "own.parquet")
+    run_lpx(
+        "compare",
+        tmp_path / "own.parquet",
+        run_dir / "replay-float32.parquet",
+        "--out",
+        tmp_path / "o",
+    )
+    assert "generation_defaults" not in read_report(tmp_path / "o")
