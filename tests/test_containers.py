@@ -28,6 +28,15 @@ def _docker_ready() -> str | None:
     return None if compose.returncode == 0 else "no docker compose v2"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def daemon_kept_up():
+    """No other worker stops the Docker daemon while this module's tests use it."""
+    from tests.helpers import docker_daemon_lock
+
+    with docker_daemon_lock():
+        yield
+
+
 @pytest.fixture(scope="module")
 def docker_host():
     reason = _docker_ready()

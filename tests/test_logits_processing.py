@@ -185,6 +185,8 @@ def _claim(cause: str) -> Finding:
         ("stale_weights", {"held_matches_checkpoint": False}, False),
         ("version_change", {"fixture_versions": ["3"], "replay_version": "3"}, True),
         ("version_change", {"fixture_versions": ["3", "4"]}, False),
+        # a multi-version replay tests the claims themselves (a fleet that lies about them)
+        ("version_change", {"fixture_versions": ["3"], "weights_store": "/store"}, False),
         ("version_change", {}, False),  # nothing recorded: unrecorded updates stay possible
         ("mask_padding", {"one_length": 40, "replay_packs": False}, True),
         ("mask_padding", {"one_length": 40, "replay_packs": None}, False),

@@ -28,7 +28,7 @@ from pipeline.db.models import Comparison, Run
 from sqlalchemy import func, select
 
 from pipeline.history.database import WRITE_LOCK_ID, open_history
-from tests.helpers import count, run_lpx
+from tests.helpers import count, docker_daemon_lock, run_lpx
 from tests.synthetic_runs import nightly_history
 from tests.test_containers import cpu_images, docker_host  # noqa: F401 (fixtures)
 
@@ -342,6 +342,13 @@ def wait_for_container(labels: dict, process: subprocess.Popen, timeout: float =
 def docker_daemon_stopped():
     """Stop the Docker daemon as an upgrade or a restart does (SIGTERM: it stops every
     container, then exits), and start it again the way it was started, whatever happens."""
+    with docker_daemon_lock():  # never while another worker's container tests run
+        with _daemon_stopped():
+            yield
+
+
+@contextmanager
+def _daemon_stopped():
     managed = subprocess.run(["systemctl", "is-active", "--quiet", "docker"], capture_output=True)
     if shutil.which("systemctl") and managed.returncode == 0:
         subprocess.run(["systemctl", "stop", "docker", "docker.socket"], check=True)

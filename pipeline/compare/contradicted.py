@@ -73,7 +73,9 @@ def contradiction(finding: Finding, evidence: dict) -> str | None:
                 "held exactly its tensors, and neither records a weight update (an engine "
                 "that syncs weights in memory should record weight versions)"
             )
-    if cause in VERSION_CLAIMS and len(versions) == 1:
+    # with a weight store the replay scored each token under its claimed version: the claims
+    # themselves are under test there (claimed_version), so they contradict nothing
+    if cause in VERSION_CLAIMS and len(versions) == 1 and not evidence["weights_store"]:
         (only,) = versions
         if replay_version is None or str(replay_version) == only:
             return f"every token of the rollout records weight version {only}" + (

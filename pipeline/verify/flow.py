@@ -198,13 +198,19 @@ class Verifier:
                 if family.explains_fills
                 for c in family.alternatives(self.ref, finding)
             ]
-            verified = [
-                outcome
-                for candidate in report.distinct([*models, *offered], [])
-                if (outcome := judge(self.ref, candidate, finding.sequences))
-                and outcome.verified
-                and outcome.side == by.get("side")
-            ]
+            verified = []
+            for candidate in report.distinct([*models, *offered], []):
+                outcome = judge(self.ref, candidate, finding.sequences)
+                if outcome is None:
+                    continue
+                self.ref.say(
+                    f"verify: {candidate.kind} {outcome.candidate.params or ''} on the "
+                    f"{by['kind']} fill: mean |d| {outcome.before:.3g} -> {outcome.after:.3g} on "
+                    f"the {outcome.side} side (floor {outcome.floor:.3g}): "
+                    + ("verified" if outcome.verified else "ruled out")
+                )
+                if outcome.verified and outcome.side == by.get("side"):
+                    verified.append(outcome)
             if verified:
                 # the closest: a min-p and a top-p may both verify where they keep the same
                 # tokens on most of these; the one that holds on every token is the bug

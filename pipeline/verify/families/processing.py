@@ -238,7 +238,7 @@ def find_processing(logits: HeadLogits, starts: list[Processing]) -> Processing:
 
 QUICK = 8  # least-squares evaluations per knob in the screening round
 SCREEN = 0.5  # a processing must halve the drift in one group's quick fit to be searched
-SAME = 1e-4  # of the unprocessed gap: fits closer than this explain the tokens equally
+SAME = 1e-5  # of the unprocessed gap: fits closer than this explain the tokens equally
 AGAIN = 0.01  # a processing found on other findings is taken where it leaves this of the gap
 
 
@@ -418,7 +418,7 @@ def needed(logits: HeadLogits, found: Processing) -> Processing:
     """``found`` with every group it does not need put back to no processing (the rest
     re-fitted without it), and every logit-biased token it does not need dropped."""
     neutral = Processing()
-    floor = max(logits.gap(found), 1e-3 * logits.gap(neutral))
+    floor = max(logits.gap(found), SAME * logits.gap(neutral))
     for group in GROUPS:
         if not _touches(found, group):
             continue
