@@ -341,14 +341,9 @@ def wait_for_container(labels: dict, process: subprocess.Popen, timeout: float =
 @contextmanager
 def docker_daemon_stopped():
     """Stop the Docker daemon as an upgrade or a restart does (SIGTERM: it stops every
-    container, then exits), and start it again the way it was started, whatever happens."""
-    with docker_daemon_lock():  # never while another worker's container tests run
-        with _daemon_stopped():
-            yield
-
-
-@contextmanager
-def _daemon_stopped():
+    container, then exits), and start it again the way it was started, whatever happens.
+    The caller holds `docker_daemon_lock()`: taken here, a wait on another worker's
+    container tests let the stage finish before the daemon stopped (a CI failure)."""
     managed = subprocess.run(["systemctl", "is-active", "--quiet", "docker"], capture_output=True)
     if shutil.which("systemctl") and managed.returncode == 0:
         subprocess.run(["systemctl", "stop", "docker", "docker.socket"], check=True)
@@ -392,10 +387,13 @@ def test_the_docker_daemon_restarted_mid_run_is_a_stage_error_and_resume_finishe
     db = f"sqlite:///{tmp_path / 'history.db'}"
     plan = small_plan(tmp_path / "plan.yaml", "tiny", db, tmp_path / "site")
     run_dir = tmp_path / "run"
-    run = lpx("run", plan, "--runner", "docker", "--out", run_dir)
-    wait_for_container({"ai.lpx.stage": "rollout", "ai.lpx.run": run_dir}, run)
-    with docker_daemon_stopped():
-        code, out, err = finish(run)
+    # The lock first (never while another worker's container tests run), then the run: the
+    # daemon must stop while the rollout container still runs.
+    with docker_daemon_lock():
+        run = lpx("run", plan, "--runner", "docker", "--out", run_dir)
+        wait_for_container({"ai.lpx.stage": "rollout", "ai.lpx.run": run_dir}, run)
+        with docker_daemon_stopped():
+            code, out, err = finish(run)
     assert code == 2, (out, err)
     line = one_error_line(err)
     assert line.startswith("Error: stage rollout"), line
