@@ -14,72 +14,28 @@ its micro-batch gets no padding and stays clean, as it would in the real bug.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from pipeline.faults.processing import Processing, apply, model_cap
 
-# kind -> (cause the diagnosis should name, the real bug it stands for)
-FAULTS = {
-    "pad_attended": (
-        "mask_padding",
-        "left padding attended: the attention mask was lost after position ids were built",
-    ),
-    "mask_dropped": (
-        "mask_padding",
-        "no attention mask on a left-padded batch: pads attended and counted in positions",
-    ),
-    "pad_positions": (
-        None,
-        "pads masked but counted in position ids: a constant offset, invisible to RoPE",
-    ),
-    "packed_no_reset": (
-        "mask_padding",
-        "packed sequences whose position ids do not reset: attention crosses the segments",
-    ),
-    "positions_restart": ("position_ids", "position ids restart at 0 at the completion"),
-    "position_ids": (
-        "position_ids",
-        "position ids offset by +16 from a completion index on (a KV-cache or cache-reuse bug)",
-    ),
-    "label_shift": ("token_shift", "labels off by one: logits[t] scored against token t"),
-    "bos_extra": ("prompt_mismatch", "a second BOS token before the prompt"),
-    "bos_missing": ("prompt_mismatch", "the prompt's BOS token dropped"),
-    "prompt_truncated": ("prompt_mismatch", "the prompt truncated from the left on one side"),
-    "temperature": ("temperature", "processed logprobs at temperature 0.7 on one side"),
-    "top_k": ("top_k", "processed logprobs after top-k truncation on one side"),
-    "top_p": ("top_p", "processed logprobs after top-p truncation on one side"),
-    "top_k_top_p": ("top_k+top_p", "processed logprobs after top-k then top-p on one side"),
-    "stale_weights": ("stale_weights", "weights one optimiser step away from the other side"),
-    "version_change": (
-        "version_change",
-        "an in-flight weight update at token k, weight versions recorded",
-    ),
-    "version_change_unrecorded": (
-        "version_change",
-        "an in-flight weight update at token k, no weight versions recorded",
-    ),
-    "penalties": (
-        "logits_processing",
-        "presence 0.5 and frequency 0.3 penalties over the output in the logprobs",
-    ),
-    "repetition_penalty": (
-        "logits_processing",
-        "a repetition penalty of 1.3 over prompt and output in the logprobs",
-    ),
-    "soft_cap": ("logits_processing", "a final-logit soft-cap the other side does not apply"),
-    "min_p": ("logits_processing", "processed logprobs after min-p 0.1 on one side"),
-    "logit_bias": ("logits_processing", "a logit bias of +2 on the four commonest tokens"),
-    "generation_defaults": (
-        "logits_processing",
-        "processed logprobs under the model's generation defaults (Qwen3's: temperature 0.6, "
-        "top-k 20, top-p 0.95, where generation_config.json sets none)",
-    ),
-    "lm_head_bf16": ("dtype", "the LM head computed in bf16, the rest in fp32"),
-    "bf16": ("dtype", "the whole forward in bf16"),
-    "fp16": ("dtype", "the whole forward in fp16"),
-}
+
+class Fault(NamedTuple):
+    cause: str | None  # what the diagnosis should name
+    bug: str  # the real bug it stands for
+    commit: Callable  # (model, pairs, settings) -> each pair's completion logprobs under it
+
+
+FAULTS: dict[str, Fault] = {}  # kind -> its Fault, in the order the zoo plants them
+
+
+def register(kind: str, cause: str | None, bug: str, commit: Callable) -> None:
+    """A fault kind: `lpx inject`, the zoo and the verifier's re-scoring find it here. A new
+    kind is its commit function and this call, nothing else."""
+    FAULTS[kind] = Fault(cause, bug, commit)
 
 
 @dataclass(frozen=True)
@@ -110,26 +66,9 @@ def rescore(model, pairs: list, kind: str, settings: FaultSettings) -> list[np.n
     with torch.no_grad():
         if kind == "clean":  # the reference itself, each sequence in its own row
             return [_single(model, p, c) for p, c in pairs]
-        if kind in ("stale_weights", "version_change", "version_change_unrecorded"):
-            return _other_weights(model, pairs, kind, settings)
-        if kind in ("pad_attended", "mask_dropped", "pad_positions", "packed_no_reset"):
-            results = []
-            for start in range(0, len(pairs), settings.micro_batch):
-                batch = pairs[start : start + settings.micro_batch]
-                results += _batched(model, batch, kind)
-            return results
-        if kind in ("bf16", "fp16"):
-            low = copy.deepcopy(model).to(torch.bfloat16 if kind == "bf16" else torch.float16)
-            return [_single(low, p, c) for p, c in pairs]
-        if kind in PROCESSING_FAULTS:
-            processing = processing_fault(kind, settings, pairs, model)
-            return [_single(model, p, c, processing=processing) for p, c in pairs]
-        if kind == "prompt_truncated":  # a max prompt length: only longer prompts are cut
-            limit = settings.max_prompt or max(
-                1, int(max(len(p) for p, _ in pairs) * settings.keep_prompt)
-            )
-            return [_single(model, np.asarray(p)[-limit:], c) for p, c in pairs]
-        return [_single_faulted(model, p, c, kind, settings) for p, c in pairs]
+        if kind not in FAULTS:
+            raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(FAULTS)}")
+        return FAULTS[kind].commit(model, pairs, settings)
 
 
 PROCESSING_FAULTS = (
@@ -176,34 +115,100 @@ def generation_defaults(model) -> dict:
     return generation_sampling(getattr(model, "name_or_path", "") or "")
 
 
-def _single_faulted(model, prompt, completion, kind: str, settings: FaultSettings):
-    prompt = np.asarray(prompt, dtype=np.int64)
-    if kind == "bos_extra":
-        return _single(model, np.concatenate([[settings.bos_id], prompt]), completion)
-    if kind == "bos_missing":
-        return _single(model, prompt[1:] if prompt[0] == settings.bos_id else prompt, completion)
-    if kind == "positions_restart":
-        positions = np.concatenate([np.arange(len(prompt)), np.arange(len(completion))])
-        return _single(model, prompt, completion, positions=positions)
-    if kind == "position_ids":
-        positions = np.arange(len(prompt) + len(completion))
-        # offset from the input that predicts completion token ``at``: its logprob is the
-        # first one wrong
-        positions[len(prompt) + settings.at - 1 :] += settings.position_offset
-        return _single(model, prompt, completion, positions=positions)
-    if kind == "label_shift":
-        return _single(model, prompt, completion, label_shift=True)
-    if kind == "lm_head_bf16":
-        return _single(model, prompt, completion, head_dtype="bfloat16")
-    processing = {
-        "temperature": {"temperature": settings.temperature},
-        "top_k": {"top_k": settings.top_k},
-        "top_p": {"top_p": settings.top_p},
-        "top_k_top_p": {"top_k": settings.top_k, "top_p": settings.top_p},
-    }
-    if kind in processing:
-        return _single(model, prompt, completion, processing=processing[kind])
-    raise ValueError(f"unknown fault kind {kind!r}")
+def _each(score: Callable) -> Callable:
+    """A fault committed on each sequence alone, in its own row."""
+
+    def commit(model, pairs, settings: FaultSettings):
+        return [score(model, np.asarray(p, dtype=np.int64), c, settings) for p, c in pairs]
+
+    return commit
+
+
+def _bos_extra(model, prompt, completion, settings):
+    return _single(model, np.concatenate([[settings.bos_id], prompt]), completion)
+
+
+def _bos_missing(model, prompt, completion, settings):
+    return _single(model, prompt[1:] if prompt[0] == settings.bos_id else prompt, completion)
+
+
+def _positions_restart(model, prompt, completion, settings):
+    positions = np.concatenate([np.arange(len(prompt)), np.arange(len(completion))])
+    return _single(model, prompt, completion, positions=positions)
+
+
+def _positions_offset(model, prompt, completion, settings):
+    positions = np.arange(len(prompt) + len(completion))
+    # offset from the input that predicts completion token ``at``: its logprob is the first
+    # one wrong
+    positions[len(prompt) + settings.at - 1 :] += settings.position_offset
+    return _single(model, prompt, completion, positions=positions)
+
+
+def _label_shift(model, prompt, completion, settings):
+    return _single(model, prompt, completion, label_shift=True)
+
+
+def _head_bf16(model, prompt, completion, settings):
+    return _single(model, prompt, completion, head_dtype="bfloat16")
+
+
+def _sampler(*knobs: str) -> Callable:
+    """Processed logprobs under the settings' values of a sampler's ``knobs``."""
+
+    def score(model, prompt, completion, settings):
+        processing = {knob: getattr(settings, knob) for knob in knobs}
+        return _single(model, prompt, completion, processing=processing)
+
+    return score
+
+
+def _in_micro_batches(kind: str) -> Callable:
+    """A batch-composition fault: the sequences in micro-batches of the settings' size, in
+    table order, as a replay engine batches them."""
+
+    def commit(model, pairs, settings: FaultSettings):
+        results = []
+        for start in range(0, len(pairs), settings.micro_batch):
+            results += _batched(model, pairs[start : start + settings.micro_batch], kind)
+        return results
+
+    return commit
+
+
+def _in_precision(name: str) -> Callable:
+    """The whole forward in a lower precision."""
+
+    def commit(model, pairs, settings: FaultSettings):
+        import torch
+
+        low = copy.deepcopy(model).to(getattr(torch, name))
+        return [_single(low, p, c) for p, c in pairs]
+
+    return commit
+
+
+def _processed(kind: str) -> Callable:
+    """A logits-processing fault: one processing for the batch (one request's sampling)."""
+
+    def commit(model, pairs, settings: FaultSettings):
+        processing = processing_fault(kind, settings, pairs, model)
+        return [_single(model, p, c, processing=processing) for p, c in pairs]
+
+    return commit
+
+
+def _prompt_truncated(model, pairs, settings: FaultSettings):
+    """A max prompt length: only longer prompts are cut, from the left."""
+    limit = settings.max_prompt or max(1, int(max(len(p) for p, _ in pairs) * settings.keep_prompt))
+    return [_single(model, np.asarray(p)[-limit:], c) for p, c in pairs]
+
+
+def _weights(kind: str) -> Callable:
+    def commit(model, pairs, settings: FaultSettings):
+        return _other_weights(model, pairs, kind, settings)
+
+    return commit
 
 
 def _single(
@@ -215,15 +220,18 @@ def _single(
     return _selected(model, hidden, completion, head_dtype, processing, prompt)
 
 
-def completion_logits(model, prompt, completion, capped: bool = True):
+def completion_logits(model, prompt, completion, capped: bool = True, at=None):
     """The fp32 logits that score each completion token in the reference layout: what a
     temperature or truncation acts on, so a search over those needs one forward only.
     ``capped``: after the model's own final-logit soft-cap (as its forward gives them), else
-    the head's (what `processing.apply` takes)."""
+    the head's (what `processing.apply` takes). ``at``: only these completion indices go
+    through the head (a long completion's full logits do not fit at a large vocabulary)."""
     import torch
 
     with torch.no_grad():
         hidden = _completion_hidden(model, np.asarray(prompt, dtype=np.int64), completion)
+        if at is not None:
+            hidden = hidden[torch.as_tensor(np.asarray(at, dtype=np.int64), device=hidden.device)]
         logits = model.get_output_embeddings()(hidden).float()
         cap = model_cap(model) if capped else 0.0
         return cap * torch.tanh(logits / cap) if cap else logits
@@ -403,3 +411,164 @@ def _on_device(model, inputs: dict) -> dict:
 
     device = model_device(model)
     return {name: tensor.to(device) for name, tensor in inputs.items()}
+
+
+# The zoo: each fault kind, the cause the diagnosis should name, the real bug it stands for
+# and how it is committed (in the order the zoo plants them).
+register(
+    "pad_attended",
+    "mask_padding",
+    "left padding attended: the attention mask was lost after position ids were built",
+    _in_micro_batches("pad_attended"),
+)
+register(
+    "mask_dropped",
+    "mask_padding",
+    "no attention mask on a left-padded batch: pads attended and counted in positions",
+    _in_micro_batches("mask_dropped"),
+)
+register(
+    "pad_positions",
+    None,
+    "pads masked but counted in position ids: a constant offset, invisible to RoPE",
+    _in_micro_batches("pad_positions"),
+)
+register(
+    "packed_no_reset",
+    "mask_padding",
+    "packed sequences whose position ids do not reset: attention crosses the segments",
+    _in_micro_batches("packed_no_reset"),
+)
+register(
+    "positions_restart",
+    "position_ids",
+    "position ids restart at 0 at the completion",
+    _each(_positions_restart),
+)
+register(
+    "position_ids",
+    "position_ids",
+    "position ids offset by +16 from a completion index on (a KV-cache or cache-reuse bug)",
+    _each(_positions_offset),
+)
+register(
+    "label_shift",
+    "token_shift",
+    "labels off by one: logits[t] scored against token t",
+    _each(_label_shift),
+)
+register(
+    "bos_extra",
+    "prompt_mismatch",
+    "a second BOS token before the prompt",
+    _each(_bos_extra),
+)
+register(
+    "bos_missing",
+    "prompt_mismatch",
+    "the prompt's BOS token dropped",
+    _each(_bos_missing),
+)
+register(
+    "prompt_truncated",
+    "prompt_mismatch",
+    "the prompt truncated from the left on one side",
+    _prompt_truncated,
+)
+register(
+    "temperature",
+    "temperature",
+    "processed logprobs at temperature 0.7 on one side",
+    _each(_sampler("temperature")),
+)
+register(
+    "top_k",
+    "top_k",
+    "processed logprobs after top-k truncation on one side",
+    _each(_sampler("top_k")),
+)
+register(
+    "top_p",
+    "top_p",
+    "processed logprobs after top-p truncation on one side",
+    _each(_sampler("top_p")),
+)
+register(
+    "top_k_top_p",
+    "top_k+top_p",
+    "processed logprobs after top-k then top-p on one side",
+    _each(_sampler("top_k", "top_p")),
+)
+register(
+    "stale_weights",
+    "stale_weights",
+    "weights one optimiser step away from the other side",
+    _weights("stale_weights"),
+)
+register(
+    "version_change",
+    "version_change",
+    "an in-flight weight update at token k, weight versions recorded",
+    _weights("version_change"),
+)
+register(
+    "version_change_unrecorded",
+    "version_change",
+    "an in-flight weight update at token k, no weight versions recorded",
+    _weights("version_change_unrecorded"),
+)
+register(
+    "penalties",
+    "logits_processing",
+    "presence 0.5 and frequency 0.3 penalties over the output in the logprobs",
+    _processed("penalties"),
+)
+register(
+    "repetition_penalty",
+    "logits_processing",
+    "a repetition penalty of 1.3 over prompt and output in the logprobs",
+    _processed("repetition_penalty"),
+)
+register(
+    "soft_cap",
+    "logits_processing",
+    "a final-logit soft-cap the other side does not apply",
+    _processed("soft_cap"),
+)
+register(
+    "min_p",
+    "logits_processing",
+    "processed logprobs after min-p 0.1 on one side",
+    _processed("min_p"),
+)
+register(
+    "logit_bias",
+    "logits_processing",
+    "a logit bias of +2 on the four commonest tokens",
+    _processed("logit_bias"),
+)
+register(
+    "generation_defaults",
+    "logits_processing",
+    "processed logprobs under the model's generation defaults (Qwen3's: temperature 0.6, "
+    "top-k 20, top-p 0.95, where generation_config.json sets none)",
+    _processed("generation_defaults"),
+)
+register(
+    "lm_head_bf16",
+    "dtype",
+    "the LM head computed in bf16, the rest in fp32",
+    _each(_head_bf16),
+)
+register(
+    "bf16",
+    "dtype",
+    "the whole forward in bf16",
+    _in_precision("bfloat16"),
+)
+register(
+    "fp16",
+    "dtype",
+    "the whole forward in fp16",
+    _in_precision("float16"),
+)

@@ -55,7 +55,8 @@ SPANS = {  # continuous knobs: the interval searched (log scale for the multipli
 }
 BIAS_TOKENS = 4  # tokens whose logit bias is read off the residual
 NEEDED = 1.02  # a knob stays when putting it back leaves this much more gap
-SEARCH_TOKENS = 256  # completion tokens (of the leading sequences) the search re-processes
+SEARCH_TOKENS = 256  # compared tokens the search re-processes, spread over the sequences
+SEARCH_ROWS = 8  # sequences they are spread over (one forward each)
 
 
 class LogitsProcessing(Family):
@@ -73,7 +74,7 @@ class LogitsProcessing(Family):
     def search(self, ref, candidate, rows, observed, clean, side) -> Candidate:
         if candidate.params.get("searched"):
             return candidate
-        logits = HeadLogits(ref, rows, observed)
+        logits = HeadLogits(ref, rows, observed, clean, _noise(ref, rows, clean, side))
         earlier = ref.found.setdefault(KIND, [])
         again = [p for p in earlier if logits.gap(p) <= AGAIN * logits.gap(Processing())]
         if again:  # the same processing, its numbers refitted on these tokens
@@ -122,35 +123,69 @@ class LogitsProcessing(Family):
         return out
 
 
+def _informative(observed: np.ndarray, clean: np.ndarray, count: int) -> np.ndarray:
+    """Indices of ``count`` compared tokens: half evenly spread, half the furthest moved."""
+    n = len(observed)
+    if n <= count:
+        return np.arange(n)
+    even = np.linspace(0, n - 1, count - count // 2).round().astype(int)
+    moved = np.nan_to_num(np.abs(observed - clean), nan=0.0, posinf=0.0)
+    moved[even] = -1.0
+    furthest = np.argsort(-moved, kind="stable")[: count // 2]
+    return np.unique(np.concatenate([even, furthest]))
+
+
+def _noise(ref, rows: list[int], clean: list, side: str) -> float:
+    """The mean |d| the observed side's declared precision alone gives against fp32 on
+    these tokens (the calibrated floor, else the precision's constant)."""
+    from pipeline.compare.calibrated import side_precision
+
+    meta = ref.fixture.metadata if side == "rollout" else ref.replay.metadata
+    positions = ref.observed(rows)[2]
+    floors = ref.token_floors((side_precision(meta), "float32"), clean, positions)
+    return float(np.mean(np.concatenate(floors))) if floors else 0.0
+
+
 class HeadLogits:
     """The head logits (before any soft-cap, in float64 so that a fit's finite differences
-    see its knobs, not rounding) of the compared tokens of the leading sequences, as many
-    as SEARCH_LOGITS and SEARCH_TOKENS allow, stacked, with each token's penalty history in
-    either scope and its observed logprob: `gap(processing)` is how far that processing
-    leaves them, `residual(processing)` per token."""
+    see its knobs, not rounding) of compared tokens spread evenly over the sequences (at
+    most SEARCH_ROWS of them) and over each one's length, as many as SEARCH_LOGITS and
+    SEARCH_TOKENS allow, stacked, with each token's penalty history in either scope and its
+    observed logprob: `gap(processing)` is how far that processing leaves them,
+    `residual(processing)` per token. Not the leading tokens: half are spread evenly, half
+    are those the observed side moved furthest from the clean reference, where the
+    processing acted most (a top-k under a top-p binds only where the distribution is
+    flat, on a few tokens the first of one sequence may not hold).
+    ``noise``: the mean |d| the observed side's precision alone gives on these sequences,
+    what a knob must close more than a share of to be needed."""
 
-    def __init__(self, ref, rows: list[int], observed: list):
+    def __init__(self, ref, rows: list[int], observed: list, clean: list, noise: float = 0.0):
         import torch
 
         vocab = ref.model.get_output_embeddings().weight.shape[0]
         budget = max(8, min(SEARCH_TOKENS, SEARCH_LOGITS // (2 * vocab)))
+        chosen = [int(i) for i in np.unique(np.linspace(0, len(rows) - 1, SEARCH_ROWS).round())]
+        per_row = max(4, budget // len(chosen))
         logits, targets, kept, histories = [], [], [], {scope: [] for scope in SCOPES}
         widths = []
-        for row, seen in zip(rows, observed, strict=True):
-            if budget <= 0:
-                break
-            completion = ref.fixture.completion_of(row)[:budget]
+        for index in chosen:
+            row, seen = rows[index], observed[index]
+            completion = np.asarray(ref.fixture.completion_of(row), dtype=np.int64)
             prompt = ref.fixture.prompt_of(row)
-            mask = torch.as_tensor(np.asarray(ref.mask(row)[: len(completion)], dtype=bool))
-            head = completion_logits(ref.model, prompt, completion, capped=False).double()
-            logits.append(head[mask.to(head.device)])
-            targets.append(np.asarray(completion, dtype=np.int64)[mask.numpy()])
-            kept.append(seen[: int(mask.sum())])
-            widths.append(int(mask.sum()))
+            compared = np.flatnonzero(np.asarray(ref.mask(row), dtype=bool))
+            if not len(compared):
+                continue
+            picks = _informative(np.asarray(seen, dtype=np.float64), clean[index], per_row)
+            at = compared[picks]
+            head = completion_logits(ref.model, prompt, completion, capped=False, at=at)
+            logits.append(head.double())
+            targets.append(completion[at])
+            kept.append(np.asarray(seen, dtype=np.float64)[picks])
+            widths.append(len(at))
             for scope in SCOPES:
-                own, counts = seen_before(prompt, completion, len(completion), scope, head.device)
-                histories[scope].append((own, counts[mask.to(head.device)]))
-            budget -= len(completion)
+                own, counts = seen_before(prompt, completion, int(at[-1]) + 1, scope, head.device)
+                index_at = torch.as_tensor(at, device=head.device)
+                histories[scope].append((own, counts[index_at]))
         self.logits = torch.cat(logits)
         self.targets = np.concatenate(targets)
         self.observed = np.concatenate(kept)
@@ -160,6 +195,7 @@ class HeadLogits:
         self._targets = torch.as_tensor(self.targets, device=self.logits.device)[:, None]
         self.cap = model_cap(ref.model)
         self.vocab = vocab
+        self.noise = noise
         self.evaluations = 0
 
     def processed(self, processing: Processing):
@@ -227,10 +263,10 @@ def find_processing(logits: HeadLogits, starts: list[Processing]) -> Processing:
     if logits.gap(closest) > SCREEN * logits.gap(Processing()):
         return closest
     found = [grown(logits, start) for start in origins]
-    # fits within SAME of the drift are equally good: the one with fewer knobs is the
-    # explanation (where most tokens keep one token, many processings fit them alike)
+    # fits within a share of the side's noise are equally good: the one with fewer knobs is
+    # the explanation (where most tokens keep one token, many processings fit them alike)
     least = min(logits.gap(p) for p in found)
-    tie = least + SAME * logits.gap(Processing())
+    tie = least + NOISE_SHARE * logits.noise
     return min(
         (p for p in found if logits.gap(p) <= tie), key=lambda p: (len(p.changed()), logits.gap(p))
     )
@@ -238,7 +274,7 @@ def find_processing(logits: HeadLogits, starts: list[Processing]) -> Processing:
 
 QUICK = 8  # least-squares evaluations per knob in the screening round
 SCREEN = 0.5  # a processing must halve the drift in one group's quick fit to be searched
-SAME = 1e-5  # of the unprocessed gap: fits closer than this explain the tokens equally
+NOISE_SHARE = 0.1  # of the side's noise floor: a knob closing less of the gap is not needed
 AGAIN = 0.01  # a processing found on other findings is taken where it leaves this of the gap
 
 
@@ -416,25 +452,28 @@ LEAST_SQUARES_EVALUATIONS = 60  # per knob fitted
 
 def needed(logits: HeadLogits, found: Processing) -> Processing:
     """``found`` with every group it does not need put back to no processing (the rest
-    re-fitted without it), and every logit-biased token it does not need dropped."""
+    re-fitted without it), and every logit-biased token it does not need dropped. Needed:
+    without it the gap grows by NEEDED and by more than NOISE_SHARE of the side's noise
+    (below that, a knob fits the observed side's rounding, not its processing)."""
     neutral = Processing()
-    floor = max(logits.gap(found), SAME * logits.gap(neutral))
+    gap = logits.gap(found)
+    floor = max(gap * NEEDED, gap + NOISE_SHARE * logits.noise)
     for group in GROUPS:
         if not _touches(found, group):
             continue
         reset = {n: getattr(neutral, n) for n in found.changed() if GROUP_OF[n] == group}
         without = found.but(**reset)
         without = fit_continuous(logits, without, _continuous_of(without))
-        if logits.gap(without) <= floor * NEEDED:
+        if logits.gap(without) <= floor:
             found = without
     for name in [n for n in found.changed() if n in SPANS or n in ("top_k", "top_p", "min_p")]:
         without = found.but(**{name: getattr(neutral, name)})
         without = fit_continuous(logits, without, _continuous_of(without))
-        if logits.gap(without) <= floor * NEEDED:
+        if logits.gap(without) <= floor:
             found = without
     for bias in found.logit_bias:
         without = found.but(logit_bias=tuple(b for b in found.logit_bias if b != bias))
-        if logits.gap(without) <= floor * NEEDED:
+        if logits.gap(without) <= floor:
             found = without
     return found
 
