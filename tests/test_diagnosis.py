@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.compare.diagnosis import diagnose_region
+from pipeline.compare.diagnosis import Context, diagnose_region
 from pipeline.fixture.table import offsets_from_lengths
 
 TAU = 1e-4  # the float32 profile's
@@ -37,7 +37,7 @@ def diagnose(pairs, *, positions=None, versions=None, tau=TAU, **context):
     lengths = [len(r) for r, _ in pairs]
     if positions is None:
         positions = np.concatenate([np.arange(n) for n in lengths])
-    context = {"low_precision_dtype": "float32", **context}
+    context = Context(**{"low_precision_dtype": "float32", **context})
     findings = diagnose_region(
         train,
         rollout,

@@ -26,12 +26,19 @@ from __future__ import annotations
 
 from pipeline.compare.calibrated import TAU_MARGIN
 from pipeline.compare.hypotheses import propose
-from pipeline.compare.hypotheses.batch import Batch, weights_evidence
+from pipeline.compare.hypotheses.batch import Batch, Context, weights_evidence
 from pipeline.compare.signatures import FLOOR, signatures
 from pipeline.contracts.causes import FAULT_CAUSES, KNOWN_CAUSES
 from pipeline.contracts.report import Finding
 
-__all__ = ["FAULT_CAUSES", "KNOWN_CAUSES", "Finding", "diagnose_region", "weights_evidence"]
+__all__ = [
+    "FAULT_CAUSES",
+    "KNOWN_CAUSES",
+    "Context",
+    "Finding",
+    "diagnose_region",
+    "weights_evidence",
+]
 
 
 def diagnose_region(
@@ -39,7 +46,7 @@ def diagnose_region(
 ) -> list[Finding]:
     """Findings for one compared region (the completion), from flat arrays."""
     # A calibrated tau is TAU_MARGIN times each token's q999 noise: |d| under q999 is the floor.
-    floor = 1.0 / TAU_MARGIN if context.get("noise_expected") is not None else FLOOR
+    floor = 1.0 / TAU_MARGIN if context.noise_expected is not None else FLOOR
     batch = Batch(
         signatures(train, rollout, offsets, tau, floor),
         list(sequence_ids),

@@ -17,7 +17,7 @@ from pipeline.compare.calibrated import (
     usable,
 )
 from pipeline.compare.contradicted import evidence_on_file, rule_out_contradicted
-from pipeline.compare.diagnosis import diagnose_region, weights_evidence
+from pipeline.compare.diagnosis import Context, diagnose_region
 from pipeline.compare.drift_map import drift_map
 from pipeline.compare.metrics import (
     SIGN_CONVENTION,
@@ -49,34 +49,50 @@ class Comparison:
     tau: float
 
 
+@dataclass(frozen=True)
+class CompareOptions:
+    """How a comparison is made and judged."""
+
+    policy: Policy | None = None  # the default policy when None
+    profile: str | None = None  # the policy's profile; by the two sides' precisions when None
+    channel: str = "rollout"  # the fixture's logprob channel compared
+    allow_weight_mismatch: bool = False  # compare sides whose weight fingerprints differ
+    command_line: str = ""  # recorded in the report
+    calibration: dict | None = None  # `lpx calibrate`'s noise floor, where it covers the pair
+    calibration_source: str = ""  # where the calibration came from, for the report
+    exact: bool = False  # any completion token not bitwise equal fails (batch-invariant stacks)
+
+
+@dataclass
+class Measured:
+    """The metrics: the completion's (and per region, per sequence), routing's."""
+
+    metrics: dict
+    by_region: dict
+    per_sequence: dict
+    routing: dict | None
+
+
+@dataclass
+class Judging:
+    """What drift is judged against: the model's calibrated floor, or the profile's
+    constants (then ``floor`` and ``gate`` are None)."""
+
+    token_tau: float | np.ndarray  # a token drifts beyond this |d|
+    limits: dict | None  # the policy limits the floor sets
+    gate: dict | None  # the calibrated precision gate's result
+    note: dict  # the report's `calibration` section
+    floor: object | None = None  # `calibrated_judging`'s result
+
+
 def compare_files(
-    fixture_path: Path,
-    replay_path: Path,
-    policy: Policy | None = None,
-    profile: str | None = None,
-    channel: str = "rollout",
-    allow_weight_mismatch: bool = False,
-    command_line: str = "",
-    calibration: dict | None = None,
-    calibration_source: str = "",
-    exact: bool = False,
+    fixture_path: Path, replay_path: Path, options: CompareOptions | None = None, **fields
 ) -> Comparison:
+    """Read, then `compare_tables`; ``fields`` are `CompareOptions`' where ``options`` is
+    not given."""
     fixture = read_table(fixture_path, expect_kind="fixture")
     replay = read_table(replay_path, expect_kind="replay")
-    return compare_tables(
-        fixture,
-        replay,
-        fixture_path,
-        replay_path,
-        policy,
-        profile,
-        channel,
-        allow_weight_mismatch,
-        command_line,
-        calibration,
-        calibration_source,
-        exact,
-    )
+    return compare_tables(fixture, replay, fixture_path, replay_path, options, **fields)
 
 
 def compare_tables(
@@ -84,22 +100,51 @@ def compare_tables(
     replay: TokenTable,
     fixture_path: Path | str,
     replay_path: Path | str,
-    policy: Policy | None = None,
-    profile: str | None = None,
-    channel: str = "rollout",
-    allow_weight_mismatch: bool = False,
-    command_line: str = "",
-    calibration: dict | None = None,
-    calibration_source: str = "",
-    exact: bool = False,
+    options: CompareOptions | None = None,
+    **fields,
 ) -> Comparison:
     """Compare tables already in memory; the paths only name them in messages and reports.
+    ``fields`` are `CompareOptions`' where ``options`` is not given.
 
     With a ``calibration`` (`lpx calibrate`) that covers both sides' precisions, drift is
     judged against the model's measured noise floor; otherwise against the profile's
     constants, and the report says why. ``exact``: for batch-invariant or true-on-policy
     stacks, any completion token whose float32 logprobs are not bitwise equal fails the
-    verdict (the policy applies as well)."""
+    verdict (the policy applies as well).
+
+    Four steps: measure, diagnose, judge, assemble."""
+    options = options or CompareOptions(**fields)
+    _check_inputs(fixture, replay, fixture_path, replay_path, options.allow_weight_mismatch)
+    aligned = align(fixture, replay, options.channel, fixture_path, replay_path)
+    policy = options.policy or load_policy()
+    dtypes = [fixture.metadata.get("dtype", "float32"), replay.metadata.get("dtype", "float32")]
+    profile = options.profile or profile_for(dtypes)
+    tau = float(policy.profile(profile)["tau"])
+    if len(aligned.completion.train) == 0:
+        raise BadInput(
+            f"{fixture_path}: no active completion tokens to compare (an empty fixture, or "
+            "every token masked); comparing nothing is never a pass."
+        )
+    measured = measure(fixture, replay, aligned, tau)
+    judging = judged_against(fixture, replay, aligned, policy, profile, tau, options)
+    findings = diagnose(fixture, replay, aligned, measured, judging, dtypes)
+    judgement = judge(
+        policy, profile, measured.metrics, findings, judging.limits, options.exact, judging.gate
+    )
+    if judging.floor is not None:
+        findings += _precision_over_user_limits(
+            judgement, findings, judging.floor.expected, aligned
+        )
+        judgement["calibrated"] = True
+    report = assemble(
+        fixture, replay, (fixture_path, replay_path), aligned, tau, measured, findings,
+        judgement, judging, options,
+    )  # fmt: skip
+    return Comparison(report, aligned, tau)
+
+
+def _check_inputs(fixture, replay, fixture_path, replay_path, allow_weight_mismatch: bool):
+    """Both tables valid, and made from the same weights unless a mismatch is allowed."""
     vocab_size = (fixture.metadata.get("model") or {}).get("vocab_size")
     validate_table(fixture, fixture_path, vocab_size)
     validate_table(replay, replay_path, vocab_size)
@@ -116,18 +161,12 @@ def compare_tables(
             f"{fixture_weights[:23]}...; replay the fixture's model, or pass "
             "--allow-weight-mismatch to measure and diagnose the stale weights."
         )
-    aligned = align(fixture, replay, channel, fixture_path, replay_path)
-    policy = policy or load_policy()
-    dtypes = [fixture.metadata.get("dtype", "float32"), replay.metadata.get("dtype", "float32")]
-    profile = profile or profile_for(dtypes)
-    tau = float(policy.profile(profile)["tau"])
 
+
+def measure(fixture: TokenTable, replay: TokenTable, aligned: Aligned, tau: float) -> Measured:
+    """The completion's batch metrics, bitwise agreement, per-sequence metrics, top-1 and
+    top-k agreement where recorded, routing flips, and the prompt region's metrics."""
     completion = aligned.completion
-    if len(completion.train) == 0:
-        raise BadInput(
-            f"{fixture_path}: no active completion tokens to compare (an empty fixture, or "
-            "every token masked); comparing nothing is never a pass."
-        )
     metrics = batch_metrics(completion.train, completion.rollout, tau)
     metrics.update(bitwise_agreement(completion.train, completion.rollout))
     per_sequence = sequence_metrics(completion.train, completion.rollout, completion.offsets)
@@ -146,45 +185,51 @@ def compare_tables(
     by_region = {"completion": metrics}
     if aligned.prompt is not None:
         by_region["prompt"] = batch_metrics(aligned.prompt.train, aligned.prompt.rollout, tau)
-    context = _diagnosis_context(fixture.metadata, replay.metadata, aligned, dtypes)
-    held = replay.metadata.get("weights") or {}
-    context.update(
-        fixture_weights=fixture_weights,
-        replay_weights=replay_weights,
-        checkpoint_tensors=held.get("checkpoint_tensor_fingerprint"),
-        held_tensors=held.get("held_tensor_fingerprint"),
-    )
-    context["weights_differ"] = weights_evidence(context) is not None
-    context["version_channels"] = aligned.version_channels
-    context.update(_lengths(fixture, aligned))
+    return Measured(metrics, by_region, per_sequence, routing)
+
+
+def judged_against(
+    fixture: TokenTable,
+    replay: TokenTable,
+    aligned: Aligned,
+    policy: Policy,
+    profile: str,
+    tau: float,
+    options: CompareOptions,
+) -> Judging:
+    """The calibrated floor where the calibration covers both sides' precisions, else the
+    profile's constants (and why)."""
+    pair, why_not = usable(options.calibration, fixture.metadata, replay.metadata)
+    if not pair:
+        note = {"used": False, "reason": why_not, "judged_by": "the profile's constants"}
+        return Judging(tau, None, None, note)
     region = aligned.completion
-    pair, why_not = usable(calibration, fixture.metadata, replay.metadata)
-    token_tau, limits, gate = tau, None, None
-    if pair:
-        floor = calibrated_judging(
-            calibration,
-            pair,
-            region.train,
-            region.positions,
-            region.offsets,
-            calibration_source,
-            np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64)),
-        )
-        token_tau, gate = floor.tau, floor.gate
-        context["noise_expected"] = floor.expected_mean
-        # the batch is beyond what precision gives at its size: precision cannot explain it
-        context["beyond_precision"] = not gate["passed"]
-        user_policy = policy.source != "default policy"
-        limits = effective_limits(
-            policy.profile(profile).get("limits", {}), floor.limits, user_policy
-        )
-        calibration_note = {**floor.note, "limits": limits}
-    else:
-        calibration_note = {
-            "used": False,
-            "reason": why_not,
-            "judged_by": "the profile's constants",
-        }
+    floor = calibrated_judging(
+        options.calibration,
+        pair,
+        region.train,
+        region.positions,
+        region.offsets,
+        options.calibration_source,
+        np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64)),
+    )
+    user_policy = policy.source != "default policy"
+    limits = effective_limits(policy.profile(profile).get("limits", {}), floor.limits, user_policy)
+    return Judging(floor.tau, limits, floor.gate, {**floor.note, "limits": limits}, floor)
+
+
+def diagnose(
+    fixture: TokenTable,
+    replay: TokenTable,
+    aligned: Aligned,
+    measured: Measured,
+    judging: Judging,
+    dtypes: list[str],
+) -> list[Finding]:
+    """The findings: the signatures' causes, missing weight versions, routing flips, drift
+    beyond precision; then the claims the evidence on file contradicts ruled out."""
+    context = diagnosis_context(fixture, replay, aligned, dtypes, judging)
+    region = aligned.completion
     findings = diagnose_region(
         region.train,
         region.rollout,
@@ -192,57 +237,69 @@ def compare_tables(
         region.positions,
         aligned.sequence_ids,
         aligned.weight_versions,
-        token_tau,
+        judging.token_tau,
         context,
     )
     findings += _missing_versions(replay, aligned)
     forced = bool((replay.metadata.get("knobs") or {}).get("router_replay"))
-    findings += _routing_flips(routing, gate, aligned, token_tau, forced)
+    gate = judging.gate
+    findings += _routing_flips(measured.routing, gate, aligned, judging.token_tau, forced)
     if gate is not None and not gate["passed"]:
         findings += _beyond_precision(gate, findings, aligned)
-    findings = rule_out_contradicted(findings, evidence_on_file(fixture, replay))
-    judgement = judge(policy, profile, metrics, findings, limits, exact, gate)
-    if pair:
-        findings += _precision_over_user_limits(judgement, findings, floor.expected, aligned)
-        judgement["calibrated"] = True
-    # Built without re-validating: every part is made here, from numpy (a re-validation
-    # costs ~50 ms per 32k sequence rows). What compare writes is read back through the
-    # same model by every reader (tests/test_contract.py holds the round trip).
-    report = Report.model_construct(
+    return rule_out_contradicted(findings, evidence_on_file(fixture, replay))
+
+
+def assemble(
+    fixture: TokenTable,
+    replay: TokenTable,
+    paths: tuple,
+    aligned: Aligned,
+    tau: float,
+    measured: Measured,
+    findings: list[Finding],
+    judgement: Judgement | dict,
+    judging: Judging,
+    options: CompareOptions,
+) -> Report:
+    """The report. Built without re-validating: every part is made here, from numpy (a
+    re-validation costs ~50 ms per 32k sequence rows). What compare writes is read back
+    through the same model by every reader (tests/test_contract.py holds the round trip)."""
+    fixture_path, replay_path = paths
+    completion = aligned.completion
+    return Report.model_construct(
         verdict=judgement["verdict"],
         sign_convention=SIGN_CONVENTION,
         metrics={
-            **metrics,
-            "by_region": by_region,
+            **measured.metrics,
+            "by_region": measured.by_region,
             **_by_weight_version(aligned, tau),
             "kl_input_drift": kl_input_drift(
                 completion.train, completion.rollout, aligned.kl_channels
             ),
         },
-        sequences=_sequence_rows(aligned, per_sequence, tau),
+        sequences=_sequence_rows(aligned, measured.per_sequence, tau),
         worst=worst_tokens(aligned, WORST_TOKENS),
         drift_map=_drift_map(aligned, tau),
-        routing=routing,
+        routing=measured.routing,
         diagnosis=findings,
         policy=judgement,
-        precision_gate=gate,
-        calibration=calibration_note,
+        precision_gate=judging.gate,
+        calibration=judging.note,
         verification=None,
         # said only where the model's generation config sets what the sampling leaves unset
         **_present(generation_defaults=unset_generation_defaults(fixture.metadata)),
         metadata={
             "fixture": {
                 "path": str(fixture_path),
-                "channel": channel,
+                "channel": options.channel,
                 "prompt_set_fingerprint": prompt_set_fingerprint(fixture),
                 **fixture.metadata,
             },
             "replay": {"path": str(replay_path), "channel": REPLAY_CHANNEL, **replay.metadata},
-            "command_line": command_line,
+            "command_line": options.command_line,
             "testbed": describe_testbed(),
         },
     )
-    return Comparison(report, aligned, tau)
 
 
 def rejudge(report: Report, policy: Policy) -> None:
@@ -485,10 +542,12 @@ def _precision_over_user_limits(
     ]
 
 
-def _diagnosis_context(fixture_meta: dict, replay_meta: dict, aligned: Aligned, dtypes) -> dict:
-    context = {"low_precision_dtype": profile_for(dtypes), "sampling": fixture_meta.get("sampling")}
+def diagnosis_context(
+    fixture: TokenTable, replay: TokenTable, aligned: Aligned, dtypes: list[str], judging: Judging
+) -> Context:
+    """What the diagnosis reads beside the logprobs, from both sides' records."""
+    fixture_meta, replay_meta = fixture.metadata, replay.metadata
     sides = (side_precision(fixture_meta), side_precision(replay_meta))
-    context["tf32_side"] = "float32+tf32" in sides
     reference = replay_meta.get("weight_version")
     multi_version = replay_meta.get("weights_store") is not None  # each token its own version
     if (
@@ -498,17 +557,34 @@ def _diagnosis_context(fixture_meta: dict, replay_meta: dict, aligned: Aligned, 
         and len(aligned.weight_versions)
     ):
         reference = _agreeing_version(aligned)
-    context["reference_weight_version"] = reference
     sampling = fixture_meta.get("sampling") or {}
     holds = str((fixture_meta.get("logprob_channels") or {}).get("rollout", ""))
     replay_temperature = (replay_meta.get("knobs") or {}).get("temperature", 1.0)
     rollout_temperature = sampling.get("temperature", 1.0) if holds.startswith("processed") else 1.0
+    hint = None
     if sampling and rollout_temperature != replay_temperature:
-        context["temperature_hint"] = (
+        hint = (
             f"the fixture's rollout channel holds {holds or 'unknown'} (sampling temperature "
             f"{sampling.get('temperature')}) and the replay applied temperature {replay_temperature}"
         )
-    return context
+    held = replay_meta.get("weights") or {}
+    calibrated = judging.floor is not None
+    return Context(
+        low_precision_dtype=profile_for(dtypes),
+        sampling=fixture_meta.get("sampling"),
+        tf32_side="float32+tf32" in sides,
+        reference_weight_version=reference,
+        temperature_hint=hint,
+        fixture_weights=(fixture_meta.get("model") or {}).get("weights_fingerprint"),
+        replay_weights=(replay_meta.get("model") or {}).get("weights_fingerprint"),
+        checkpoint_tensors=held.get("checkpoint_tensor_fingerprint"),
+        held_tensors=held.get("held_tensor_fingerprint"),
+        version_channels=aligned.version_channels,
+        **_lengths(fixture, aligned),
+        noise_expected=judging.floor.expected_mean if calibrated else None,
+        # the batch is beyond what precision gives at its size: precision cannot explain it
+        beyond_precision=calibrated and not judging.gate["passed"],
+    )
 
 
 def _present(**fields) -> dict:

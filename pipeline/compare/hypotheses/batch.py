@@ -42,6 +42,31 @@ LIKELY_LOGPROB = float(np.log(0.3))
 
 
 @dataclass
+class Context:
+    """What the rules read beside the logprobs: each side's records and, with a calibration,
+    the measured noise floor."""
+
+    low_precision_dtype: str = "float32"  # the profile of the two sides' precisions
+    sampling: dict | None = None  # the fixture's recorded sampling
+    tf32_side: bool = False
+    reference_weight_version: object = None  # the version the replay scored under
+    temperature_hint: str | None = None  # the rollout's processed temperature vs the replay's
+    fixture_weights: str | None = None  # weight fingerprints, each side's
+    replay_weights: str | None = None
+    checkpoint_tensors: str | None = None  # the replay engine's checkpoint vs held tensors
+    held_tensors: str | None = None
+    version_channels: dict | None = None
+    prompt_lengths: np.ndarray | None = None  # in the aligned order
+    sequence_lengths: np.ndarray | None = None
+    noise_expected: np.ndarray | None = None  # per token: the calibrated floor's mean |d|
+    beyond_precision: bool = False  # the batch fails the calibrated precision gate
+
+    @property
+    def weights_differ(self) -> bool:
+        return weights_evidence(self) is not None
+
+
+@dataclass
 class Batch:
     """What the rules see: signatures per sequence plus the batch's own records."""
 
@@ -53,7 +78,7 @@ class Batch:
     rollout: np.ndarray
     tau: float | np.ndarray  # a token drifts when |d| > tau: one value, or one per token
     versions: np.ndarray | None
-    context: dict
+    context: Context
 
     @property
     def drifting(self) -> np.ndarray:
@@ -77,13 +102,13 @@ class Batch:
     @property
     def calibrated(self) -> bool:
         """Whether a measured noise floor judges this batch (`lpx calibrate`)."""
-        return self.context.get("noise_expected") is not None
+        return self.context.noise_expected is not None
 
     @cached_property
     def noise_mean(self) -> np.ndarray:
         """Per sequence: the mean |d| precision alone gives its tokens (the calibrated floor),
         else the constant ceiling of the batch's lowest precision."""
-        expected = self.context.get("noise_expected")
+        expected = self.context.noise_expected
         if expected is None:
             constant = NUMERIC_CEILING.get(low_dtype(self), NUMERIC_CEILING["float32"])
             return np.full(len(self.ids), constant / CALIBRATED_CEILING)
@@ -91,15 +116,15 @@ class Batch:
         return segment_sum(np.asarray(expected, dtype=np.float64), self.offsets) / lengths
 
 
-def weights_evidence(context: dict) -> str | None:
+def weights_evidence(context: Context) -> str | None:
     """Why the two sides' weights differ, from fingerprints, or None when nothing says so."""
-    fixture_fp, replay_fp = context.get("fixture_weights"), context.get("replay_weights")
+    fixture_fp, replay_fp = context.fixture_weights, context.replay_weights
     if fixture_fp and replay_fp and fixture_fp != replay_fp:
         return (
             f"weights fingerprint differs: fixture {fixture_fp[:19]}... vs replay {replay_fp[:19]}...; "
             "the two sides hold different weights"
         )
-    checkpoint, held = context.get("checkpoint_tensors"), context.get("held_tensors")
+    checkpoint, held = context.checkpoint_tensors, context.held_tensors
     if checkpoint and held and checkpoint != held:
         return (
             f"the replay engine holds weights ({held[:19]}...) that differ from the checkpoint it "
@@ -209,12 +234,12 @@ def bias_score(sig: Signatures, which: np.ndarray) -> float:
 
 
 def low_dtype(batch: Batch) -> str:
-    return batch.context.get("low_precision_dtype", "float32")
+    return batch.context.low_precision_dtype
 
 
 def low_precision_side(batch: Batch) -> bool:
     """Whether a side computed in bf16, fp16 or with TF32 matmuls."""
-    return low_dtype(batch) != "float32" or bool(batch.context.get("tf32_side"))
+    return low_dtype(batch) != "float32" or batch.context.tf32_side
 
 
 def numeric_ceiling(batch: Batch) -> np.ndarray:
@@ -234,7 +259,7 @@ def flat_bad_diff(batch: Batch, which: np.ndarray) -> np.ndarray:
 
 
 def truncated_sampling(batch: Batch) -> bool:
-    sampling = batch.context.get("sampling") or {}
+    sampling = batch.context.sampling or {}
     return int(sampling.get("top_k") or 0) > 0 or float(sampling.get("top_p") or 1.0) < 1.0
 
 

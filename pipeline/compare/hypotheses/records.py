@@ -159,7 +159,7 @@ def precision_rounding_rule(batch: Batch, open_: np.ndarray):
 def claimed_version_rule(batch: Batch, open_: np.ndarray):
     """A multi-version replay scored sequences under the store's versions next to the ones
     they claim: tokens far closer to another version than to their own were served by it."""
-    channels = batch.context.get("version_channels")
+    channels = batch.context.version_channels
     if not channels or batch.versions is None:
         return
     misclaims = misclaimed_versions(
@@ -197,7 +197,7 @@ def claimed_version_rule(batch: Batch, open_: np.ndarray):
 def weight_version_rule(batch: Batch, open_: np.ndarray):
     """Recorded per-token weight versions: tokens sampled under another version than the
     batch's reference explain the drift on exactly those tokens."""
-    reference = batch.context.get("reference_weight_version")
+    reference = batch.context.reference_weight_version
     versions = batch.versions
     if versions is None or reference is None:
         return

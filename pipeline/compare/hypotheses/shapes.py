@@ -47,7 +47,7 @@ def sampling_rule(batch: Batch, open_: np.ndarray):
         return
     processed_higher_rollout = float(np.mean(d < 0))
     one_signed = max(processed_higher_rollout, 1 - processed_higher_rollout) >= ONE_SIGNED
-    sampling = batch.context.get("sampling") or {}
+    sampling = batch.context.sampling or {}
     temperature = float(sampling.get("temperature", 1.0) or 1.0)
     top_k = int(sampling.get("top_k", 0) or 0)
     top_p = float(sampling.get("top_p", 1.0) or 1.0)
@@ -66,7 +66,7 @@ def sampling_rule(batch: Batch, open_: np.ndarray):
             causes.append(
                 ("top_p", f"top-p {top_p:g} in the rollout's sampling; gap <= {bound:.3g} nats")
             )
-    elif fit and (temperature != 1.0 or batch.context.get("temperature_hint") or not sampling):
+    elif fit and (temperature != 1.0 or batch.context.temperature_hint or not sampling):
         causes.append((Cause.TEMPERATURE, fit[0]))
     elif one_signed and not sampling:
         if max_gap <= -np.log(0.5):
@@ -75,8 +75,8 @@ def sampling_rule(batch: Batch, open_: np.ndarray):
             )
         else:
             causes.append((Cause.TOP_K, f"gaps up to {max_gap:.3g} nats, beyond a top-p bound"))
-    elif batch.context.get("temperature_hint") and one_signed:
-        causes.append((Cause.TEMPERATURE, batch.context["temperature_hint"]))
+    elif batch.context.temperature_hint and one_signed:
+        causes.append((Cause.TEMPERATURE, batch.context.temperature_hint))
     if not causes:
         return
     claimed = candidates.copy()
@@ -311,7 +311,7 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
     uncalibrated_low = not batch.calibrated and low_precision_side(batch)
     # The precision gate failed: at this token count the batch's drift is beyond what
     # precision gives, so precision is no explanation, however small each sequence's drift.
-    beyond_gate = bool(batch.context.get("beyond_precision"))
+    beyond_gate = batch.context.beyond_precision
     beyond = (
         f"beyond what precision gives at {int(sig.tokens.sum())} tokens (the precision gate)"
         if beyond_gate
@@ -409,7 +409,7 @@ def from_start_rule(batch: Batch, open_: np.ndarray):
 
 def _fingerprints_said(batch: Batch) -> str:
     """What the weight fingerprints on file say, when the signature suspects the weights."""
-    fixture, replay = batch.context.get("fixture_weights"), batch.context.get("replay_weights")
+    fixture, replay = batch.context.fixture_weights, batch.context.replay_weights
     if fixture and replay:
         return "the weight fingerprints on file are equal"
     return "no weight fingerprint on file " + ("for the replay" if fixture else "for the rollout")
@@ -418,8 +418,8 @@ def _fingerprints_said(batch: Batch) -> str:
 def _context_findings(batch: Batch, open_, clean):
     """Some sequences drift from the start while others are clean at the noise floor:
     weights are shared by the batch, so it is each sequence's own input."""
-    prompt_lengths = batch.context.get("prompt_lengths")
-    lengths = batch.context.get("sequence_lengths")
+    prompt_lengths = batch.context.prompt_lengths
+    lengths = batch.context.sequence_lengths
     drift_ids = open_
     cause, why = Cause.MASK_PADDING, ""
     if prompt_lengths is not None and lengths is not None:
