@@ -262,3 +262,55 @@ def test_generation_defaults_are_recorded_and_said_where_the_sampling_leaves_the
         tmp_path / "o",
     )
     assert "generation_defaults" not in read_report(tmp_path / "o")
+
+
+def test_a_top_k_that_binds_on_a_few_flat_tokens_of_long_completions_is_found(
+    tiny_model, bf16_calibration, tmp_path
+):
+    """Qwen3's non-thinking defaults over 4 completions of 1,024 tokens: top-p 0.8 keeps
+    fewer than 20 tokens almost everywhere, so top-k 20 binds on a few flat tokens only, none
+    of them among the first 256 of the first sequence (where the search once looked: it
+    dropped top-k, and a constant fill of 0 was named instead). Judged against the
+    calibrated fp32 floor (~1e-6): the profile's constant floor is too coarse to need top-k."""
+    from pipeline.engines.base import SamplingParams
+    from pipeline.engines.hf_replay import HFScoringEngine
+    from pipeline.engines.hf_rollout import HFRolloutEngine
+
+    sampling = SamplingParams(max_tokens=1024, seed=0, samples_per_prompt=1, ignore_eos=True)
+    prompts = [[1, *range(10 + 7 * i, 26 + 9 * i)] for i in range(4)]  # bench/processing.py's
+    base = HFRolloutEngine().rollout(tiny_model, prompts, sampling, {})
+    table = generated_rollout(tiny_model, base, seed=5, temperature=0.7, top_k=20, top_p=0.8)
+    write_table(table, tmp_path / "fixture.parquet")
+    replay = HFScoringEngine().score(table, tiny_model, {"dtype": "float32"})
+    write_table(replay, tmp_path / "replay.parquet")
+    report = diagnosed(
+        tmp_path / "fixture.parquet",
+        tmp_path / "replay.parquet",
+        tmp_path / "d",
+        "--calibration",
+        bf16_calibration,
+    )
+    params = the_processing(report)
+    assert near(params["temperature"], 0.7) and params.get("top_k") == 20, params
+    assert params["top_p"] == 0.8, params
+
+
+def test_raw_logprobs_where_processed_are_declared_are_said(run_dir, tiny_model, tmp_path):
+    """The reverse: the fixture declares its rollout logprobs processed at temperature 0.7,
+    the replay applies that, and the rollout's are raw (the engine ignored the request)."""
+    from pipeline.engines.hf_replay import HFScoringEngine
+
+    fixture = read_table(run_dir / "fixture.parquet")
+    fixture.metadata = {
+        **fixture.metadata,
+        "sampling": {**fixture.metadata.get("sampling", {}), "temperature": 0.7},
+        "logprob_channels": {"rollout": "processed logprob of the sampled token"},
+    }
+    write_table(fixture, tmp_path / "fixture.parquet")
+    replay = HFScoringEngine().score(fixture, tiny_model, {"dtype": "float32", "temperature": 0.7})
+    write_table(replay, tmp_path / "replay.parquet")
+    report = diagnosed(tmp_path / "fixture.parquet", tmp_path / "replay.parquet", tmp_path / "d")
+    (finding,) = [f for f in report["diagnosis"] if f["severity"] == "fault"]
+    assert (finding["cause"], finding["status"]) == ("temperature", "verified"), finding
+    assert near(finding["details"]["verified_by"]["params"]["T"], 0.7), finding
+    assert "the engine returned raw logprobs where processed were declared" in finding["evidence"]

@@ -530,8 +530,26 @@ def describe(ref, found: Processing, side: str) -> dict:
             words.append("sampler processing")
         if side == "rollout" and not str(declared).startswith("processed"):
             words.append("in logprobs the fixture declares raw")
+    raw = raw_where_processed_declared(ref, side)
+    if raw:
+        words.append(raw)
     params["what"] = ", ".join(words) or "none"
     return params
+
+
+def raw_where_processed_declared(ref, side: str) -> str | None:
+    """The reverse of processed logprobs declared raw: the fixture declares its channel
+    processed, the replay applied that processing, and the rollout's logprobs are the raw
+    ones (the reproduction moved the replay side, not the rollout)."""
+    declared = str((ref.fixture.metadata.get("logprob_channels") or {}).get(ref.channel, ""))
+    if side != "replay" or not declared.startswith("processed"):
+        return None
+    return (
+        f"the fixture declares its {ref.channel} logprobs processed and the replay applied "
+        "that processing, but they are raw: the engine returned raw logprobs where processed "
+        "were declared (vLLM: logprobs_mode processed_logprobs; or declare them raw and "
+        "replay raw)"
+    )
 
 
 def _close(a, b) -> bool:

@@ -57,6 +57,13 @@ class Temperature(Family):
         t = float(np.exp(log_t))
         return with_settings(candidate, {"T": round(t, 5)}, temperature=t)
 
+    def finished(self, ref, finding: Finding, candidate: Candidate) -> Finding:
+        from pipeline.verify.families.processing import raw_where_processed_declared
+
+        side = (finding.details.get("verified_by") or {}).get("side", "")
+        raw = raw_where_processed_declared(ref, side)
+        return finding.but(evidence=f"{finding.evidence}; {raw}") if raw else finding
+
 
 def _at(base, t: float) -> Candidate:
     return with_settings(
