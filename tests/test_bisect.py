@@ -368,6 +368,14 @@ def test_bad_input_is_one_line_naming_what_to_fix_and_exit_2(tmp_path):
     assert full.exit_code == 2 and "exists and is not empty" in full.output
     nothing = run_lpx(*argv, "--out", tmp_path / "b", "--resume")
     assert nothing.exit_code == 2 and "no bisect.json there" in nothing.output
+    (tmp_path / "edited").mkdir()
+    (tmp_path / "edited" / "bisect.json").write_text(json.dumps({"lpx_bisect": 1, "runs": {}}))
+    edited = run_lpx(*argv, "--out", tmp_path / "edited", "--resume")
+    assert edited.exit_code == 2
+    assert f"{tmp_path / 'edited' / 'bisect.json'}: not a bisect.json as lpx writes it" in (
+        edited.output
+    )
+    assert "start a new bisect in a new --out" in edited.output
     mixed = run_lpx(*base[:4], "--bad", "image:x:1", "--pair", "hf-fp32", "--out", tmp_path / "c")
     assert mixed.exit_code == 2 and "bisect one kind" in mixed.output
 

@@ -316,3 +316,138 @@ def test_a_finding_keeps_a_cause_a_newer_lpx_names_and_the_fields_it_adds():
     assert written["lpx_3_section"] == {"a": 1}
     assert written["diagnosis"][0]["new_field"] == [1]
     assert written["metadata"] == json.loads(json.dumps(report["metadata"]))
+
+
+# -- bisect.json and the manifest's stages -------------------------------------------------
+
+
+def a_bisect(directory: Path, finished: bool = True):
+    """A bisect.json as `lpx bisect` builds it: a pip bisect with an answer, or one still
+    running (no result, no finished_at)."""
+    from pipeline.contracts import bisect as contract
+
+    runs = [
+        contract.ProbeRun(
+            build=f"pip:transformers==5.{19 + index}.0", index=index, attempt=0,
+            outcome=outcome, seconds=12.34, metrics={"mean_abs_diff": 1e-7, "tokens": 96},
+            message="", run_dir=f"probes/{index}/0",
+            environment={"installed": {"transformers": f"5.{19 + index}.0"}},
+        )
+        for index, outcome in enumerate(["good", "bad"])
+    ]  # fmt: skip
+    state = contract.BisectState(
+        lpx_bisect=contract.FORMAT, bisect_id="ab" * 16,
+        plan=contract.PlanOfBisect(name="nightly", path=str(directory / "plan.yaml")),
+        pair="hf-fp32", side="replay", runner="local",
+        good="pip:transformers==5.19.0", bad="5.20.0+gemma",
+        options=contract.SearchOptions(runs=1, reconfirm=0, retries=1),
+        judged_by=["policy"],
+        builds=[
+            contract.BuildOfBisect(
+                name="pip:transformers==5.19.0", kind="pip",
+                requirements=["transformers==5.19.0"],
+            ),
+            contract.BuildOfBisect(
+                name="5.20.0+gemma", kind="pip", requirements=["transformers==5.20.0"],
+                patch=str(directory / "gemma.patch"),
+            ),
+        ],
+        started_at="2026-03-01T03:00:00+00:00", runs=runs, result=None,
+    )  # fmt: skip
+    if finished:
+        state.result = contract.BisectResult(
+            first_bad="5.20.0+gemma", last_good="pip:transformers==5.19.0",
+            maybe_first_bad=[], stopped=None,
+            probes=[
+                contract.ProbedBuild(build=run.build, verdict=run.outcome, runs=[run.outcome])
+                for run in runs
+            ],
+            builds_probed=2, runs=2, flaky=[], errors=[],
+            changed=contract.Changed(
+                from_="pip:transformers==5.19.0", to="5.20.0+gemma",
+                packages={"transformers": ["5.19.0", "5.20.0"]},
+                patch=[None, str(directory / "gemma.patch")],
+            ),
+        )  # fmt: skip
+        state.finished_at = "2026-03-01T03:10:00+00:00"
+    return state
+
+
+def test_a_bisect_json_reads_back_as_it_was_written(tmp_path):
+    """Written by `lpx bisect`'s writer, read by `lpx record` and by --resume: the same
+    model back, and the same bytes when written again."""
+    from pipeline.bisect.run import _previous, _write
+    from pipeline.history.bisects import read_bisect
+
+    out = tmp_path / "bisect"
+    out.mkdir()
+    state = a_bisect(tmp_path)
+    _write(out, state)
+    text = (out / "bisect.json").read_text()
+    assert read_bisect(out).state == state
+    assert _previous(out, resume=True) == state
+    _write(out, _previous(out, resume=True))
+    assert (out / "bisect.json").read_text() == text
+    written = json.loads(text)
+    assert written["result"]["changed"]["from"] == "pip:transformers==5.19.0"
+    assert written["result"]["stopped"] is None  # a null the writer set is kept
+    assert "image" not in written["builds"][0]  # a field it never set stays out
+    running = a_bisect(tmp_path, finished=False)
+    _write(out, running)
+    written = json.loads((out / "bisect.json").read_text())
+    assert written["result"] is None and "finished_at" not in written
+    assert _previous(out, resume=True) == running
+
+
+@pytest.mark.parametrize(
+    "path, value, named",
+    [
+        ("runs.0.outcome", "maybe", "`runs[0].outcome`"),
+        ("result.runs", "2", "`result.runs`"),
+        ("result.changed.packages.transformers", ["5.19.0"], "`result.changed.packages"),
+        ("side", "left", "`side`"),
+    ],
+    ids=["outcome", "count-as-string", "half-a-change", "side"],
+)
+def test_a_malformed_bisect_json_is_refused_naming_the_file_and_field(tmp_path, path, value, named):
+    from pipeline.bisect.run import _write
+
+    out = tmp_path / "bisect"
+    out.mkdir()
+    _write(out, a_bisect(tmp_path))
+    state = json.loads((out / "bisect.json").read_text())
+    *parents, leaf = path.split(".")
+    node = state
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[leaf] = value
+    (out / "bisect.json").write_text(json.dumps(state))
+    error = one_error_line(lpx("record", out, "--db", tmp_path / "h.db"))
+    assert str(out / "bisect.json") in error and named in error
+    assert "not a bisect.json as lpx writes it" in error
+    assert not (tmp_path / "h.db").exists() or runs_in(tmp_path / "h.db") == []
+
+
+def test_the_contracts_name_the_values_their_writers_write():
+    """bisect.json's outcomes, verdicts and build kinds and lpx-run.json's stage statuses are
+    listed in the contracts and where they are made: the two lists must agree."""
+    from pipeline.bisect import builds, search
+    from pipeline.contracts import bisect, manifest
+    from pipeline.run_manifest import STAGE_STATUSES
+
+    assert set(bisect.OUTCOMES) == {search.GOOD, search.BAD, search.ERROR}
+    assert set(bisect.VERDICTS) == {search.GOOD, search.BAD, search.ERROR, search.FLAKY}
+    assert bisect.KINDS == builds.KINDS
+    assert manifest.STAGE_STATUSES == STAGE_STATUSES
+
+
+def test_a_stage_has_a_status_from_the_list():
+    from pydantic import ValidationError
+
+    from pipeline.contracts.manifest import RunManifest
+
+    stage = {"name": "compare", "status": "ok", "message": ""}
+    assert RunManifest.model_validate({"run_id": "r", "stages": [stage]}).stages == [stage]
+    for wrong in ({"name": "compare"}, {**stage, "status": "passed"}):
+        with pytest.raises(ValidationError, match="stages.0.status"):
+            RunManifest.model_validate({"run_id": "r", "stages": [wrong]})

@@ -16,18 +16,31 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import click
+from pydantic import ValidationError
 
 from pipeline.bisect import probe as probes
 from pipeline.bisect.builds import Build, between
 from pipeline.bisect.search import BAD, GOOD, RECONFIRM, RETRIES, RUNS, Answer, bisect
+from pipeline.contracts.bisect import (
+    FORMAT,
+    BisectResult,
+    BisectState,
+    BuildOfBisect,
+    Changed,
+    ImageOfBuild,
+    PlanOfBisect,
+    ProbedBuild,
+    ProbeRun,
+    SearchOptions,
+    as_written,
+)
 from pipeline.contracts.files import BISECT as FILE
+from pipeline.contracts.problems import describe
 from pipeline.environments import DEFAULT_BUILD
 from pipeline.errors import BadInput
 from pipeline.orchestrator.plan import load_plan
 from pipeline.orchestrator.runners import make_runner
 from pipeline.paths import output_lock, write_text_atomic
-
-FORMAT = 1
 
 
 def run_bisect(
@@ -47,29 +60,29 @@ def run_bisect(
     reconfirm: int = RECONFIRM,
     retries: int = RETRIES,
     db: str | None = None,
-) -> dict:
+) -> BisectState:
     plan = probes.pair_plan(load_plan(plan_path), pair)
     by_series = SeriesJudge(db) if db else None
     builds = between(good, bad, builds_file, wheelhouse, source)
     out = Path(out).resolve()
     previous = _previous(out, resume)
-    state = {
-        "lpx_bisect": FORMAT,
-        "bisect_id": previous["bisect_id"] if previous else uuid.uuid4().hex,
-        "plan": {"name": plan.name, "path": str(Path(plan_path).resolve())},
-        "pair": pair,
-        "side": side,
-        "runner": runner_name,
-        "good": good,
-        "bad": bad,
-        "options": {"runs": runs, "reconfirm": reconfirm, "retries": retries},
-        "judged_by": ["policy", "series"] if db else ["policy"],
-        "builds": [b.describe() for b in builds],
-        "started_at": previous["started_at"] if previous else _now(),
-        "runs": previous["runs"] if previous else [],
-        "result": None,
-    }
-    if previous and previous["builds"] != state["builds"]:
+    state = BisectState(
+        lpx_bisect=FORMAT,
+        bisect_id=previous.bisect_id if previous else uuid.uuid4().hex,
+        plan=PlanOfBisect(name=plan.name, path=str(Path(plan_path).resolve())),
+        pair=pair,
+        side=side,
+        runner=runner_name,
+        good=good,
+        bad=bad,
+        options=SearchOptions(runs=runs, reconfirm=reconfirm, retries=retries),
+        judged_by=["policy", "series"] if db else ["policy"],
+        builds=[BuildOfBisect(**b.describe()) for b in builds],
+        started_at=previous.started_at if previous else _now(),
+        runs=previous.runs if previous else [],
+        result=None,
+    )
+    if previous and previous.builds != state.builds:
         raise BadInput(
             f"--resume {out}: its bisect.json lists other builds than this command; resume "
             "with the same --good, --bad and --builds, or start in a new --out."
@@ -86,9 +99,9 @@ def run_bisect(
 
         def run(index: int, attempt: int) -> str:
             build = builds[index]
-            done = _stored(state["runs"], build.name, attempt)
+            done = _stored(state.runs, build.name, attempt)
             if done is not None:
-                return done["outcome"]
+                return done.outcome
             if index not in prepared:
                 log = out / "logs" / f"build-{_slug(build.name)}.log"
                 prepared[index] = probes.prepare(build, wheelhouse, source, command, log)
@@ -103,23 +116,23 @@ def run_bisect(
                     result.message = "inside the policy, outside the series' band: " + "; ".join(
                         outside
                     )
-            state["runs"].append(
-                {
-                    "build": build.name,
-                    "index": index,
-                    "attempt": attempt,
-                    "outcome": result.outcome,
-                    "seconds": round(result.seconds, 2),
-                    "metrics": result.metrics,
-                    "message": result.message,
-                    "run_dir": str(run_dir.relative_to(out)),
-                    "environment": prepared[index].description,
-                }
+            state.runs.append(
+                ProbeRun(
+                    build=build.name,
+                    index=index,
+                    attempt=attempt,
+                    outcome=result.outcome,
+                    seconds=round(result.seconds, 2),
+                    metrics=result.metrics,
+                    message=result.message,
+                    run_dir=str(run_dir.relative_to(out)),
+                    environment=prepared[index].description,
+                )
             )
             _write(out, state)
             said = f": {result.message}" if result.message else ""
             click.echo(
-                f"[{len(state['runs'])}] {build.name} run {attempt + 1}: {result.outcome} "
+                f"[{len(state.runs)}] {build.name} run {attempt + 1}: {result.outcome} "
                 f"in {result.seconds:.1f} s{said}",
                 err=True,
             )
@@ -127,10 +140,10 @@ def run_bisect(
 
         answer = bisect(len(builds), run, runs, reconfirm, retries)
         # a build prepared in an earlier process (resumed) is described by its stored runs
-        described = {r["build"]: r["environment"] for r in state["runs"] if r.get("environment")}
+        described = {r.build: r.environment for r in state.runs if r.environment}
         described |= {builds[i].name: p.description for i, p in prepared.items()}
-        state["result"] = _result(answer, builds, described, source)
-        state["finished_at"] = _now()
+        state.result = _result(answer, builds, described, source)
+        state.finished_at = _now()
         _write(out, state)
     return state
 
@@ -156,55 +169,57 @@ class SeriesJudge:
         return outside_bands(tracked_metrics(report), self.bands[series])
 
 
-def _result(answer: Answer, builds: list[Build], described: dict, source: Path | None) -> dict:
+def _result(
+    answer: Answer, builds: list[Build], described: dict, source: Path | None
+) -> BisectResult:
     def name(index: int | None) -> str | None:
         return None if index is None else builds[index].name
 
     probed = [
-        {
-            "build": builds[i].name,
-            "verdict": answer.judged[i].verdict,
-            "runs": answer.judged[i].runs,
-        }
+        ProbedBuild(
+            build=builds[i].name,
+            verdict=answer.judged[i].verdict,
+            runs=answer.judged[i].runs,
+        )
         for i in answer.order
     ]
-    result = {
-        "first_bad": name(answer.first_bad),
-        "last_good": name(answer.last_good),
-        "maybe_first_bad": [name(i) for i in answer.skipped],
-        "stopped": answer.stopped,
-        "probes": probed,
-        "builds_probed": len(answer.order),
-        "runs": sum(len(j.runs) for j in answer.judged.values()),
-        "flaky": [builds[i].name for i, j in answer.judged.items() if j.verdict == "flaky"],
-        "errors": [builds[i].name for i, j in answer.judged.items() if j.verdict == "error"],
-    }
+    result = BisectResult(
+        first_bad=name(answer.first_bad),
+        last_good=name(answer.last_good),
+        maybe_first_bad=[name(i) for i in answer.skipped],
+        stopped=answer.stopped,
+        probes=probed,
+        builds_probed=len(answer.order),
+        runs=sum(len(j.runs) for j in answer.judged.values()),
+        flaky=[builds[i].name for i, j in answer.judged.items() if j.verdict == "flaky"],
+        errors=[builds[i].name for i, j in answer.judged.items() if j.verdict == "error"],
+    )
     if answer.first_bad is not None:
-        result["changed"] = _changed(
+        result.changed = _changed(
             builds[answer.last_good], builds[answer.first_bad], described, source
         )
     return result
 
 
-def _changed(good: Build, bad: Build, described: dict, source: Path | None) -> dict:
+def _changed(good: Build, bad: Build, described: dict, source: Path | None) -> Changed:
     """What differs between the last good build and the first bad one: package versions and
     patches, image digests, or the commits between two revisions."""
-    said: dict = {"from": good.name, "to": bad.name}
+    said = Changed(from_=good.name, to=bad.name)
     if good.kind == "pip":
         old = _versions(described.get(good.name, {}))
         new = _versions(described.get(bad.name, {}))
-        said["packages"] = {
+        said.packages = {
             name: [old.get(name), new.get(name)]
             for name in sorted(set(old) | set(new))
             if old.get(name) != new.get(name)
         }
         if good.patch != bad.patch:
-            said["patch"] = [
+            said.patch = [
                 str(good.patch) if good.patch else None,
                 str(bad.patch) if bad.patch else None,
             ]
     elif good.kind == "image":
-        said["images"] = [_image_of(good.image), _image_of(bad.image)]
+        said.images = [_image_of(good.image), _image_of(bad.image)]
     elif source is not None:
         log = subprocess.run(
             [
@@ -219,7 +234,7 @@ def _changed(good: Build, bad: Build, described: dict, source: Path | None) -> d
             capture_output=True,
             text=True,
         )
-        said["commits"] = log.stdout.splitlines()
+        said.commits = log.stdout.splitlines()
     return said
 
 
@@ -228,51 +243,58 @@ def _versions(description: dict) -> dict:
     return {**description.get("installed", {}), **description.get("versions", {})}
 
 
-def _image_of(reference: str) -> dict:
+def _image_of(reference: str) -> ImageOfBuild:
     try:
         from pipeline.orchestrator.stages import Stage
 
         found = make_runner("docker").image(Stage("bisect", [], [], image=reference))
-        return {"ref": reference, "digest": found["digest"]}
+        return ImageOfBuild(ref=reference, digest=found["digest"])
     except BadInput:
-        return {"ref": reference, "digest": None}
+        return ImageOfBuild(ref=reference, digest=None)
 
 
-def summary(state: dict) -> str:
+def summary(state: BisectState) -> str:
     """What the bisect found, for the terminal."""
-    result = state["result"]
-    lines = [f"bisect {state['bisect_id'][:12]}: {state['pair']} of plan {state['plan']['name']}"]
-    for row in result["probes"]:
-        lines.append(f"  {row['verdict']:>6}  {row['build']}  ({', '.join(row['runs'])})")
-    if result["stopped"]:
-        lines.append(f"no answer: {result['stopped']}")
+    result = state.result
+    lines = [f"bisect {state.bisect_id[:12]}: {state.pair} of plan {state.plan.name}"]
+    for row in result.probes:
+        lines.append(f"  {row.verdict:>6}  {row.build}  ({', '.join(row.runs)})")
+    if result.stopped:
+        lines.append(f"no answer: {result.stopped}")
         return "\n".join(lines)
-    lines.append(f"last good: {result['last_good']}")
-    lines.append(f"first bad: {result['first_bad']}")
-    if result["maybe_first_bad"]:
+    lines.append(f"last good: {result.last_good}")
+    lines.append(f"first bad: {result.first_bad}")
+    if result.maybe_first_bad:
         lines.append(
             "  (builds between them could not be judged: the first bad is one of "
-            f"{', '.join(result['maybe_first_bad'] + [result['first_bad']])})"
+            f"{', '.join(result.maybe_first_bad + [result.first_bad])})"
         )
-    changed = result.get("changed", {})
-    for package, (old, new) in changed.get("packages", {}).items():
-        lines.append(f"  changed: {package} {old} -> {new}")
-    for commit in changed.get("commits", [])[:20]:
-        lines.append(f"  commit: {commit}")
-    lines.append(f"{result['runs']} runs over {result['builds_probed']} builds")
+    if result.changed is not None:
+        for package, (old, new) in (result.changed.packages or {}).items():
+            lines.append(f"  changed: {package} {old} -> {new}")
+        for commit in (result.changed.commits or [])[:20]:
+            lines.append(f"  commit: {commit}")
+    lines.append(f"{result.runs} runs over {result.builds_probed} builds")
     return "\n".join(lines)
 
 
-def _previous(out: Path, resume: bool) -> dict | None:
+def _previous(out: Path, resume: bool) -> BisectState | None:
     path = out / FILE
     if resume:
         if not path.is_file():
             raise BadInput(f"--resume {out}: no {FILE} there; resume a bisect lpx started.")
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
+            state = json.loads(path.read_text(encoding="utf-8"))
         except ValueError as error:
             raise BadInput(
                 f"{path}: not valid JSON ({error}); start a new bisect in a new --out."
+            ) from None
+        try:
+            return BisectState.model_validate(state)
+        except ValidationError as error:
+            raise BadInput(
+                f"{path}: not a bisect.json as lpx writes it: {describe(error, count=3)}; "
+                "start a new bisect in a new --out."
             ) from None
     if out.exists() and any(out.iterdir()):
         raise BadInput(
@@ -282,12 +304,12 @@ def _previous(out: Path, resume: bool) -> dict | None:
     return None
 
 
-def _stored(runs: list[dict], build: str, attempt: int) -> dict | None:
-    return next((r for r in runs if r["build"] == build and r["attempt"] == attempt), None)
+def _stored(runs: list[ProbeRun], build: str, attempt: int) -> ProbeRun | None:
+    return next((r for r in runs if r.build == build and r.attempt == attempt), None)
 
 
-def _write(out: Path, state: dict) -> None:
-    write_text_atomic(out / FILE, json.dumps(state, indent=1) + "\n")
+def _write(out: Path, state: BisectState) -> None:
+    write_text_atomic(out / FILE, json.dumps(as_written(state), indent=1) + "\n")
 
 
 def _slug(name: str) -> str:

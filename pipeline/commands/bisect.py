@@ -141,4 +141,4 @@ def bisect(
     )
     click.echo(summary(state))
     click.echo(f"bisect: {Path(out) / 'bisect.json'}")
-    sys.exit(1 if state["result"]["stopped"] else 0)
+    sys.exit(1 if state.result.stopped else 0)

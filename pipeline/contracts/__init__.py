@@ -9,6 +9,7 @@ report can import them:
 - `report.py`: report.json (metrics, sequences, worst tokens, findings, the policy's verdict);
 - `manifest.py`: lpx-run.json, as `lpx record` reads it;
 - `localize.py`: localize.json;
+- `bisect.py`: bisect.json, as `lpx bisect` writes it and `lpx record` reads it;
 - `problems.py`: a validation error said the way lpx says bad input.
 
 A field lpx does not know is kept (a newer lpx may write more); a field it reads is held to a

@@ -13,6 +13,7 @@ from pipeline.contracts.base import OPEN, Open
 from pipeline.contracts.report import Testbed
 
 RUN_STATUSES = ("running", "pass", "fail", "error")
+STAGE_STATUSES = ("ok", "fail", "error")  # pipeline/run_manifest.py checks the same list
 
 
 @with_config(OPEN)
@@ -24,6 +25,7 @@ class StageImage(TypedDict, total=False):
 @with_config(OPEN)
 class Stage(TypedDict, total=False):
     name: Required[str]
+    status: Required[Literal[STAGE_STATUSES]]
     message: str | None
     outputs: list | None
     image: StageImage | None

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from pipeline.contracts.bisect import BisectState, as_written
 from pipeline.contracts.files import BISECT as FILE
 from pipeline.contracts.files import MANIFEST, REPORT
+from pipeline.contracts.problems import describe
 from pipeline.db.models import Alert, Bisect, Case, MetricValue, Series
 from pipeline.errors import BadInput
 from pipeline.history import keys
@@ -28,47 +32,61 @@ def is_bisect(directory: Path) -> bool:
     return (Path(directory) / FILE).is_file() and not (Path(directory) / MANIFEST).is_file()
 
 
-def read_bisect(directory: Path) -> dict:
+@dataclass(frozen=True)
+class FinishedBisect:
+    """A finished bisect.json and the series it belongs to."""
+
+    state: BisectState
+    series: dict[str, str]  # case_key, rollout_engine, replay_engine; {} without a report
+
+
+def read_bisect(directory: Path) -> FinishedBisect:
     """bisect.json with the series it belongs to; a bisect still running is refused."""
     path = Path(directory) / FILE
     try:
-        state = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise BadInput(f"{path}: not readable JSON ({error}); record a bisect lpx wrote.") from None
-    if not isinstance(state, dict) or "bisect_id" not in state:
+    if not isinstance(data, dict) or "bisect_id" not in data:
         raise BadInput(f"{path}: not an lpx bisect (no bisect_id).")
-    if not state.get("result"):
+    try:
+        state = BisectState.model_validate(data)
+    except ValidationError as error:
+        raise BadInput(
+            f"{path}: not a bisect.json as lpx writes it: {describe(error, count=3)}; record "
+            "the bisect.json lpx bisect wrote, unedited, or run the bisect again."
+        ) from None
+    if state.result is None:
         raise BadInput(
             f"{path}: the bisect has not finished; finish it (lpx bisect ... --out "
             f"{directory} --resume), then record it."
         )
-    state["series"] = _series_of(Path(directory), state)
-    return state
+    return FinishedBisect(state, _series_of(Path(directory), state))
 
 
-def record_bisect(session: Session, directory: Path, state: dict) -> bool:
+def record_bisect(session: Session, directory: Path, found: FinishedBisect) -> bool:
     """Store one bisect; False when it is stored already (recording twice changes nothing)."""
-    if session.scalar(select(Bisect.id).where(Bisect.bisect_id == state["bisect_id"])):
+    state, series = found.state, found.series
+    if session.scalar(select(Bisect.id).where(Bisect.bisect_id == state.bisect_id)):
         return False
-    result, series = state["result"], state["series"]
-    finished = state.get("finished_at")
+    result, finished = state.result, state.finished_at
     session.add(
         Bisect(
-            bisect_id=state["bisect_id"],
+            bisect_id=state.bisect_id,
             case_key=series.get("case_key"),
             rollout_engine=series.get("rollout_engine"),
             replay_engine=series.get("replay_engine"),
-            plan=state["plan"]["name"],
-            pair=state["pair"],
-            side=state["side"],
-            good=state["good"],
-            bad=state["bad"],
-            first_bad=result.get("first_bad"),
-            last_good=result.get("last_good"),
-            stopped=result.get("stopped"),
-            runs=int(result.get("runs") or 0),
+            plan=state.plan.name,
+            pair=state.pair,
+            side=state.side,
+            good=state.good,
+            bad=state.bad,
+            first_bad=result.first_bad,
+            last_good=result.last_good,
+            stopped=result.stopped,
+            runs=result.runs,
             path=str(Path(directory).resolve()),
-            result=result,
+            result=as_written(result),
             finished_at=datetime.fromisoformat(finished).replace(tzinfo=None) if finished else None,
         )
     )
@@ -105,10 +123,10 @@ def bisects_by_series(session: Session) -> dict[tuple, list[dict]]:
     return found
 
 
-def _series_of(directory: Path, state: dict) -> dict:
+def _series_of(directory: Path, state: BisectState) -> dict[str, str]:
     """The case key and engines of the first probe run that wrote a report."""
-    for run in state.get("runs", []):
-        report_path = directory / run["run_dir"] / "compare" / REPORT
+    for run in state.runs:
+        report_path = directory / run.run_dir / "compare" / REPORT
         try:
             report = json.loads(report_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
