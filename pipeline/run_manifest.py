@@ -17,13 +17,13 @@ from pathlib import Path
 
 from pipeline import __version__
 from pipeline.contracts.files import MANIFEST
+from pipeline.contracts.manifest import STAGE_STATUSES
 from pipeline.errors import BadInput
 from pipeline.paths import write_text_atomic
 from pipeline.testbed import describe_testbed
 
 MANIFEST_VERSION = 1
 RUN_KINDS = ("nightly", "smoke", "manual")
-STAGE_STATUSES = ("ok", "fail", "error")
 
 
 def utc_now() -> str:

@@ -27,8 +27,6 @@ from pipeline.orchestrator.runners import LocalRunner, StageFailed, make_runner
 from pipeline.orchestrator.stages import COMPARE, LOGS, PROMPTS, expand
 from pipeline.run_manifest import new_manifest, write_manifest
 
-SIDES = ("replay", "rollout", "both")
-
 
 @dataclass
 class Prepared:

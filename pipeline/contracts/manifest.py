@@ -13,7 +13,7 @@ from pipeline.contracts.base import OPEN, Open
 from pipeline.contracts.report import Testbed
 
 RUN_STATUSES = ("running", "pass", "fail", "error")
-STAGE_STATUSES = ("ok", "fail", "error")  # pipeline/run_manifest.py checks the same list
+STAGE_STATUSES = ("ok", "fail", "error")  # how a stage ended (pipeline/run_manifest.py)
 
 
 @with_config(OPEN)
