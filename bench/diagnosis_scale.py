@@ -168,13 +168,18 @@ def scale_setup(name: str, work: Path) -> dict:
     return setup
 
 
+# Processing that truncates the distribution: a token it excludes cannot be injected into a
+# rollout sampled without it (bench/processing.py samples these with the processing on).
+TRUNCATING = {"min_p", "generation_defaults"}
+
+
 def cases(fixture, rng):
     """(kinds, sequence choices, onset) for every kind, two pairs of faults, and a sampling
     fault in one request."""
     ids = list(fixture.sequence_ids)
     shortest = min(len(fixture.completion_of(i)) for i in range(len(ids)))
     for kind in [*FAULTS, *DATA_FAULTS]:
-        if kind in SAMPLED:
+        if kind in SAMPLED or kind in TRUNCATING:
             continue
         chosen = (
             "all"

@@ -211,7 +211,7 @@ def run_compare(
     from pipeline.compare.matrix import render_matrix, write_matrix
     from pipeline.compare.outputs import render_summary, retract_verdicts, write_outputs
     from pipeline.compare.policy import load_policy
-    from pipeline.compare.run import compare_tables
+    from pipeline.compare.run import CompareOptions, compare_tables
     from pipeline.fixture.io import read_table
     from pipeline.verify import needs_verifying, verify_report
 
@@ -241,11 +241,7 @@ def run_compare(
             calibration_mismatch = check_calibration(
                 fixture.metadata, fixture_path, calibration, source, allow_calibration_mismatch
             )
-        comparison = compare_tables(
-            fixture,
-            replay,
-            fixture_path,
-            replay_path,
+        options = CompareOptions(
             policy=policy,
             profile=profile,
             channel=channel,
@@ -255,6 +251,7 @@ def run_compare(
             calibration_source=source,
             exact=exact,
         )
+        comparison = compare_tables(fixture, replay, fixture_path, replay_path, options)
         if calibration_mismatch:
             comparison.report.calibration["mismatch_allowed"] = calibration_mismatch
         if needs_verifying(comparison.report.diagnosis):
