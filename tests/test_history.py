@@ -229,6 +229,27 @@ def queries_runs(url):
     return rows
 
 
+def test_record_stores_the_reports_parts_as_written(history_url, tmp_path):
+    """The run page shows a side's sampling and the findings as report.json wrote them: not
+    in the contract's key order, and without the defaults its validation fills in."""
+    finding = {"severity": "fault", "cause": "stale_weights", "evidence": "other weights"}
+    report = pair_report(verdict="fail", findings=[finding])
+    sampling = {"top_p": 0.9, "temperature": 0.7, "seed": 3}
+    report["metadata"]["fixture"]["sampling"] = sampling
+    run = write_run(tmp_path / "run", {"vllm-hf": report}, started_at=START)
+    record(history_url, run)
+    history = open_history(history_url)
+    with history.read() as session:
+        comparison = session.scalar(select(Comparison))
+        manifest = session.scalar(select(Run.manifest))
+    history.dispose()
+    assert comparison.findings == [finding]
+    assert list(comparison.findings[0]) == ["severity", "cause", "evidence"]
+    shown = comparison.details["reproduce"]["fixture"]["sampling"]
+    assert list(shown.items()) == list(sampling.items())
+    assert list(manifest)[:2] == ["lpx_run", "run_id"]
+
+
 def test_matrix_outputs_record_each_pair_once(history_url, tmp_path):
     run = tmp_path / "matrix"
     for i, (engine, tp) in enumerate((("hf", 1), ("megatron", 2))):

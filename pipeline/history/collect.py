@@ -1,8 +1,13 @@
-"""Read a run directory into plain data for the history: its manifest, its compare outputs
-(single pairs and matrices) and the stages that did not finish.
+"""Read a run directory for the history: its manifest and its compare outputs (single pairs
+and matrices) as their contracts' models, and the stages that did not finish.
 
 Nothing here touches the database, so a broken directory is refused (BadInput, exit 2)
 before any transaction starts.
+
+Each file is validated once and kept as its model with the values the file wrote
+(``_as_written``): validation hands back every TypedDict part in its declared key order
+and fills in a finding's defaults, while the history stores those parts verbatim and run
+pages show them as written (a side's sampling and layout, the findings).
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ import os
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 import orjson
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from pipeline.contracts.files import LOCALIZE as LOCALIZE_FILE
 from pipeline.contracts.files import LOCALIZE_DIR, REPORT, SUMMARY, TOKENS
-from pipeline.contracts.manifest import RunManifest
+from pipeline.contracts.manifest import RunManifest, Stage
 from pipeline.contracts.problems import INT64_MAX, describe
 from pipeline.contracts.report import Report, contradictions
 from pipeline.errors import BadInput
@@ -30,6 +36,9 @@ from pipeline.testbed import describe_testbed
 
 COMPARE_PARTS = (TOKENS, SUMMARY)  # written before report.json
 MAX_DEPTH = 4
+Model = TypeVar("Model", bound=BaseModel)
+# What a run directory without lpx-run.json says of itself: nothing (every field unset).
+NO_MANIFEST = RunManifest.model_construct(run_id="")
 
 
 @dataclass
@@ -37,8 +46,9 @@ class PairInput:
     """One finished comparison: a single-pair report.json and the files beside it."""
 
     pair: str  # its directory relative to the run directory
-    report: dict  # as the file has it, unknown fields included
-    checked: Report  # the same, validated (pipeline/contracts/report.py)
+    # validated (pipeline/contracts/report.py), its values as written: `diagnosis` holds the
+    # findings as the file's dicts, unknown fields included
+    report: Report
     report_path: Path
     tokens_path: Path | None
     # localize/localize.json beside the report, checked (contracts/localize.py)
@@ -62,8 +72,10 @@ class RunInput:
     lpx_revision: str
     testbed: dict
     pairs: list[PairInput]
+    manifest: RunManifest  # lpx-run.json, validated (NO_MANIFEST without one)
     errors: list[dict] = field(default_factory=list)
-    manifest: dict = field(default_factory=dict)
+    # what runs.manifest stores: lpx-run.json as written ({} without one), with ``testbed``
+    stored_manifest: dict = field(default_factory=dict)
     calibration: dict | None = None  # the run's calibration.json, kept for later nights
 
 
@@ -77,17 +89,10 @@ def collect_run(
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise BadInput(f"{run_dir}: no such run directory; pass the --out of lpx smoke/compare.")
-    manifest = read_manifest(run_dir)
-    if manifest is not None:
-        try:
-            RunManifest.model_validate(manifest)
-        except ValidationError as error:
-            raise BadInput(
-                f"{run_dir / MANIFEST}: {describe(error, count=3)}; fix or delete it to record "
-                "the run from its reports alone. Nothing was recorded."
-            ) from None
+    written = read_manifest(run_dir)
+    manifest = NO_MANIFEST if written is None else _checked_manifest(written, run_dir / MANIFEST)
     pairs, unfinished = _find_reports(run_dir)
-    stages = (manifest or {}).get("stages", [])
+    stages = manifest.stages or []
     errors = [
         {"stage": stage.get("name", "?"), "message": stage.get("message", "")}
         for stage in stages
@@ -107,9 +112,9 @@ def collect_run(
             "contradicts itself is an error run, never a pass (rerun `lpx compare`)",
         }
         for p in pairs
-        if (found := contradictions(p.checked))
+        if (found := contradictions(p.report))
     ]
-    if manifest is not None and manifest.get("status") == "running":
+    if manifest.status == "running":
         errors.append({"stage": "run", "message": "the run never finished (manifest says running)"})
     if error:
         errors.append({"stage": "run", "message": error})
@@ -119,48 +124,61 @@ def collect_run(
             f"{MANIFEST}); run `lpx compare ... --out {run_dir}/compare` first, or record a "
             "failed run with --error MESSAGE."
         )
-    manifest = manifest or {}
-    kind = kind or manifest.get("kind") or "manual"
+    kind = kind or manifest.kind or "manual"
     if kind not in RUN_KINDS:
         raise BadInput(f"--kind {kind!r}: use one of {', '.join(RUN_KINDS)}.")
     testbed = dict(
-        manifest.get("testbed")
-        or (pairs[0].report["metadata"].get("testbed") if pairs else None)
+        manifest.testbed
+        or (pairs[0].report.metadata.get("testbed") if pairs else None)
         or describe_testbed()
     )
     if testbed_name:
         testbed["name"] = testbed_name
     reports = [p.report_path for p in pairs]
     started, ended = _times(manifest, run_dir, reports)
-    first = pairs[0].report["metadata"] if pairs else {}
+    first = pairs[0].report.metadata if pairs else {}
     versions = ((first.get("replay") or {}).get("engine") or {}).get("versions") or {}
     status = (
-        "error"
-        if errors
-        else "fail"
-        if any(p.report["verdict"] != "pass" for p in pairs)
-        else "pass"
+        "error" if errors else "fail" if any(p.report.verdict != "pass" for p in pairs) else "pass"
     )
     return RunInput(
         run_dir=run_dir,
         key=_run_key(manifest, pairs, errors, run_dir),
         kind=kind,
         status=status,
-        trigger=trigger or manifest.get("trigger") or "manual",
+        trigger=trigger or manifest.trigger or "manual",
         started_at=started,
         ended_at=ended,
-        command_line=str(manifest.get("command_line") or first.get("command_line") or ""),
-        lpx_version=str(manifest.get("lpx_version") or versions.get("lpx") or "unknown"),
-        lpx_revision=str(manifest.get("lpx_revision") or "unknown"),
+        command_line=str(manifest.command_line or first.get("command_line") or ""),
+        lpx_version=str(manifest.lpx_version or versions.get("lpx") or "unknown"),
+        lpx_revision=str(manifest.lpx_revision or "unknown"),
         testbed=testbed,
         pairs=pairs,
         errors=errors,
         manifest=manifest,
+        stored_manifest={**(written or {}), "testbed": testbed},
         calibration=_calibration(run_dir),
     )
 
 
-def _attach_localize(run_dir: Path, pair: PairInput, stage: dict | None) -> list[dict]:
+def _checked_manifest(written: dict, path: Path) -> RunManifest:
+    try:
+        RunManifest.model_validate(written)
+    except ValidationError as error:
+        raise BadInput(
+            f"{path}: {describe(error, count=3)}; fix or delete it to record the run from its "
+            "reports alone. Nothing was recorded."
+        ) from None
+    return _as_written(RunManifest, written)
+
+
+def _as_written(model: type[Model], validated: dict) -> Model:
+    """``validated`` (a file's JSON that ``model`` has just accepted) held as ``model``, every
+    value as the file wrote it; unknown fields are kept as extras."""
+    return model.model_construct(**validated)
+
+
+def _attach_localize(run_dir: Path, pair: PairInput, stage: Stage | None) -> list[dict]:
     """Give ``pair`` its localize.json (refused when malformed); a self-contradicting one is
     left out and returned as an error, so the run is an error run. Without a file, the
     pair's lpx run stage says whether it errored or was skipped."""
@@ -209,15 +227,14 @@ def _find_reports(run_dir: Path) -> tuple[list[PairInput], list[Path]]:
     for directory in sorted(_walk(run_dir)):
         report_path = directory / REPORT
         if report_path.is_file():
-            report, checked = _load_report(report_path)
-            if checked is None:
+            report = _load_report(report_path)
+            if report is None:
                 continue  # a matrix: its pairs are single reports in subdirectories
             tokens = directory / TOKENS
             pairs.append(
                 PairInput(
                     pair=str(directory.relative_to(run_dir)) if directory != run_dir else ".",
                     report=report,
-                    checked=checked,
                     report_path=report_path,
                     tokens_path=tokens if tokens.is_file() else None,
                 )
@@ -244,8 +261,8 @@ def _walk(root: Path, depth: int = 0):
         yield from _walk(child, depth + 1)
 
 
-def _load_report(path: Path) -> tuple[dict, Report | None]:
-    """The report as the file has it and as the model reads it (None for a matrix)."""
+def _load_report(path: Path) -> Report | None:
+    """The report, validated and held as written (None for a matrix)."""
     try:
         report = _parse_json(path.read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -256,16 +273,16 @@ def _load_report(path: Path) -> tuple[dict, Report | None]:
     if not isinstance(report, dict):
         raise BadInput(f"{path}: a report must be a JSON object; nothing was recorded.")
     if "pairs" in report:
-        return report, None
+        return None
     try:
-        checked = Report.model_validate(report)
+        Report.model_validate(report)
     except ValidationError as error:
         raise BadInput(
             f"{path}: not an lpx compare report as `lpx record` reads it: "
             f"{describe(error, count=3)}. Rerun `lpx compare` for this directory (or fix the "
             "file); nothing was recorded."
         ) from None
-    return report, checked
+    return _as_written(Report, report)
 
 
 def _parse_json(data: bytes):
@@ -288,11 +305,13 @@ def _constant(name: str) -> float:
     return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[name]
 
 
-def _run_key(manifest: dict, pairs: list[PairInput], errors: list[dict], run_dir: Path) -> str:
+def _run_key(
+    manifest: RunManifest, pairs: list[PairInput], errors: list[dict], run_dir: Path
+) -> str:
     """The manifest's run id, else a digest of the reports: recording the same outputs twice
     is one run."""
-    if manifest.get("run_id"):
-        return hashlib.sha256(f"run:{manifest['run_id']}".encode()).hexdigest()
+    if manifest.run_id:
+        return hashlib.sha256(f"run:{manifest.run_id}".encode()).hexdigest()
     digest = hashlib.sha256(b"reports:")
     for pair in pairs:
         digest.update(pair.pair.encode() + b"\0" + pair.report_path.read_bytes() + b"\0")
@@ -302,9 +321,11 @@ def _run_key(manifest: dict, pairs: list[PairInput], errors: list[dict], run_dir
     return digest.hexdigest()
 
 
-def _times(manifest: dict, run_dir: Path, reports: list[Path]) -> tuple[datetime, datetime | None]:
-    started = _parse_time(manifest.get("started_at"), run_dir / MANIFEST)
-    ended = _parse_time(manifest.get("ended_at"), run_dir / MANIFEST)
+def _times(
+    manifest: RunManifest, run_dir: Path, reports: list[Path]
+) -> tuple[datetime, datetime | None]:
+    started = _parse_time(manifest.started_at, run_dir / MANIFEST)
+    ended = _parse_time(manifest.ended_at, run_dir / MANIFEST)
     if started is None:
         # No manifest: the run started with its oldest file and ended with its last report.
         files = [p for p in run_dir.rglob("*") if p.is_file()] or [run_dir]

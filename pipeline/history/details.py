@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.compare.drift_map import drift_map
+from pipeline.contracts.report import ModelInfo, Report, Side, WorstToken
 from pipeline.fingerprint import tokenizer_fingerprint
 
 SEQUENCE_ROWS = 200  # per-sequence metric rows kept, worst first
@@ -23,36 +24,39 @@ CONTEXT_TOKENS = 6  # tokens of left context decoded with each worst token
 _TOKENIZER_LOCK = threading.Lock()
 
 
-def comparison_details(report: dict, tokens_path: Path | None, tokenizers: dict) -> dict:
-    meta = report.get("metadata") or {}
-    fixture, replay = meta.get("fixture") or {}, meta.get("replay") or {}
-    heatmap = report.get("drift_map")
+def comparison_details(report: Report, tokens_path: Path | None, tokenizers: dict) -> dict:
+    """The run page's view of one comparison, as the JSON the comparison row stores (the
+    report's own parts, as it wrote them, under the page's names)."""
+    meta = report.metadata
+    fixture, replay = meta["fixture"], meta["replay"]
+    heatmap = report.drift_map
+    worst = report.worst or []
     tokens = None
-    if heatmap is None or not _has_context(report):  # an older report: read its token table
+    if heatmap is None or not _has_context(worst):  # an older report: read its token table
         tokens = _read_tokens(tokens_path)
         if heatmap is None and tokens is not None:
-            heatmap = _drift_map_from_tokens(tokens, (report.get("policy") or {}).get("tau"))
+            heatmap = _drift_map_from_tokens(tokens, report.policy.get("tau"))
     tokenizer = _tokenizer(fixture.get("model") or {}, tokenizers)
     sequences = sorted(
-        (row for row in report.get("sequences") or [] if isinstance(row, dict)),
+        (row for row in report.sequences or [] if isinstance(row, dict)),
         key=lambda row: -_number(row.get("max_abs_diff")),
     )
     return {
-        "worst": [_decoded(row, tokens, tokenizer) for row in report.get("worst") or []],
-        "diagnosis": report.get("diagnosis") or [],
+        "worst": [_decoded(row, tokens, tokenizer) for row in worst],
+        "diagnosis": report.diagnosis or [],
         # whether compare re-scored the findings, or why not: the run page says so beside them
-        "verification": report.get("verification") or {},
-        "policy": report.get("policy") or {},
+        "verification": report.verification or {},
+        "policy": report.policy,
         "sequences": sequences[:SEQUENCE_ROWS],
         "sequence_count": len(sequences),
         "heatmap": heatmap,
         "by_region": {
             name: _scalars(values)
-            for name, values in ((report.get("metrics") or {}).get("by_region") or {}).items()
+            for name, values in (report.metrics.get("by_region") or {}).items()
             if name != "completion" and isinstance(values, dict)
         },
-        "routing": report.get("routing") if isinstance(report.get("routing"), dict) else None,
-        "kl_input_drift": _scalars((report.get("metrics") or {}).get("kl_input_drift") or {}),
+        "routing": report.routing,
+        "kl_input_drift": _scalars(report.metrics.get("kl_input_drift") or {}),
         "decoded": tokenizer is not None,
         "reproduce": {
             "command_line": meta.get("command_line", ""),
@@ -62,7 +66,7 @@ def comparison_details(report: dict, tokens_path: Path | None, tokenizers: dict)
     }
 
 
-def _side(side: dict) -> dict:
+def _side(side: Side) -> dict:
     model = side.get("model") or {}
     engine = side.get("engine") or {}
     return {
@@ -116,7 +120,7 @@ def _categories(column) -> tuple[np.ndarray, np.ndarray]:
     return np.unique(np.asarray(column.to_pylist(), dtype=object), return_inverse=True)
 
 
-def _tokenizer(model: dict, cache: dict):
+def _tokenizer(model: ModelInfo, cache: dict):
     """The fixture's tokenizer when its files are still there and match the fingerprint."""
     path = model.get("path")
     if not path:
@@ -125,7 +129,7 @@ def _tokenizer(model: dict, cache: dict):
         return _load_tokenizer(path, model, cache)
 
 
-def _load_tokenizer(path: str, model: dict, cache: dict):
+def _load_tokenizer(path: str, model: ModelInfo, cache: dict):
     if path not in cache:
         cache[path] = None
         tokenizer_file = Path(path) / "tokenizer.json"
@@ -142,7 +146,7 @@ def _load_tokenizer(path: str, model: dict, cache: dict):
     return cache[path]
 
 
-def _decoded(row: dict, tokens: dict | None, tokenizer) -> dict:
+def _decoded(row: WorstToken, tokens: dict | None, tokenizer) -> dict:
     row = dict(row)
     if tokenizer is None:
         return row
@@ -177,8 +181,7 @@ def _drift_map_from_tokens(tokens: dict, tau) -> dict | None:
     )
 
 
-def _has_context(report: dict) -> bool:
-    worst = report.get("worst") or []
+def _has_context(worst: list[WorstToken]) -> bool:
     return not worst or all(isinstance(row, dict) and "context_ids" in row for row in worst)
 
 

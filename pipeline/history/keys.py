@@ -1,8 +1,9 @@
 """What identifies a case, a series, an engine build and a testbed, read from a report.
 
-Pure functions of report.json's metadata. A series key = case + engine pair by name +
-testbed and deliberately leaves out engine versions, images and drivers: those are the
-engine builds, and a change in them is a point on the series, not a new series.
+Pure functions of report.json's metadata (``Metadata``, pipeline/contracts/report.py). A
+series key = case + engine pair by name + testbed and deliberately leaves out engine
+versions, images and drivers: those are the engine builds, and a change in them is a point
+on the series, not a new series.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import hashlib
 
 import orjson
+
+from pipeline.contracts.manifest import StageImage
+from pipeline.contracts.report import Metadata, Side
 
 # The package that carries each engine's own version in metadata.engine.versions.
 ENGINE_VERSION_KEYS = {"hf": "transformers", "fsdp": "torch", "http": "server"}
@@ -23,18 +27,18 @@ def digest(value) -> str:
     return hashlib.sha256(text).hexdigest()
 
 
-def engine_name(side: dict) -> str:
+def engine_name(side: Side) -> str:
     return str((side.get("engine") or {}).get("name") or "unknown")
 
 
-def engine_version(side: dict) -> str:
+def engine_version(side: Side) -> str:
     engine = side.get("engine") or {}
     versions = engine.get("versions") or {}
     name = engine_name(side)
     return str(versions.get(name) or versions.get(ENGINE_VERSION_KEYS.get(name, "")) or "unknown")
 
 
-def build_description(side: dict, image: dict | None = None) -> dict:
+def build_description(side: Side, image: StageImage | None = None) -> dict:
     """One side's engine build: version, image (when containerised) and the stack under it."""
     versions = (side.get("engine") or {}).get("versions") or {}
     image = image or {}
@@ -54,15 +58,14 @@ def _version(value) -> str | None:
     return None if value is None else str(value)
 
 
-def case_description(report: dict, label: str | None = None) -> dict:
+def describe_case(metadata: Metadata, label: str | None = None) -> dict:
     """Model, prompt set, channel, dtypes, knobs and parallel layout of one comparison.
 
     With a ``label`` (a plan's name for the comparison) the knobs are recorded but left out
     of the key, so a knob that an engine upgrade reads back differently stays on the series
     and shows up in the attribution instead of starting a new series.
     """
-    meta = report.get("metadata") or {}
-    fixture, replay = meta.get("fixture") or {}, meta.get("replay") or {}
+    fixture, replay = metadata.get("fixture") or {}, metadata.get("replay") or {}
     model = fixture.get("model") or {}
     sampling = {
         k: v for k, v in (fixture.get("sampling") or {}).items() if k not in SAMPLING_NOT_IN_CASE
@@ -84,6 +87,11 @@ def case_description(report: dict, label: str | None = None) -> dict:
         },
         "layout": layout,
     }
+
+
+def case_description(report: dict, label: str | None = None) -> dict:
+    """``describe_case`` of a report read as plain JSON (a bisect probe's report.json)."""
+    return describe_case(report.get("metadata") or {}, label)
 
 
 def case_key(case: dict) -> str:

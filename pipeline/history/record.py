@@ -18,6 +18,8 @@ from operator import itemgetter
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
+from pipeline.contracts.manifest import RunManifest, StageImage
+from pipeline.contracts.report import Side
 from pipeline.db.models import (
     Case,
     Comparison,
@@ -128,10 +130,14 @@ def _gc_skips_the_runs() -> Iterator[None]:
 
 
 def tracked_metrics(report: dict) -> dict[str, float | None]:
-    """The report's scalar metrics (completion region, plus prompt.* when scored), with
+    """``tracked_values`` of a report read as plain JSON (a bisect probe's report.json)."""
+    return tracked_values(report.get("metrics") or {})
+
+
+def tracked_values(metrics: dict) -> dict[str, float | None]:
+    """A report's scalar metrics (completion region, plus prompt.* when scored), with
     non-finite values as None (SQLite cannot store NaN; detection treats None as a
     violation)."""
-    metrics = report.get("metrics") or {}
     values = {}
     prompt = (metrics.get("by_region") or {}).get("prompt") or {}
     for prefix, region in (("", metrics), ("prompt.", prompt)):
@@ -189,7 +195,7 @@ class _Recorder:
                 run_dir=str(run.run_dir),
                 testbed_id=testbed.id,
                 errors=run.errors,
-                manifest={**run.manifest, "testbed": run.testbed},
+                manifest=run.stored_manifest,
             ),
         ).scalar_one()
         if run.calibration is not None:
@@ -234,12 +240,13 @@ class _Recorder:
 
     def _describe(self, run: RunInput, testbed: Testbed) -> list[_Pair]:
         images = _stage_images(run.manifest)
-        labels = run.manifest.get("cases") or {}
+        # a plan's names for its comparisons (docs/history.md); not a field of RunManifest
+        labels = (run.manifest.model_extra or {}).get("cases") or {}
         pairs = []
         for pair in run.pairs:
-            meta = pair.report["metadata"]
+            meta = pair.report.metadata
             fixture, replay = meta["fixture"], meta["replay"]
-            case = keys.case_description(pair.report, labels.get(pair.pair))
+            case = keys.describe_case(meta, labels.get(pair.pair))
             case_key = keys.case_key(case)
             series_key = keys.series_key(
                 case_key, keys.engine_name(fixture), keys.engine_name(replay), testbed.key
@@ -289,7 +296,7 @@ class _Recorder:
             self.session.flush()
 
     def _new_series(self, p: _Pair, testbed: Testbed) -> Series:
-        meta = p.pair.report["metadata"]
+        meta = p.pair.report.metadata
         rollout, replay = keys.engine_name(meta["fixture"]), keys.engine_name(meta["replay"])
         return Series(
             key=p.series_key,
@@ -303,8 +310,8 @@ class _Recorder:
 
     def _comparison(self, run_id: int, run: RunInput, p: _Pair) -> dict:
         report = p.pair.report
-        fixture = report["metadata"]["fixture"]
-        policy = report.get("policy") or {}
+        fixture = report.metadata["fixture"]
+        policy = report.policy
         return dict(
             run_id=run_id,
             series_id=self.cache[(Series, p.series_key)].id,
@@ -312,15 +319,13 @@ class _Recorder:
             pair=p.pair.pair,
             rollout_build_id=self.cache[(EngineBuild, p.rollout_build_key)].id,
             replay_build_id=self.cache[(EngineBuild, p.replay_build_key)].id,
-            verdict=report["verdict"],
+            verdict=report.verdict,
             profile=str(policy.get("profile", "")),
             tau=_finite(policy.get("tau")) or 0.0,
-            tokens=_int32(
-                (report.get("metrics") or {}).get("tokens") or 0, "metrics.tokens", p.pair
-            ),
-            sequences=len(report.get("sequences") or []),
+            tokens=_int32(report.metrics.get("tokens") or 0, "metrics.tokens", p.pair),
+            sequences=len(report.sequences or []),
             seed=(fixture.get("sampling") or {}).get("seed"),
-            findings=report.get("diagnosis") or [],
+            findings=report.diagnosis or [],
             violations=policy.get("violations") or [],
             details=comparison_details(report, p.pair.tokens_path, self.tokenizers),
             **_localize_columns(p.pair),
@@ -348,11 +353,10 @@ class _Recorder:
             comparison["verdict"],
             comparison["tau"],
             run.status == "error",
-            tracked_metrics(p.pair.report),
+            tracked_values(p.pair.report.metrics),
             comparison["violations"],
             failing_claims(
-                (p.pair.report.get("policy") or {}).get("failing_findings") or [],
-                p.pair.report.get("diagnosis"),
+                p.pair.report.policy.get("failing_findings") or [], p.pair.report.diagnosis
             ),
         )
         return series, point
@@ -513,10 +517,10 @@ def _bound(session: Session, column, value):
     return processor(value) if processor else value
 
 
-def _stage_images(manifest: dict) -> dict:
+def _stage_images(manifest: RunManifest) -> dict[str, StageImage]:
     """Output path -> {ref, digest} from the manifest's containerised stages."""
     images = {}
-    for stage in manifest.get("stages") or []:
+    for stage in manifest.stages or []:
         image = stage.get("image")
         if isinstance(image, dict):
             for output in stage.get("outputs") or []:
@@ -525,7 +529,7 @@ def _stage_images(manifest: dict) -> dict:
     return images
 
 
-def _image(images: dict, side: dict) -> dict | None:
+def _image(images: dict[str, StageImage], side: Side) -> StageImage | None:
     path = str(side.get("path") or "")
     return images.get(path) or images.get(path.rstrip("/").rsplit("/", 1)[-1])
 
