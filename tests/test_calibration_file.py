@@ -8,9 +8,16 @@ import copy
 import json
 import math
 
+import numpy as np
 import pytest
 
-from pipeline.compare.calibration_file import read_calibration, validate_calibration
+from pipeline.compare.calibrated import token_tau
+from pipeline.compare.calibration_file import (
+    as_calibration,
+    load_calibration,
+    read_calibration,
+    validate_calibration,
+)
 from pipeline.errors import BadInput
 from tests.fuzzing import synthetic_calibration
 
@@ -114,9 +121,10 @@ def test_a_damaged_calibration_is_refused_naming_the_file_and_the_field(tmp_path
 def test_a_file_that_is_no_calibration_of_this_format_is_refused(tmp_path, text, message):
     path = tmp_path / "c.json"
     path.write_text(text)
-    with pytest.raises(BadInput) as refused:
-        read_calibration(path)
-    assert refused.value.format_message().startswith(f"{path}{message}")
+    for reader in (read_calibration, load_calibration):  # the dict as read, or its model
+        with pytest.raises(BadInput) as refused:
+            reader(path)
+        assert refused.value.format_message().startswith(f"{path}{message}")
 
 
 def test_an_unreadable_calibration_names_the_file(tmp_path):
@@ -134,3 +142,23 @@ def test_a_hostile_key_is_shown_on_one_visible_line(tmp_path):
         validate_calibration(calibration, "c.json")
     message = refused.value.format_message()
     assert "\n" not in message and "\x1b" not in message and "\\x1b[2J" in message
+
+
+def test_a_calibration_given_as_a_dict_is_checked_as_the_file_is_and_judges_alike():
+    """Bench scripts give compare_tables, verify_report and token_tau the dict json.loads
+    read: it is checked into the model once, naming where it came from."""
+    calibration = synthetic_calibration()
+    model = as_calibration(calibration, "bench")
+    assert as_calibration(model) is model and as_calibration(None) is None
+    logprobs, positions = -np.linspace(0.001, 6.0, 40), np.arange(40)
+    tau = token_tau(calibration, PAIR, logprobs, positions)
+    assert np.array_equal(tau, token_tau(model, PAIR, logprobs, positions))
+    assert tau.min() > 0 and tau.max() > tau.min()  # bucketed: not one constant
+    damaged = _with(lambda c: _cell(c).update(n=0))
+    with pytest.raises(BadInput) as refused:
+        as_calibration(damaged, "bench")
+    assert refused.value.format_message().startswith(
+        "bench: not a calibration lpx can judge with: `pairs.bfloat16|float32.all.n`"
+    )
+    with pytest.raises(BadInput, match="^the calibration given: not an lpx calibration"):
+        as_calibration({"pairs": {}})

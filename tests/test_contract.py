@@ -451,3 +451,27 @@ def test_a_stage_has_a_status_from_the_list():
     for wrong in ({"name": "compare"}, {**stage, "status": "passed"}):
         with pytest.raises(ValidationError, match="stages.0.status"):
             RunManifest.model_validate({"run_id": "r", "stages": [wrong]})
+
+
+def test_a_calibration_json_reads_back_as_it_was_written(tmp_path):
+    """Written by `lpx calibrate`'s writer (the model dumped), read back by compare's reader:
+    the same model back, and the same bytes as the writer's dict gave before it was a model
+    (field order, whole position edges, unknown fields after the known, no default added)."""
+    from pipeline.compare.calibration_file import as_calibration, load_calibration
+    from pipeline.contracts.calibration import Calibration, calibration_text
+    from tests.fuzzing import synthetic_calibration
+
+    written = synthetic_calibration(precisions=("bfloat16", "float16", "float32"))
+    written["allowed_mismatches"] = {"model": {"allowed": True}}  # unknown to the model
+    del written["timing_s"]  # a default the writer was not given stays out
+    calibration = Calibration.model_validate(written)
+    path = tmp_path / "calibration.json"
+    path.write_text(calibration_text(calibration))
+    assert path.read_text() == json.dumps(written, indent=1) + "\n"
+    assert load_calibration(path) == calibration
+    assert calibration_text(load_calibration(path)) == path.read_text()
+    assert as_calibration(json.loads(path.read_text()), path) == calibration
+    floor = load_calibration(path).pairs["bfloat16|float32"]
+    assert floor.position_edges[:2] == [0, 16] and type(floor.position_edges[1]) is int
+    unkeyed = Calibration.model_validate({**written, "key": {}})  # verification's, keyed=False
+    assert json.loads(calibration_text(unkeyed))["key"] == {}

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -82,7 +81,7 @@ def calibrate(
     from pipeline.belonging import check_model
     from pipeline.calibrate.run import CALIBRATION_FILE
     from pipeline.calibrate.run import calibrate as run_calibration
-    from pipeline.contracts.calibration import Calibration
+    from pipeline.contracts.calibration import Calibration, calibration_text
     from pipeline.engines.model_dir import check_model_dir
     from pipeline.errors import BadInput
     from pipeline.fixture.io import read_table, validate_table
@@ -147,14 +146,14 @@ def calibrate(
                 store_calibration(session, result)
     if mismatch is not None:
         result = {**result, "allowed_mismatches": {"model": mismatch}}
-    Calibration.model_validate(result)  # as compare will read it (a writer's bug fails here)
-    write_text_atomic(out_path, json.dumps(result, indent=1) + "\n")
+    calibration = Calibration.model_validate(result)  # as compare reads it: a writer's bug fails
+    write_text_atomic(out_path, calibration_text(calibration))
     means = ", ".join(
-        f"{pair} mean |d| {floor['all']['mean']:.3g} (q999 {floor['all']['q999']:.3g})"
-        for pair, floor in result["pairs"].items()
+        f"{pair} mean |d| {floor.all.mean:.3g} (q999 {floor.all.q999:.3g})"
+        for pair, floor in calibration.pairs.items()
     )
     click.echo(
-        f"calibration: {result['sequences']} sequences, {result['tokens']} tokens; {means} "
+        f"calibration: {calibration.sequences} sequences, {calibration.tokens} tokens; {means} "
         f"-> {out_path}"
     )
 

@@ -17,7 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 # a calibration is read and checked by its model (contracts/calibration.py); compare reads it here
-from pipeline.compare.calibration_file import CALIBRATION_FORMAT, read_calibration
+from pipeline.compare.calibration_file import (
+    CALIBRATION_FORMAT,
+    Calibration,
+    as_calibration,
+    read_calibration,
+)
 from pipeline.compare.floor import expect
 from pipeline.compare.noise_test import ALPHA, noise_limits, precision_gate
 from pipeline.contracts.files import CALIBRATION as CALIBRATION_FILE
@@ -28,9 +33,11 @@ __all__ = [
     "TAU_MARGIN",
     "TF32",
     "Calibrated",
+    "as_calibration",
     "calibrated_judging",
     "effective_limits",
     "expected_mean_abs",
+    "floor_table",
     "pair_key",
     "read_calibration",
     "side_precision",
@@ -70,23 +77,26 @@ def pair_key(a: str, b: str) -> str:
     return "|".join(sorted((a, b)))
 
 
-def usable(calibration: dict | None, fixture_meta: dict, replay_meta: dict) -> tuple[str, str]:
+def usable(
+    calibration: Calibration | dict | None, fixture_meta: dict, replay_meta: dict
+) -> tuple[str, str]:
     """(pair key, "") when the calibration covers this comparison, else ("", why not)."""
+    calibration = as_calibration(calibration)
     if calibration is None:
         return "", "no calibration given or found beside the replay (lpx calibrate)"
     # whether its weights are the fixture's is checked where it is read (pipeline.belonging):
     # a mismatch is refused, or allowed on purpose and recorded
     pair = pair_key(side_precision(fixture_meta), side_precision(replay_meta))
-    if pair not in calibration["pairs"]:
+    if pair not in calibration.pairs:
         return "", (
-            f"the calibration measured {', '.join(sorted(calibration['pairs']))}, not {pair}; "
+            f"the calibration measured {', '.join(sorted(calibration.pairs))}, not {pair}; "
             "calibrate with both sides' dtypes (lpx calibrate --dtype)"
         )
     return pair, ""
 
 
 def calibrated_judging(
-    calibration: dict,
+    calibration: Calibration | dict,
     pair: str,
     reference_logprob,
     positions,
@@ -100,12 +110,14 @@ def calibrated_judging(
 
     ``reference_logprob`` buckets each token by surprisal (the replay's logprob), as the
     calibration bucketed its samples by the fp32 reference."""
-    floor = calibration["pairs"][pair]
+    calibration = as_calibration(calibration)
+    floor = calibration.pairs[pair]
+    table = floor_table(calibration, pair)
     surprisal = -np.asarray(reference_logprob, dtype=np.float64)
-    expected = expect(floor, surprisal, positions)
+    expected = expect(table, surprisal, positions)
     tau = TAU_MARGIN * np.maximum(expected["q999"], 1e-12)
-    gate = precision_gate(floor, abs_diff, surprisal, positions, offsets, tau, alpha)
-    under_noise, limits = noise_limits(floor, expected, offsets, alpha)
+    gate = precision_gate(table, abs_diff, surprisal, positions, offsets, tau, alpha)
+    under_noise, limits = noise_limits(table, expected, offsets, alpha)
     return Calibrated(
         pair=pair,
         tau=tau,
@@ -117,12 +129,12 @@ def calibrated_judging(
             "used": True,
             "source": source,
             "pair": pair,
-            "created_at": calibration.get("created_at"),
-            "key": calibration.get("key"),
-            "calibration_tokens": floor.get("tokens"),
+            "created_at": calibration.created_at,
+            "key": calibration.key.model_dump(exclude_unset=True),
+            "calibration_tokens": floor.tokens,
             "compared_tokens": int(len(surprisal)),
-            "spread": floor.get("spread"),
-            "design": floor.get("design"),
+            "spread": floor.spread,
+            "design": floor.design.model_dump(exclude_unset=True),
             "expected_under_noise": under_noise,
             "false_alarm_rate": alpha,
             "tau_margin": TAU_MARGIN,
@@ -130,17 +142,27 @@ def calibrated_judging(
     )
 
 
-def token_tau(calibration: dict, pair: str, reference_logprob, positions) -> np.ndarray:
+def token_tau(
+    calibration: Calibration | dict, pair: str, reference_logprob, positions
+) -> np.ndarray:
     """Per token: the |d| beyond which it drifts past precision (TAU_MARGIN x its q999)."""
     surprisal = -np.asarray(reference_logprob, dtype=np.float64)
-    q999 = expect(calibration["pairs"][pair], surprisal, positions)["q999"]
+    q999 = expect(floor_table(calibration, pair), surprisal, positions)["q999"]
     return TAU_MARGIN * np.maximum(q999, 1e-12)
 
 
-def expected_mean_abs(calibration: dict, pair: str, reference_logprob, positions) -> np.ndarray:
+def expected_mean_abs(
+    calibration: Calibration | dict, pair: str, reference_logprob, positions
+) -> np.ndarray:
     """Per token: the mean |d| precision alone gives it under this pair's floor."""
     surprisal = -np.asarray(reference_logprob, dtype=np.float64)
-    return expect(calibration["pairs"][pair], surprisal, positions)["mean"]
+    return expect(floor_table(calibration, pair), surprisal, positions)["mean"]
+
+
+def floor_table(calibration: Calibration | dict, pair: str) -> dict:
+    """One pair's floor as floor.py and noise_test.py take it: a dict, as the file wrote it
+    (unknown fields kept, no default added)."""
+    return as_calibration(calibration).pairs[pair].model_dump(exclude_unset=True)
 
 
 def effective_limits(profile_limits: dict, calibrated: dict, user_policy: bool) -> dict:

@@ -11,6 +11,7 @@ import numpy as np
 
 from pipeline.compare.align import Aligned, Region, align
 from pipeline.compare.calibrated import (
+    as_calibration,
     calibrated_judging,
     effective_limits,
     side_precision,
@@ -199,13 +200,15 @@ def judged_against(
 ) -> Judging:
     """The calibrated floor where the calibration covers both sides' precisions, else the
     profile's constants (and why)."""
-    pair, why_not = usable(options.calibration, fixture.metadata, replay.metadata)
+    # checked once here: bench scripts and tests give the dict json.loads read
+    calibration = as_calibration(options.calibration, options.calibration_source)
+    pair, why_not = usable(calibration, fixture.metadata, replay.metadata)
     if not pair:
         note = {"used": False, "reason": why_not, "judged_by": "the profile's constants"}
         return Judging(tau, None, None, note)
     region = aligned.completion
     floor = calibrated_judging(
-        options.calibration,
+        calibration,
         pair,
         region.train,
         region.positions,

@@ -2,16 +2,23 @@
 one model. Types, ranges, finite values and monotone quantiles are held: a NaN quantile
 compares false with every |d| and a negative one makes every token drift, and either could
 end as a PASS. Fields lpx does not know are kept: a newer `lpx calibrate` may write more (the
-format number says when an old reader must refuse). Floors: compare/floor.py."""
+format number says when an old reader must refuse). Floors: compare/floor.py.
+
+`lpx calibrate` writes the model with `calibration_text`: fields in the order declared here,
+the unknown ones after them, and no default it was not given, so the model holds the file as
+written and gives its bytes back."""
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
     StringConstraints,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     model_validator,
 )
 
@@ -24,11 +31,21 @@ PRECISIONS = ("float32", "bfloat16", "float16", "float32+tf32")
 RELATIVE_SLACK = 1e-9
 COUNT_MAX = 2**63 - 1  # counts go into the history's integer columns
 
+
+def _whole_kept(value: Any, check: ValidatorFunctionWrapHandler) -> Any:
+    """A whole number stays an int: a strict float field accepts 16 but holds 16.0, and the
+    model dumped would say 16.0 where the file said 16 (position edges are whole numbers)."""
+    checked = check(value)
+    return value if type(value) is int else checked
+
+
+AsWritten = WrapValidator(_whole_kept)
 Count = Annotated[int, Field(ge=1, le=COUNT_MAX)]
 Tally = Annotated[int, Field(ge=0, le=COUNT_MAX)]
-Magnitude = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # |d| and its moments
-Signed = Annotated[float, Field(allow_inf_nan=False)]
-Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Magnitude = Annotated[float, Field(ge=0, allow_inf_nan=False), AsWritten]  # |d|, its moments
+Signed = Annotated[float, Field(allow_inf_nan=False), AsWritten]
+Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False), AsWritten]
+AtLeastOne = Annotated[float, Field(ge=1, allow_inf_nan=False), AsWritten]
 Name = Annotated[str, StringConstraints(min_length=1)]
 PairKey = Annotated[str, StringConstraints(pattern=r"^[^|]+\|[^|]+$")]
 
@@ -75,8 +92,8 @@ class Design(Open):
     icc_tail: Fraction
     sequences: Count
     mean_length: Magnitude
-    design_effect: Annotated[float, Field(ge=1, allow_inf_nan=False)]
-    design_effect_tail: Annotated[float, Field(ge=1, allow_inf_nan=False)]
+    design_effect: AtLeastOne
+    design_effect_tail: AtLeastOne
 
 
 class TauExceedance(Open):
@@ -98,7 +115,10 @@ class Floor(Open):
     cells: dict[str, Cell]
     surprisal_edges: Annotated[list[Magnitude], Field(min_length=1)]
     position_edges: Annotated[list[Magnitude], Field(min_length=1)]
-    spread: Annotated[float, Field(ge=1 - RELATIVE_SLACK, allow_inf_nan=False)]
+    spread: Annotated[float, Field(ge=1 - RELATIVE_SLACK, allow_inf_nan=False), AsWritten]
+    # fit_pair's widest over narrowest wide variant; declared for its place in the file, and
+    # as loosely as the unknown field it was (a type would refuse files read today)
+    allowance: Any = None
     variant_means: dict[Name, Magnitude]
     variants: Count
     fitted_on: Annotated[list[Name], Field(min_length=1)]
@@ -165,6 +185,12 @@ class Calibration(Open):
             if a > b:  # compare looks pairs up by their sorted names (calibrated.pair_key)
                 raise ValueError(f"`pairs.{key}`: must name its precisions in order, {b}|{a}")
         return self
+
+
+def calibration_text(calibration: Calibration) -> str:
+    """calibration.json's text: the fields as given (none of the defaults added), indented
+    by one space."""
+    return json.dumps(calibration.model_dump(exclude_unset=True), indent=1) + "\n"
 
 
 def _ordered(low: float, high: float, message: str) -> None:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.compare.calibrated import expected_mean_abs, pair_key
+from pipeline.compare.calibrated import as_calibration, expected_mean_abs, pair_key
 from pipeline.compare.hypotheses.batch import NUMERIC_CEILING
+from pipeline.contracts.calibration import Calibration
 from pipeline.contracts.report import Finding
 from pipeline.faults import FaultSettings, rescore
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
@@ -27,7 +28,7 @@ class Reference:
         replay: TokenTable,
         model_dir: Path,
         channel: str = "rollout",
-        calibration: dict | None = None,
+        calibration: Calibration | dict | None = None,
         device: str = "auto",
         model=None,
         weights_store: Path | None = None,
@@ -39,7 +40,7 @@ class Reference:
         self.fixture, self.replay, self.channel = fixture, replay, channel
         self.say = say
         self.model_dir = Path(model_dir)
-        self.calibration = calibration
+        self.calibration = as_calibration(calibration)  # verify_report's callers give dicts
         self.device = resolve_device(device)
         self.model = model or load_model(Path(model_dir), "float32", device=self.device)
         set_tf32(self.device, False)
@@ -112,7 +113,7 @@ class Reference:
         constant for the less precise one."""
         pair = pair_key(*precisions)
         lengths = [len(r) for r in reference]
-        if self.calibration and pair in self.calibration.get("pairs", {}):
+        if self.calibration is not None and pair in self.calibration.pairs:
             offsets = np.concatenate([[0], np.cumsum(lengths)])
             means = expected_mean_abs(
                 self.calibration, pair, np.concatenate(reference), np.concatenate(positions)
