@@ -314,3 +314,30 @@ def test_raw_logprobs_where_processed_are_declared_are_said(run_dir, tiny_model,
     assert (finding["cause"], finding["status"]) == ("temperature", "verified"), finding
     assert near(finding["details"]["verified_by"]["params"]["T"], 0.7), finding
     assert "the engine returned raw logprobs where processed were declared" in finding["evidence"]
+
+
+def test_a_logit_bias_in_a_few_sequences_under_bf16_noise_is_found(
+    run_dir, tiny_model, bf16_calibration, tmp_path
+):
+    """`lpx inject`'s logit bias (+2 on the four commonest tokens of the sequences it is put
+    in) in 3 of 16 sequences, against the bf16 replay: the linearised candidates alone put
+    the bias on wrong tokens (the scale zoo's miss); tried one token a step, the four."""
+    from pipeline.faults.inject import inject_fault
+
+    fixture = read_table(run_dir / "fixture.parquet")
+    chosen = [fixture.sequence_ids[i] for i in (1, 6, 11)]
+    faulted = inject_fault(fixture, "logit_bias", chosen, 0, tiny_model)
+    write_table(faulted, tmp_path / "fixture.parquet")
+    report = diagnosed(
+        tmp_path / "fixture.parquet",
+        run_dir / "replay-bfloat16.parquet",
+        tmp_path / "d",
+        "--calibration",
+        bf16_calibration,
+    )
+    params = the_processing(report)
+    rows = [list(fixture.sequence_ids).index(s) for s in chosen]
+    tokens = np.concatenate([fixture.completion_of(r) for r in rows]).astype(np.int64)
+    put_on = set(np.argsort(-np.bincount(tokens), kind="stable")[:4].tolist())
+    found = {int(t): b for t, b in params["logit_bias"]}
+    assert set(found) == put_on and all(near(b, 2.0, 0.05) for b in found.values()), found

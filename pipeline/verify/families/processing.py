@@ -53,7 +53,7 @@ SPANS = {  # continuous knobs: the interval searched (log scale for the multipli
     "frequency_penalty": (-2.0, 2.0, False),
     "soft_cap": (np.log(1.0), np.log(200.0), True),
 }
-BIAS_TOKENS = 4  # tokens whose logit bias is read off the residual
+BIAS_CANDIDATES = 6  # tokens the residual points at most, each tried as the next biased one
 NEEDED = 1.02  # a knob stays when putting it back leaves this much more gap
 SEARCH_TOKENS = 256  # compared tokens the search re-processes, spread over the sequences
 SEARCH_ROWS = 8  # sequences they are spread over (one forward each)
@@ -332,21 +332,29 @@ def fit_cap(logits: HeadLogits, at: Processing, budget: int | None = None) -> Pr
 
 
 def fit_bias(logits: HeadLogits, at: Processing, budget: int | None = None) -> Processing:
-    """A logit bias on the tokens the residual points at, the biases fitted jointly, round
-    after round while a round closes the gap (a bias on one token hides another's). A bias
-    b on token j moves each token's logprob by about c = e^b - 1 times (1[it is j] - p_j):
-    the tokens whose column of that explains most of the residual are the candidates."""
+    """A logit bias on the tokens the residual points at, one token a step: of the
+    BIAS_CANDIDATES tokens the residual points at most, the one whose own fitted bias closes
+    the gap most joins, and every bias is refitted jointly, while a step closes the gap by
+    IMPROVES (BIAS_QUICK_STEPS steps in a quick fit). A bias b on token j moves each token's
+    logprob by about c = e^b - 1 times (1[it is j] - p_j), the tokens whose column of that
+    explains most of the residual are the candidates; that is a linearisation (a +2 on a
+    likely token is far from linear), so each candidate is tried, not taken."""
     best = at
-    for _ in range(1 if budget else BIAS_ROUNDS):
+    for _ in range(BIAS_QUICK_STEPS if budget else BIAS_STEPS):
         tokens = _bias_candidates(logits, best)
         if not tokens:
             break
-        start = best.but(logit_bias=(*best.logit_bias, *((t, 0.0) for t in tokens)))
-        names = tuple(f"bias:{t}" for t, _ in start.logit_bias)
-        fitted = fit_continuous(logits, start, names, budget)
-        if not logits.gap(fitted) * IMPROVES < logits.gap(best):
+        trials = [
+            fit_continuous(
+                logits, best.but(logit_bias=(*best.logit_bias, (t, 0.0))), (f"bias:{t}",), QUICK
+            )
+            for t in tokens
+        ]
+        step = min(trials, key=logits.gap)
+        if not logits.gap(step) * IMPROVES < logits.gap(best):
             break
-        best = fitted
+        names = tuple(f"bias:{t}" for t, _ in step.logit_bias)
+        best = fit_continuous(logits, step, names, budget)
     return best
 
 
@@ -364,10 +372,11 @@ def _bias_candidates(logits: HeadLogits, at: Processing) -> list[int]:
     r = torch.as_tensor(residual[finite], dtype=moved.dtype)
     score = (r @ moved).abs() / (moved.square().sum(0).sqrt() + 1e-12)
     score[[t for t, _ in at.logit_bias]] = 0.0  # already biased
-    return [int(t) for t in score.topk(min(BIAS_TOKENS, score.numel())).indices]
+    return [int(t) for t in score.topk(min(BIAS_CANDIDATES, score.numel())).indices]
 
 
-BIAS_ROUNDS = 3
+BIAS_STEPS = 8  # tokens a logit bias is searched on, one a step
+BIAS_QUICK_STEPS = 3  # in a quick (screening) fit
 
 
 GROUPS = {
