@@ -32,6 +32,7 @@ from pipeline.commands.sweep import sweep
 from pipeline.commands.weights import weights
 from pipeline.errors import EXIT_BAD_INPUT, BadInput, Interrupted
 from pipeline.paths import is_disk_full
+from pipeline.signals import after_imports
 
 
 class LpxGroup(click.Group):
@@ -128,8 +129,8 @@ def _interrupt(signum, _frame) -> None:
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, after_imports(_interrupt))
+    signal.signal(signal.SIGTERM, after_imports(_interrupt))
     try:
         cli(prog_name="lpx")
     except Interrupted as interrupted:

@@ -270,3 +270,34 @@ def test_report_killed_at_random_leaves_the_old_site_or_the_new_one(tmp_path):
         assert state.keys() in (old.keys(), new.keys()), f"a mixed site after {err}"
         if sig != signal.SIGKILL:
             assert _temp_files(tmp_path) == [], f"temp files left after {err}"
+
+
+def test_a_signal_during_an_import_waits_for_the_import_to_finish(tmp_path):
+    """A native extension's module init can call back into Python (triton's nanobind builds
+    enums through enum.py while torch imports it); a handler that raises there aborts the
+    process with SIGABRT (CI saw -6 for a SIGINT 4.2 s into `lpx replay`). lpx's handlers
+    wait until the import is over. The module below signals itself mid-import; the handler
+    must run after the import's last line, not inside it."""
+    (tmp_path / "slow_module.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "for _ in range(30):\n"
+        "    time.sleep(0.01)\n"
+        "print('imported', flush=True)\n"
+    )
+    script = (
+        "import signal, sys, time\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from pipeline.signals import after_imports\n"
+        "def handler(signum, frame):\n"
+        "    print('handled', flush=True)\n"
+        "    raise SystemExit(128 + signum)\n"
+        "signal.signal(signal.SIGINT, after_imports(handler))\n"
+        "import slow_module\n"
+        "time.sleep(10)\n"
+        "print('never interrupted', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout.split()) == (130, ["imported", "handled"]), done.stderr
