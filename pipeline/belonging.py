@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.errors import BadInput
 from pipeline.fingerprint import WEIGHT_PATTERNS, weights_fingerprint
+
+if TYPE_CHECKING:
+    from pipeline.contracts.calibration import Calibration
+    from pipeline.contracts.report import Report
 
 ALLOW_MODEL = "--allow-model-mismatch"
 ALLOW_CALIBRATION = "--allow-calibration-mismatch"
@@ -66,13 +71,13 @@ def check_model(
 
 
 def check_calibration(
-    fixture_meta: dict, fixture_path, calibration: dict, calibration_path, allow: bool
+    fixture_meta: dict, fixture_path, calibration: Calibration, calibration_path, allow: bool
 ) -> dict | None:
     """Refuse a calibration measured on other weights than the fixture's (its
     ``key.model_fingerprint``); with ``allow``, return {"fixture_weights",
     "calibration_weights", "calibration", "allowed": True} instead."""
     want = _fingerprint(_mapping(_mapping(fixture_meta).get("model")).get("weights_fingerprint"))
-    have = _fingerprint(_mapping(_mapping(calibration).get("key")).get("model_fingerprint"))
+    have = _fingerprint(calibration.key.model_fingerprint)
     if want is None or have is None or have == want:
         return None
     if allow:
@@ -89,7 +94,7 @@ def check_calibration(
     )
 
 
-def check_report(fixture, fixture_path, report: dict, report_path, allow: bool) -> dict | None:
+def check_report(fixture, fixture_path, report: Report, report_path, allow: bool) -> dict | None:
     """Refuse a report.json that compared another fixture: other rollout weights, another
     prompt set, sequence ids this fixture lacks, or other tokens where it names its worst.
     ``fixture`` is a TokenTable. With ``allow``, return {"fixture", "report", "reason",
@@ -104,7 +109,7 @@ def check_report(fixture, fixture_path, report: dict, report_path, allow: bool) 
             "reason": reason,
             "allowed": True,
         }
-    compared = _mapping(_mapping(_mapping(report).get("metadata")).get("fixture")).get("path")
+    compared = _mapping(report.metadata.get("fixture")).get("path")
     of = f" of {compared}" if isinstance(compared, str) and compared else ""
     raise BadInput(
         f"--report {report_path}: a comparison{of}, not of {fixture_path} ({reason}); pass "
@@ -112,11 +117,10 @@ def check_report(fixture, fixture_path, report: dict, report_path, allow: bool) 
     )
 
 
-def report_mismatch(fixture, report: dict) -> str | None:
+def report_mismatch(fixture, report: Report) -> str | None:
     """Why ``report`` is not a comparison of ``fixture``, or None when nothing says so.
     Each field is compared only where the report has it: an older report lacks some."""
-    report = _mapping(report)
-    compared = _mapping(_mapping(report.get("metadata")).get("fixture"))
+    compared = _mapping(report.metadata.get("fixture"))
     ours = _mapping(_mapping(fixture.metadata).get("model")).get("weights_fingerprint")
     theirs = _mapping(compared.get("model")).get("weights_fingerprint")
     if _fingerprint(ours) and _fingerprint(theirs) and ours != theirs:
@@ -125,12 +129,12 @@ def report_mismatch(fixture, report: dict) -> str | None:
     if isinstance(recorded, str) and recorded != prompts:
         return f"its prompt set is {short(recorded)}, the fixture's {short(prompts)}"
     index = fixture.index_of()
-    rows = [r for key in ("sequences", "worst") for r in _list(report.get(key))]
-    named = [r.get("sequence_id") for r in rows if isinstance(r, dict) and "sequence_id" in r]
+    rows = [*(report.sequences or []), *(report.worst or [])]
+    named = [r["sequence_id"] for r in rows if "sequence_id" in r]
     missing = [str(s) for s in dict.fromkeys(named) if not isinstance(s, str) or s not in index]
     if missing:
         return f"its sequences {', '.join(repr(s) for s in missing[:3])} are not in the fixture"
-    for row in _list(report.get("worst")):
+    for row in report.worst or []:
         other = _other_token(fixture, index, row)
         if other is not None:
             return other
@@ -209,10 +213,6 @@ def _fingerprint(value) -> str | None:
 
 def _mapping(value) -> dict:
     return value if isinstance(value, dict) else {}
-
-
-def _list(value) -> list:
-    return value if isinstance(value, list) else []
 
 
 def _whole(value) -> bool:

@@ -15,6 +15,8 @@ from pipeline.belonging import (
     model_weights,
     prompt_set_fingerprint,
 )
+from pipeline.contracts.calibration import Calibration, Key
+from pipeline.contracts.report import Report
 from pipeline.errors import BadInput
 from pipeline.fingerprint import weights_fingerprint
 from pipeline.fixture.table import table_from_sequences
@@ -93,10 +95,14 @@ def test_a_model_is_fingerprinted_once_while_its_files_stay_as_they_are(tmp_path
     assert model_weights(model) == "sha256:x" and len(calls) == 1
 
 
+def _calibration(fingerprint):
+    """A calibration.json's model with only its key (all check_calibration reads)."""
+    return Calibration.model_construct(key=Key(model_fingerprint=fingerprint))
+
+
 def test_a_calibration_of_other_weights_is_refused_unless_allowed():
     fixture = _fixture("sha256:" + "a" * 64)
-    ours = {"key": {"model_fingerprint": "sha256:" + "a" * 64}}
-    theirs = {"key": {"model_fingerprint": "sha256:" + "b" * 64}}
+    ours, theirs = _calibration("sha256:" + "a" * 64), _calibration("sha256:" + "b" * 64)
     assert check_calibration(fixture.metadata, "f.parquet", ours, "c.json", False) is None
     with pytest.raises(BadInput) as refused:
         check_calibration(fixture.metadata, "f.parquet", theirs, "c.json", False)
@@ -112,11 +118,16 @@ def test_a_calibration_of_other_weights_is_refused_unless_allowed():
         "allowed": True,
     }
     # nothing recorded on either side: nothing to compare
-    assert check_calibration(fixture.metadata, "f", {"key": {}}, "c", False) is None
+    assert check_calibration(fixture.metadata, "f", _calibration(None), "c", False) is None
     assert check_calibration({}, "f", theirs, "c", False) is None
 
 
-def _report(fixture, **changes) -> dict:
+def _held(report: dict) -> Report:
+    """A report.json's model as a reader holds it (only the fields check_report reads)."""
+    return Report.model_construct(**{"metadata": {"fixture": {}, "replay": {}}, **report})
+
+
+def _report(fixture, **changes) -> Report:
     report = {
         "verdict": "fail",
         "sequences": [{"sequence_id": "s1", "max_abs_diff": 0.3}],
@@ -130,7 +141,7 @@ def _report(fixture, **changes) -> dict:
         },
     }
     report.update(changes)
-    return report
+    return _held(report)
 
 
 def test_the_prompt_set_fingerprint_is_computed_as_compare_records_it():
@@ -144,7 +155,7 @@ def test_a_report_of_this_fixture_chooses_its_sequences():
     fixture = _fixture("sha256:" + "a" * 64)
     assert check_report(fixture, "f", _report(fixture), "r.json", False) is None
     # an older report with none of the fields compared: nothing says it is another's
-    assert check_report(fixture, "f", {"verdict": "fail"}, "r.json", False) is None
+    assert check_report(fixture, "f", _held({"verdict": "fail"}), "r.json", False) is None
 
 
 @pytest.mark.parametrize(
@@ -195,6 +206,6 @@ def test_a_report_of_the_same_prompts_with_other_completions_is_refused(position
 
 def test_a_report_naming_sequences_the_fixture_lacks_is_refused():
     fixture = _fixture(None)
-    report = {"sequences": [{"sequence_id": "elsewhere"}, {"sequence_id": 7}]}
+    report = _held({"sequences": [{"sequence_id": "elsewhere"}, {"sequence_id": 7}]})
     with pytest.raises(BadInput, match=r"its sequences 'elsewhere', '7' are not in the fixture"):
         check_report(fixture, "f", report, "r.json", False)

@@ -9,7 +9,6 @@ container is the nightly's stage in that container. Nothing here imports an engi
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -20,6 +19,7 @@ from pipeline import environments
 from pipeline.bisect.builds import Build
 from pipeline.bisect.search import BAD, ERROR, GOOD
 from pipeline.contracts.files import MANIFEST, REPORT
+from pipeline.contracts.report import Report, load_report
 from pipeline.errors import BadInput
 from pipeline.orchestrator.plan import Plan
 from pipeline.orchestrator.run import execute_stage, run_stages
@@ -126,7 +126,7 @@ class RunResult:
     seconds: float
     metrics: dict
     message: str = ""
-    report: dict | None = None  # the pair's report.json (not kept in bisect.json)
+    report: Report | None = None  # the pair's report.json (not kept in bisect.json)
 
 
 def run_once(
@@ -161,9 +161,13 @@ def run_once(
         return RunResult(ERROR, seconds, {}, why)
     if compare["status"] == "error":
         return RunResult(ERROR, seconds, {}, compare["message"])
-    report = json.loads((run_dir / COMPARE / REPORT).read_text(encoding="utf-8"))
+    try:
+        report = load_report(run_dir / COMPARE / REPORT)
+    except (OSError, ValueError) as error:
+        why = " ".join(str(error).split())[:200]
+        return RunResult(ERROR, seconds, {}, f"its report.json cannot be read: {why}")
     outcome = GOOD if compare["status"] == "ok" else BAD
-    return RunResult(outcome, seconds, _metrics(report), report=report)
+    return RunResult(outcome, seconds, _metrics(report.metrics), report=report)
 
 
 class OnBuild:
@@ -200,8 +204,7 @@ class OnBuild:
         self.plain.stop_server(handle)
 
 
-def _metrics(report: dict) -> dict:
-    metrics = report.get("metrics") or {}
+def _metrics(metrics: dict) -> dict:
     keep = ("mean_abs_diff", "max_abs_diff", "p99_abs_diff", "k3", "is_ratio_mean", "ess")
     chosen = {k: metrics[k] for k in keep if isinstance(metrics.get(k), int | float)}
     return chosen or {k: v for k, v in list(metrics.items())[:6] if isinstance(v, int | float)}

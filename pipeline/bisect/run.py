@@ -36,6 +36,7 @@ from pipeline.contracts.bisect import (
 )
 from pipeline.contracts.files import BISECT as FILE
 from pipeline.contracts.problems import describe
+from pipeline.contracts.report import Report
 from pipeline.environments import DEFAULT_BUILD
 from pipeline.errors import BadInput
 from pipeline.orchestrator.plan import load_plan
@@ -158,15 +159,15 @@ class SeriesJudge:
         self.history = open_history(db, create=False)
         self.bands: dict[tuple, dict] = {}
 
-    def outside(self, report: dict) -> list[str]:
+    def outside(self, report: Report) -> list[str]:
         from pipeline.history.bisects import outside_bands, series_bands, series_of_report
-        from pipeline.history.record import tracked_metrics
+        from pipeline.history.record import tracked_values
 
         series = series_of_report(report)
         if series not in self.bands:
             with self.history.read() as session:
                 self.bands[series] = series_bands(session, *series)
-        return outside_bands(tracked_metrics(report), self.bands[series])
+        return outside_bands(tracked_values(report.metrics), self.bands[series])
 
 
 def _result(

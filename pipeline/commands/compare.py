@@ -3,12 +3,16 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from pipeline.commands.options import OUTPUT_DIR, device_option
 from pipeline.contracts.files import COMPARE_OUTPUTS, REPORT
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
+
+if TYPE_CHECKING:
+    from pipeline.contracts.calibration import Calibration
 
 
 def compare_options(function):
@@ -343,17 +347,19 @@ class VerificationModel:
         return Path(recorded), {"ran": True, "model": recorded, "source": "the fixture's model"}
 
 
-def find_calibration(given: Path | None, off: bool, beside: list[Path]) -> tuple[dict | None, str]:
+def find_calibration(
+    given: Path | None, off: bool, beside: list[Path]
+) -> tuple[Calibration | None, str]:
     """(the calibration, its path): the one given, else calibration.json in the first of
     ``beside`` that holds one, else none."""
-    from pipeline.compare.calibrated import CALIBRATION_FILE, read_calibration
+    from pipeline.compare.calibrated import CALIBRATION_FILE, load_calibration
 
     if off:
         return None, ""
     if given is not None:
-        return read_calibration(given), str(given)
+        return load_calibration(given), str(given)
     for folder in beside:
         candidate = folder / CALIBRATION_FILE
         if candidate.is_file():
-            return read_calibration(candidate), str(candidate)
+            return load_calibration(candidate), str(candidate)
     return None, ""

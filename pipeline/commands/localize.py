@@ -2,10 +2,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from pipeline.commands.options import COUNT, device_option
+
+if TYPE_CHECKING:
+    from pipeline.contracts.report import Report
 
 
 @click.command()
@@ -192,11 +196,12 @@ def _refuse_contradictions(ctx, sequence_ids, report_path) -> None:
         )
 
 
-def _read_report(path: Path) -> dict:
+def _read_report(path: Path) -> Report:
     """A pair's report.json, checked as `lpx record` checks it: localize picks sequences by
     its per-sequence drift, so a damaged one is refused rather than half read."""
     from pydantic import ValidationError
 
+    from pipeline.contracts.base import held_as_written
     from pipeline.contracts.problems import describe
     from pipeline.contracts.report import Report
     from pipeline.errors import BadInput
@@ -220,4 +225,4 @@ def _read_report(path: Path) -> dict:
             f"--report {path}: not a comparison report lpx can read: "
             f"{describe(error, count=3)}; rerun `lpx compare`."
         ) from None
-    return report
+    return held_as_written(Report, report)

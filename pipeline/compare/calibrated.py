@@ -21,6 +21,7 @@ from pipeline.compare.calibration_file import (
     CALIBRATION_FORMAT,
     Calibration,
     as_calibration,
+    load_calibration,
     read_calibration,
 )
 from pipeline.compare.floor import expect
@@ -38,6 +39,7 @@ __all__ = [
     "effective_limits",
     "expected_mean_abs",
     "floor_table",
+    "load_calibration",
     "pair_key",
     "read_calibration",
     "side_precision",

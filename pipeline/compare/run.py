@@ -29,6 +29,7 @@ from pipeline.compare.metrics import (
 )
 from pipeline.compare.policy import Policy, judge, load_policy, profile_for
 from pipeline.compare.topk import topk_kl
+from pipeline.contracts.calibration import Calibration
 from pipeline.contracts.causes import Cause, Severity, Status
 from pipeline.contracts.metrics import PER_VERSION_METRICS
 from pipeline.contracts.report import Finding, Judgement, Report
@@ -59,7 +60,8 @@ class CompareOptions:
     channel: str = "rollout"  # the fixture's logprob channel compared
     allow_weight_mismatch: bool = False  # compare sides whose weight fingerprints differ
     command_line: str = ""  # recorded in the report
-    calibration: dict | None = None  # `lpx calibrate`'s noise floor, where it covers the pair
+    # `lpx calibrate`'s noise floor, where it covers the pair (a dict is checked as the file)
+    calibration: Calibration | dict | None = None
     calibration_source: str = ""  # where the calibration came from, for the report
     exact: bool = False  # any completion token not bitwise equal fails (batch-invariant stacks)
 

@@ -3,6 +3,8 @@ does not know kept as written (a newer lpx may write more)."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from pydantic import BaseModel, ConfigDict
 
 OPEN = ConfigDict(extra="allow", strict=True)
@@ -10,3 +12,13 @@ OPEN = ConfigDict(extra="allow", strict=True)
 
 class Open(BaseModel):
     model_config = OPEN
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def held_as_written(model: type[Model], validated: dict) -> Model:
+    """``validated`` (a file's JSON that ``model`` has just accepted) held as ``model``, every
+    value as the file wrote it (validation may coerce; a reader passing the model on must not
+    change what is stored); unknown fields are kept as extras."""
+    return model.model_construct(**validated)

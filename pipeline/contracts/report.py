@@ -17,7 +17,9 @@ directory may be all that is left of it) but a run the history must not count as
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Annotated, Any, Literal, NotRequired, Required
 
 from pydantic import (
@@ -30,7 +32,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails
 from typing_extensions import TypedDict
 
-from pipeline.contracts.base import OPEN, Open
+from pipeline.contracts.base import OPEN, Open, held_as_written
 from pipeline.contracts.causes import Cause, Severity, Status
 from pipeline.contracts.metrics import BY_NAME, VERDICT_METRICS
 from pipeline.contracts.problems import INT32_MAX, INT64_MAX, must_be
@@ -411,3 +413,11 @@ def contradictions(report: Report) -> list[str]:
         elif not value <= bound:  # NaN is over every limit, as compare's judge() has it
             found.append(f"metrics.{metric} = {value:.4g} is over its limit {bound:.4g}")
     return found
+
+
+def load_report(path: Path) -> Report:
+    """A report.json lpx wrote, validated and held as written; OSError or ValueError (a
+    ValidationError is one) when it is not readable as one."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    Report.model_validate(data)
+    return held_as_written(Report, data)

@@ -22,6 +22,7 @@ from pipeline.contracts.bisect import BisectState, as_written
 from pipeline.contracts.files import BISECT as FILE
 from pipeline.contracts.files import MANIFEST, REPORT
 from pipeline.contracts.problems import describe
+from pipeline.contracts.report import Report, load_report
 from pipeline.db.models import Alert, Bisect, Case, MetricValue, Series
 from pipeline.errors import BadInput
 from pipeline.history import keys
@@ -128,7 +129,7 @@ def _series_of(directory: Path, state: BisectState) -> dict[str, str]:
     for run in state.runs:
         report_path = directory / run.run_dir / "compare" / REPORT
         try:
-            report = json.loads(report_path.read_text(encoding="utf-8"))
+            report = load_report(report_path)
         except (OSError, ValueError):
             continue
         case_key, rollout, replay = series_of_report(report)
@@ -193,10 +194,10 @@ def outside_bands(metrics: dict, bands: dict) -> list[str]:
     return outside
 
 
-def series_of_report(report: dict) -> tuple[str, str, str]:
-    meta = report.get("metadata") or {}
+def series_of_report(report: Report) -> tuple[str, str, str]:
+    meta = report.metadata
     return (
-        keys.case_key(keys.case_description(report)),
+        keys.case_key(keys.describe_case(meta)),
         keys.engine_name(meta.get("fixture") or {}),
         keys.engine_name(meta.get("replay") or {}),
     )

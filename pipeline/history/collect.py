@@ -5,7 +5,7 @@ Nothing here touches the database, so a broken directory is refused (BadInput, e
 before any transaction starts.
 
 Each file is validated once and kept as its model with the values the file wrote
-(``_as_written``): validation hands back every TypedDict part in its declared key order
+(``held_as_written``, pipeline.contracts.base): validation hands back every TypedDict part in its declared key order
 and fills in a finding's defaults, while the history stores those parts verbatim and run
 pages show them as written (a side's sampling and layout, the findings).
 """
@@ -19,11 +19,11 @@ import os
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
 
 import orjson
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
+from pipeline.contracts.base import held_as_written
 from pipeline.contracts.files import LOCALIZE as LOCALIZE_FILE
 from pipeline.contracts.files import LOCALIZE_DIR, REPORT, SUMMARY, TOKENS
 from pipeline.contracts.manifest import RunManifest, Stage
@@ -36,7 +36,6 @@ from pipeline.testbed import describe_testbed
 
 COMPARE_PARTS = (TOKENS, SUMMARY)  # written before report.json
 MAX_DEPTH = 4
-Model = TypeVar("Model", bound=BaseModel)
 # What a run directory without lpx-run.json says of itself: nothing (every field unset).
 NO_MANIFEST = RunManifest.model_construct(run_id="")
 
@@ -169,13 +168,7 @@ def _checked_manifest(written: dict, path: Path) -> RunManifest:
             f"{path}: {describe(error, count=3)}; fix or delete it to record the run from its "
             "reports alone. Nothing was recorded."
         ) from None
-    return _as_written(RunManifest, written)
-
-
-def _as_written(model: type[Model], validated: dict) -> Model:
-    """``validated`` (a file's JSON that ``model`` has just accepted) held as ``model``, every
-    value as the file wrote it; unknown fields are kept as extras."""
-    return model.model_construct(**validated)
+    return held_as_written(RunManifest, written)
 
 
 def _attach_localize(run_dir: Path, pair: PairInput, stage: Stage | None) -> list[dict]:
@@ -282,7 +275,7 @@ def _load_report(path: Path) -> Report | None:
             f"{describe(error, count=3)}. Rerun `lpx compare` for this directory (or fix the "
             "file); nothing was recorded."
         ) from None
-    return _as_written(Report, report)
+    return held_as_written(Report, report)
 
 
 def _parse_json(data: bytes):

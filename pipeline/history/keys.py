@@ -89,11 +89,6 @@ def describe_case(metadata: Metadata, label: str | None = None) -> dict:
     }
 
 
-def case_description(report: dict, label: str | None = None) -> dict:
-    """``describe_case`` of a report read as plain JSON (a bisect probe's report.json)."""
-    return describe_case(report.get("metadata") or {}, label)
-
-
 def case_key(case: dict) -> str:
     keyed = {k: v for k, v in case.items() if k not in ("model",)}
     if case.get("label"):

@@ -129,11 +129,6 @@ def _gc_skips_the_runs() -> Iterator[None]:
         gc.unfreeze()
 
 
-def tracked_metrics(report: dict) -> dict[str, float | None]:
-    """``tracked_values`` of a report read as plain JSON (a bisect probe's report.json)."""
-    return tracked_values(report.get("metrics") or {})
-
-
 def tracked_values(metrics: dict) -> dict[str, float | None]:
     """A report's scalar metrics (completion region, plus prompt.* when scored), with
     non-finite values as None (SQLite cannot store NaN; detection treats None as a

@@ -11,6 +11,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.contracts.files import LOCALIZE as RESULT_FILE
 from pipeline.errors import BadInput
@@ -22,6 +23,9 @@ from pipeline.localize.judge import judged_rows
 from pipeline.localize.store import CaptureStore
 from pipeline.localize.verdict import MARGIN, first_beyond
 
+if TYPE_CHECKING:
+    from pipeline.contracts.report import Report
+
 SCHEMA_VERSION = 1
 FORMAT_MARKER = "lpx_localize"  # says lpx wrote it: a rerun may replace it (paths.py)
 CHART_FILE = "localize.svg"
@@ -30,7 +34,7 @@ OUTPUTS = (RESULT_FILE, CHART_FILE, CAPTURES)  # what a run writes or removes in
 DEFAULT_SEQUENCES = 4
 
 
-def choose_sequences(table, wanted: list[str], report: dict | None, count: int) -> list[int]:
+def choose_sequences(table, wanted: list[str], report: Report | None, count: int) -> list[int]:
     """Row indices to localize: the ones asked for; else the worst of a failing comparison's
     report; else `count` spread over the fixture."""
     index = table.index_of()
@@ -42,11 +46,11 @@ def choose_sequences(table, wanted: list[str], report: dict | None, count: int) 
                 f"it has {', '.join(table.sequence_ids[:5])}{' ...' if len(index) > 5 else ''}."
             )
         return [index[s] for s in dict.fromkeys(wanted)]
-    if report and isinstance(report.get("sequences"), list):
+    if report is not None and report.sequences:
         scored = [
             (_drift(row.get("max_abs_diff")), row.get("sequence_id"))
-            for row in report["sequences"]
-            if isinstance(row, dict) and row.get("sequence_id") in index
+            for row in report.sequences
+            if row.get("sequence_id") in index
         ]
         scored.sort(key=lambda pair: -pair[0])
         if scored:
