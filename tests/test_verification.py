@@ -309,3 +309,34 @@ def test_an_in_flight_update_is_verified_against_the_weight_store(run_dir, tiny_
     assert finding["status"] == "verified", finding["evidence"][-300:]
     assert finding["details"]["verified_by"]["params"] == {"version": "2", "at": 12}
     assert finding["residual_after"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_a_wrong_hypothesis_is_ruled_out_on_the_screen_and_a_true_one_judged_on_all(
+    faulted, run_dir, tiny_model, monkeypatch
+):
+    """The screen (judge.py) re-scores two of a finding's sixteen sequences first. A wrong
+    hypothesis (an extra BOS, for a rollout sampled at T 0.7) is ruled out there, far from
+    the floor, and judged on all sixteen it is ruled out too; the true one (the temperature)
+    passes the screen and verifies on all sixteen, as without the screen."""
+    from pipeline.contracts.causes import Cause
+    from pipeline.verify import judge as judging
+    from pipeline.verify.flow import Verifier
+    from pipeline.verify.hypothesis import Candidate
+
+    fixture = read_table(faulted("temperature"))
+    replay = read_table(run_dir / "replay-float32.parquet")
+    ref = Verifier(fixture, replay, tiny_model).ref
+    ids = list(fixture.sequence_ids)
+    assert len(ids) == 16
+    bos = Candidate(Cause.PROMPT_MISMATCH, "bos_extra", ref.base, {"extra_leading": 1})
+    screened = judging.judge(ref, bos, ids)
+    assert screened.screened_on == 2 and not screened.verified
+    assert screened.after > judging.SCREEN_SLACK * judging.VERIFY_MARGIN * screened.floor
+    temperature = Candidate(Cause.TEMPERATURE, "temperature", ref.base, {})
+    true = judging.judge(ref, temperature, ids)
+    assert true.verified and true.screened_on == 0
+    assert abs(true.candidate.params["T"] - 0.7) < 1e-3
+    monkeypatch.setattr(judging, "SCREEN_SEQUENCES", 16)  # the screen off
+    whole = judging.judge(ref, bos, ids)
+    assert whole.screened_on == 0 and not whole.verified
+    assert whole.after > judging.VERIFY_MARGIN * whole.floor

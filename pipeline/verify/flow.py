@@ -153,6 +153,8 @@ class Verifier:
                 f"verify: {candidate.kind} {candidate.params or ''} on {finding.cause}: "
                 f"mean |d| {outcome.before:.3g} -> {outcome.after:.3g} on the {outcome.side} side "
                 f"(floor {outcome.floor:.3g}): {'verified' if outcome.verified else 'ruled out'}"
+                + (f" on {outcome.screened_on} sequences" if outcome.screened_on else "")
+                + f" ({outcome.seconds:.1f} s)"
             )
             if outcome.verified:
                 return outcome, tried

@@ -14,6 +14,11 @@ DATA_DRIFT = 5.0  # a data bug is judged on tokens whose |d| is this many times 
 FILL_EXACT = 1e-6  # a constant written into logprobs is the constant, to float32 rounding
 MIN_DRIFTING = 3  # drifting tokens a reproduction is judged on, where there are this many
 MAX_SEQUENCES = 16  # re-scored per hypothesis, spread evenly over the finding's sequences
+# A hypothesis is first judged on this many of them (the most drifting and the median one);
+# only one that comes within SCREEN_SLACK times the verdict's margin there, or explains the
+# drift there, is re-scored on all of them. Most hypotheses are wrong, and far from it.
+SCREEN_SEQUENCES = 2
+SCREEN_SLACK = 2.0
 
 
 @dataclass
@@ -35,6 +40,7 @@ class Outcome:
     floor: float
     verified: bool
     seconds: float
+    screened_on: int = 0  # ruled out on this many sequences (the screen), else 0
 
 
 class Family:
@@ -50,7 +56,9 @@ class Family:
     - ``explains_fills``: its alternatives may explain a constant in the logprobs (a one-token
       kept set scores exactly 0), so they are tried against a verified fill;
     - ``per_sequence``: parameters it searches per sequence (not part of a reproduction's
-      shape when findings are merged).
+      shape when findings are merged);
+    - ``screened``: its hypotheses are judged on SCREEN_SEQUENCES sequences first (False for
+      a family whose search needs the spread of many sequences to see its bug at all).
 
     What it does (every method has a neutral default):
     - ``hypotheses``: what a finding of one of its ``causes`` calls for;
@@ -78,6 +86,7 @@ class Family:
     own_judgement: tuple[str, ...] = ()
     explains_fills = False
     per_sequence: tuple[str, ...] = ()
+    screened = True
 
     def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         return []

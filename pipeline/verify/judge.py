@@ -2,7 +2,12 @@
 the bug, searched first where its family has free parameters. It verifies when the side it
 reproduces then lies within VERIFY_MARGIN of the noise floor those tokens meet, and the bug
 removed at least EXPLAINED of the drift. A data bug (written into the logprobs after the
-forward) is judged without the model, on the tokens that drift beyond noise."""
+forward) is judged without the model, on the tokens that drift beyond noise.
+
+A model hypothesis is screened first on SCREEN_SEQUENCES of the sequences (the most drifting
+and the median one): where it neither explains their drift nor comes within SCREEN_SLACK
+times the margin of their floor, it is ruled out there, and the rest are not re-scored. The
+screen only ever saves a re-score: what passes it is judged on every sequence as before."""
 
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ from pipeline.verify.hypothesis import (
     FILL_EXACT,
     MAX_SEQUENCES,
     MIN_DRIFTING,
+    SCREEN_SEQUENCES,
+    SCREEN_SLACK,
     VERIFY_MARGIN,
     Candidate,
     Outcome,
@@ -41,12 +48,40 @@ def judge(ref, candidate: Candidate, sequence_ids: list[str]) -> Outcome | None:
     if is_data(candidate.kind):
         judged = _judge_data(ref, family, candidate, *observed)
     else:
+        screen = _screen_rows(rows, *observed) if family.screened else rows
+        if len(screen) < len(rows):
+            first = _judge_model(ref, family, candidate, screen, *ref.observed(screen))
+            if first is not None and _far(first):
+                return _outcome(first, started, screened_on=len(screen))
         judged = _judge_model(ref, family, candidate, rows, *observed)
     if judged is None:
         return None
+    return _outcome(judged, started)
+
+
+def _outcome(judged, started: float, screened_on: int = 0) -> Outcome:
     candidate, side, before, after, floor, explained = judged
-    verified = explained and after <= VERIFY_MARGIN * floor
-    return Outcome(candidate, side, before, after, floor, verified, time.perf_counter() - started)
+    verified = explained and after <= VERIFY_MARGIN * floor and not screened_on
+    seconds = time.perf_counter() - started
+    return Outcome(candidate, side, before, after, floor, verified, seconds, screened_on)
+
+
+def _far(judged) -> bool:
+    """Whether a screen's judgement is far from verifying: the bug explains none of the
+    drift there and leaves more than SCREEN_SLACK times the margin of its floor."""
+    *_, after, floor, explained = judged
+    return not explained and after > SCREEN_SLACK * VERIFY_MARGIN * floor
+
+
+def _screen_rows(rows: list[int], rollout, replay, positions) -> list[int]:
+    """The most drifting row and the one at the median drift (mean |d| of each row), in
+    their order among ``rows``; every row where there are no more than SCREEN_SEQUENCES."""
+    if len(rows) <= SCREEN_SEQUENCES:
+        return rows
+    drift = np.array([mean_abs([a], [b]) for a, b in zip(rollout, replay, strict=True)])
+    order = np.argsort(-drift, kind="stable")
+    picked = {int(order[0]), int(order[len(order) // 2])}
+    return [rows[i] for i in sorted(picked)]
 
 
 def _judge_data(ref, family, candidate, rollout, replay, positions):

@@ -23,6 +23,7 @@ def describe(outcome: Outcome) -> dict:
         "residual_after": outcome.after,
         "floor": outcome.floor,
         "side": outcome.side,
+        **({"screened_on": outcome.screened_on} if outcome.screened_on else {}),
     }
 
 

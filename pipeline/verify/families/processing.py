@@ -64,6 +64,9 @@ class LogitsProcessing(Family):
     causes = (Cause.LOGITS_PROCESSING,)
     kinds = (KIND,)
     explains_fills = True  # a one-token kept set scores exactly 0
+    # its search spreads over up to SEARCH_ROWS sequences: a top-k that binds in few of them
+    # is seen only there, so it is never judged on a screen of two
+    screened = False
 
     def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
         return [Candidate(Cause.LOGITS_PROCESSING, KIND, ref.base, {})]
