@@ -163,6 +163,7 @@ def write_run(
     run_id: str | None = None,
     stage_errors: list[str] | None = None,
     tokens: bool = False,
+    cases: dict[str, str] | None = None,
 ) -> Path:
     """A run directory: one compare directory per pair (name -> report) and lpx-run.json."""
     run_dir = Path(run_dir)
@@ -200,6 +201,7 @@ def write_run(
         "testbed": dict(TESTBED),
         "stages": stages,
         "status": status,
+        **({"cases": cases} if cases else {}),
     }
     (run_dir / "lpx-run.json").write_text(json.dumps(manifest))
     return run_dir

@@ -536,3 +536,33 @@ def test_a_64_bit_seed_is_stored_whole_and_an_oversized_count_is_refused(history
     assert result.exit_code == 2 and "metrics.tokens" in result.output
     assert str(broken / "c" / "report.json") in result.output
     assert count(history_url, Run) == 1
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_comparison_the_manifest_names_keeps_its_series_when_a_knob_reads_back_otherwise(
+    history_url, tmp_path, named
+):
+    """lpx-run.json's `cases` (a plan's names for its comparisons): an engine upgrade that
+    reads a replay knob back differently starts a new series, unless the comparison is
+    named; then the one series goes on, under its name."""
+    nights = []
+    for night, eager in enumerate((False, True)):
+        report = pair_report()
+        report["metadata"]["replay"]["knobs"]["enforce_eager"] = eager
+        nights.append(
+            write_run(
+                tmp_path / f"night{night}",
+                {"vllm-hf-bf16": report},
+                started_at=START + timedelta(days=night),
+                cases={"vllm-hf-bf16": "vllm-vs-hf"} if named else None,
+            )
+        )
+    record(history_url, *nights)
+    history = open_history(history_url)
+    with history.read() as session:
+        labels = session.scalars(select(Series.label)).all()
+    history.dispose()
+    if named:
+        assert labels == ["vllm bfloat16 vs hf bfloat16 · vllm-vs-hf · 8x H100"]
+    else:
+        assert labels == ["vllm bfloat16 vs hf bfloat16 · tiny · 8x H100"] * 2

@@ -47,3 +47,6 @@ class RunManifest(Open):
     status: Literal[RUN_STATUSES] | None = None
     testbed: Testbed | None = None
     stages: list[Stage] | None = None
+    # a plan's names for its comparisons, by compare directory (docs/history.md): a named
+    # comparison keeps its series when an upgrade reads a knob back differently
+    cases: dict[str, str] | None = None

@@ -235,8 +235,7 @@ class _Recorder:
 
     def _describe(self, run: RunInput, testbed: Testbed) -> list[_Pair]:
         images = _stage_images(run.manifest)
-        # a plan's names for its comparisons (docs/history.md); not a field of RunManifest
-        labels = (run.manifest.model_extra or {}).get("cases") or {}
+        labels = run.manifest.cases or {}
         pairs = []
         for pair in run.pairs:
             meta = pair.report.metadata
