@@ -11,6 +11,7 @@ A clean rollout (no processing) is the control.
 
     .venv/bin/python bench/processing.py                        # tiny and 16x1024, 96 and 1024
     .venv/bin/python bench/processing.py --scales tiny --tokens 96 --dtypes float32
+    .venv/bin/python bench/processing.py --scales qwen3,qwen3_moe --tokens 96   # other families
 Rows are cached under ~/.cache/lpx/bench-processing (delete it to re-run); --report prints
 the cached ones.
 """
@@ -44,8 +45,14 @@ CACHE = Path(os.environ.get("LPX_PROCESSING_CACHE") or Path.home() / ".cache/lpx
 SCALES = {
     "tiny": lambda: models.tiny(),
     "16x1024": lambda: models.random_llama(16, 1024, 0.05),
+    # the families users train in 2026, tiny (not in the default --scales)
+    "qwen3": lambda: models.family("qwen3"),
+    "qwen3_moe": lambda: models.family("qwen3_moe"),
 }
 SEQUENCES = {96: (8, 2), 1024: (4, 1)}  # tokens: (prompts, samples per prompt)
+# 1,024 tokens on the 16-layer model: 2 sequences (each case's generation is one forward a
+# token on this CPU, and the calibration's decode variant one a token per precision)
+SEQUENCES_AT = {("16x1024", 1024): (1, 2)}
 
 
 def cases(base) -> dict:
@@ -69,13 +76,13 @@ def cases(base) -> dict:
     }
 
 
-def setup(scale: str, tokens: int) -> dict:
+def setup(scale: str, tokens: int, dtypes: list[str]) -> dict:
     folder = CACHE / f"{scale}-{tokens}"
     folder.mkdir(parents=True, exist_ok=True)
     model_dir = SCALES[scale]()
     fixture_path = folder / "fixture.parquet"
     if not fixture_path.exists():
-        prompts, samples = SEQUENCES[tokens]
+        prompts, samples = SEQUENCES_AT.get((scale, tokens), SEQUENCES[tokens])
         ids = [[1, *range(10 + 7 * i, 26 + 9 * i)] for i in range(prompts)]
         sampling = SamplingParams(
             max_tokens=tokens, seed=0, samples_per_prompt=samples, ignore_eos=True
@@ -83,7 +90,9 @@ def setup(scale: str, tokens: int) -> dict:
         write_table(HFRolloutEngine().rollout(model_dir, ids, sampling, {}), fixture_path)
     calibration_path = folder / "calibration.json"
     if not calibration_path.exists():
-        result = calibrate(read_table(fixture_path), model_dir, ["float32", "bfloat16"], 16)
+        # the precisions the replays run in (fp32 always: the reference's own noise)
+        precisions = ["float32", *(d for d in dtypes if d != "float32")]
+        result = calibrate(read_table(fixture_path), model_dir, precisions, 16)
         calibration_path.write_text(json.dumps(result))
     return {
         "folder": folder,
@@ -172,7 +181,7 @@ def main() -> None:
                 cached = CACHE / f"{scale}-{tokens}-{dtype}.json"
                 done = json.loads(cached.read_text()) if cached.exists() else {}
                 if not args.report:
-                    state = state or setup(scale, tokens)
+                    state = state or setup(scale, tokens, args.dtypes.split(","))
                     for name, generate in cases(state["fixture"]).items():
                         if name not in done:
                             row = run_case(state, name, generate, dtype)

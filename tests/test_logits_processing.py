@@ -341,3 +341,37 @@ def test_a_logit_bias_in_a_few_sequences_under_bf16_noise_is_found(
     put_on = set(np.argsort(-np.bincount(tokens), kind="stable")[:4].tolist())
     found = {int(t): b for t, b in params["logit_bias"]}
     assert set(found) == put_on and all(near(b, 2.0, 0.05) for b in found.values()), found
+
+
+def test_generation_defaults_on_a_moe_are_one_processing_not_biases_fitted_to_rounding(
+    family_model, tmp_path
+):
+    """A Qwen3-MoE rollout under Qwen3's defaults (T 0.6, top-k 20, top-p 0.95), the fp32
+    replay judged with the model's calibrated floor (7e-7): the sampler alone leaves a gap of
+    a third of that floor, and six logit biases of 1e-6 fitted the rest, rounding. Refitted on
+    the next finding, one bias went to -0.33 and failed, so a 0 fill (the one-token kept sets)
+    stayed verified as `mask_padding` beside the processing. No knob is needed below half the
+    floor: one processing, the sampler's knobs only."""
+    from pipeline.engines.base import SamplingParams
+    from pipeline.engines.hf_replay import HFScoringEngine
+    from pipeline.engines.hf_rollout import HFRolloutEngine
+
+    model = family_model("qwen3_moe")
+    prompts = [[1, *range(10 + 7 * i, 26 + 9 * i)] for i in range(8)]
+    sampling = SamplingParams(max_tokens=96, seed=0, samples_per_prompt=2, ignore_eos=True)
+    base = HFRolloutEngine().rollout(model, prompts, sampling, {})
+    fixture = tmp_path / "fixture.parquet"
+    write_table(base, fixture)
+    calibration = tmp_path / "calibration.json"
+    assert run_lpx("calibrate", fixture, "--model", model, "--dtype", "fp32",
+                   "--out", calibration).exit_code == 0  # fmt: skip
+    table = generated_rollout(model, base, seed=5, temperature=0.6, top_k=20, top_p=0.95)
+    faulted, replay = tmp_path / "defaults.parquet", tmp_path / "replay.parquet"
+    write_table(table, faulted)
+    write_table(HFScoringEngine().score(table, model, {"dtype": "float32"}), replay)
+    report = diagnosed(faulted, replay, tmp_path / "d", "--calibration", calibration)
+    params = the_processing(report)
+    assert {k for k in params if k not in ("searched", "what")} == {
+        "temperature", "top_k", "top_p"
+    }, params  # fmt: skip
+    assert near(params["temperature"], 0.6) and (params["top_k"], params["top_p"]) == (20, 0.95)

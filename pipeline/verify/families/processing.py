@@ -278,6 +278,10 @@ def find_processing(logits: HeadLogits, starts: list[Processing]) -> Processing:
 QUICK = 8  # least-squares evaluations per knob in the screening round
 SCREEN = 0.5  # a processing must halve the drift in one group's quick fit to be searched
 NOISE_SHARE = 0.1  # of the side's noise floor: a knob closing less of the gap is not needed
+# A reproduction that leaves less than this share of the side's noise floor is as close as
+# the side's rounding lets anything come: no knob joins past it, and no knob is needed to
+# get below it (on an fp32 side, six logit biases of 1e-6 fitted its rounding otherwise)
+WITHIN_NOISE = 0.5
 AGAIN = 0.01  # a processing found on other findings is taken where it leaves this of the gap
 
 
@@ -286,7 +290,9 @@ def grown(logits: HeadLogits, start: Processing) -> Processing:
     while len(chosen) < len(GROUPS):
         trials = {name: GROUPS[name](logits, current) for name in GROUPS if name not in chosen}
         name = min(trials, key=lambda n: logits.gap(trials[n]))
-        if not logits.gap(trials[name]) * IMPROVES < logits.gap(current):
+        if not logits.gap(trials[name]) * IMPROVES < logits.gap(current) or _within_noise(
+            logits, current
+        ):
             break
         current = trials[name]
         chosen.add(name)
@@ -354,7 +360,7 @@ def fit_bias(logits: HeadLogits, at: Processing, budget: int | None = None) -> P
             for t in tokens
         ]
         step = min(trials, key=logits.gap)
-        if not logits.gap(step) * IMPROVES < logits.gap(best):
+        if not logits.gap(step) * IMPROVES < logits.gap(best) or _within_noise(logits, best):
             break
         names = tuple(f"bias:{t}" for t, _ in step.logit_bias)
         best = fit_continuous(logits, step, names, budget)
@@ -462,14 +468,19 @@ BIAS_SPAN = 20.0  # nats either side a logit bias is fitted within
 LEAST_SQUARES_EVALUATIONS = 60  # per knob fitted
 
 
+def _within_noise(logits: HeadLogits, at: Processing) -> bool:
+    return logits.gap(at) <= WITHIN_NOISE * logits.noise
+
+
 def needed(logits: HeadLogits, found: Processing) -> Processing:
     """``found`` with every group it does not need put back to no processing (the rest
     re-fitted without it), and every logit-biased token it does not need dropped. Needed:
     without it the gap grows by NEEDED and by more than NOISE_SHARE of the side's noise
-    (below that, a knob fits the observed side's rounding, not its processing)."""
+    (below that, a knob fits the observed side's rounding, not its processing), and leaves
+    more than WITHIN_NOISE of that noise."""
     neutral = Processing()
     gap = logits.gap(found)
-    floor = max(gap * NEEDED, gap + NOISE_SHARE * logits.noise)
+    floor = max(gap * NEEDED, gap + NOISE_SHARE * logits.noise, WITHIN_NOISE * logits.noise)
     for group in GROUPS:
         if not _touches(found, group):
             continue
