@@ -172,6 +172,9 @@ def main() -> None:
     parser.add_argument("--tokens", default="96,1024")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--report", action="store_true", help="print the cached rows only")
+    parser.add_argument(
+        "--cases", default="", help="run only the faults whose name contains one of these (comma-separated)"
+    )
     args = parser.parse_args()
     rows = []
     for scale in args.scales.split(","):
@@ -183,10 +186,13 @@ def main() -> None:
                 if not args.report:
                     state = state or setup(scale, tokens, args.dtypes.split(","))
                     for name, generate in cases(state["fixture"]).items():
-                        if name not in done:
+                        wanted = not args.cases or any(c in name for c in args.cases.split(","))
+                        if name not in done and wanted:
                             row = run_case(state, name, generate, dtype)
                             done[name] = {**row, "scale": scale, "tokens": tokens}
-                            cached.write_text(json.dumps(done, indent=1))
+                            # re-read first: another run (--cases) may have added rows meanwhile
+                            on_disk = json.loads(cached.read_text()) if cached.exists() else {}
+                            cached.write_text(json.dumps({**on_disk, name: done[name]}, indent=1))
                             print(json.dumps(done[name]), flush=True)
                 rows += done.values()
     print_table(rows)
