@@ -164,6 +164,8 @@ def _evidence(**changes) -> dict:
         "weights_store": None,
         "one_length": None,
         "replay_packs": None,
+        "same_prompt_ids": True,
+        "prompts_consumed_as_recorded": True,
     }
     return {**evidence, **changes}
 
@@ -191,6 +193,11 @@ def _claim(cause: str) -> Finding:
         ("mask_padding", {"one_length": 40, "replay_packs": False}, True),
         ("mask_padding", {"one_length": 40, "replay_packs": None}, False),
         ("mask_padding", {"one_length": None, "replay_packs": False}, False),
+        # lpx's engines scored the same recorded token ids on both sides
+        ("prompt_mismatch", {}, True),
+        ("prompt_mismatch", {"same_prompt_ids": False}, False),
+        # a dump, a served engine or a seeded prompt fault: ids on file, not what was consumed
+        ("prompt_mismatch", {"prompts_consumed_as_recorded": False}, False),
     ],
 )
 def test_a_claim_the_evidence_contradicts_is_ruled_out(cause, evidence, ruled_out):
@@ -341,6 +348,49 @@ def test_a_logit_bias_in_a_few_sequences_under_bf16_noise_is_found(
     put_on = set(np.argsort(-np.bincount(tokens), kind="stable")[:4].tolist())
     found = {int(t): b for t, b in params["logit_bias"]}
     assert set(found) == put_on and all(near(b, 2.0, 0.05) for b in found.values()), found
+
+
+class BoundaryTokensStandIn:
+    """A stand-in for the head logits of 256 tokens (pure arithmetic, no model): min-p moves
+    every token by -0.9; token 0 is a min-p boundary token whose kept set the engine's
+    float32 and the re-processing's float64 tell apart by 0.01, which any frequency penalty
+    (its value aside) closes; a top-k binds on tokens 1-3 alone, by 0.5 each."""
+
+    noise = 1.5e-5  # the fp32 floor at 16 x 1024 where this was seen
+
+    def __init__(self):
+        self.observed = np.full(256, -0.9)
+        self.observed[0] -= 0.01
+        self.observed[1:4] -= 0.5
+
+    def scores(self, processing) -> np.ndarray:
+        out = np.zeros(256)
+        out -= 0.9 if processing.min_p else 0.0
+        out[0] -= 0.01 if processing.frequency_penalty else 0.0
+        out[1:4] -= 0.5 if processing.top_k else 0.0
+        return out
+
+    def residual(self, processing) -> np.ndarray:
+        return self.observed - self.scores(processing)
+
+    def gap(self, processing) -> float:
+        return float(np.mean(np.abs(self.residual(processing))))
+
+
+def test_a_smooth_knob_that_moves_only_a_boundary_token_is_not_needed_a_truncation_is():
+    """At 16 x 1024 a frequency penalty of -1.9e-6 stayed beside min-p 0.1: it closed 80 %
+    of the gap min-p left, all of it on one boundary token of 256. A smooth knob that moves
+    at most IMPOSSIBLE_SHARE of the tokens beyond the noise is not needed; a truncation that
+    binds on a few tokens is (the old code kept both)."""
+    from pipeline.faults.processing import Processing
+    from pipeline.verify.families.processing import needed
+
+    logits = BoundaryTokensStandIn()
+    found = Processing(min_p=0.1, frequency_penalty=-1.9e-6, top_k=20)
+    assert logits.gap(found) == 0.0
+    # without the penalty the gap grows past every other test of need (0.01 / 256 = 3.9e-5)
+    assert logits.gap(found.but(frequency_penalty=0.0)) > 2 * logits.noise
+    assert needed(logits, found).changed() == {"min_p": 0.1, "top_k": 20}
 
 
 def test_generation_defaults_on_a_moe_are_one_processing_not_biases_fitted_to_rounding(
