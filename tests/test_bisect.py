@@ -225,10 +225,26 @@ def test_a_real_bisect_names_the_release_that_brought_the_fault_and_resumes(rele
     argv += ["--good", "pip:transformers==5.18.0", "--bad", "5.20.2+gemma", "--out", out]
     argv += ["--wheelhouse", WHEELS]
     argv += ["--runs", "1", "--reconfirm", "0"]  # the flake logic is the flaky test's point
-    result = run_lpx(*argv)
+    # under a plan that diagnoses, the probes judge only; the first bad is verified once
+    diagnosing = releases / "plan-diagnose.yaml"
+    text = (releases / "plan.yaml").read_text()
+    diagnosing.write_text(text.replace("diagnose: false", "diagnose: true"))
+    result = run_lpx(*[diagnosing if a == releases / "plan.yaml" else a for a in argv])
     assert result.exit_code == 0, result.output
     state = json.loads((out / "bisect.json").read_text())
     found = state["result"]
+    probe_reports = [json.loads(p.read_text()) for p in out.glob("probes/*/*/compare/report.json")]
+    assert len(probe_reports) == 4 and not any(r["verification"]["ran"] for r in probe_reports)
+    explained = json.loads((out / found["explained"]).read_text())
+    assert found["explained"].startswith("probes/5.20.1_gemma/0/")
+    assert explained["verification"]["ran"] and explained["verdict"] == "fail"
+    # modelling code that no family reproduces: no cause the evidence rules out is left
+    # (prompt_mismatch, against the same prompt ids on both sides), the drift is unexplained
+    assert [(c["cause"], c["status"]) for c in found["causes"]] == [("unexplained", "plausible")]
+    assert {c["cause"] for c in found["causes"]} == {
+        str(f["cause"]) for f in explained["diagnosis"] if f["severity"] == "fault"
+    }
+    assert "cause: " in result.output and "its comparison, verified: " in result.output
     assert (found["last_good"], found["first_bad"]) == ("pip:transformers==5.20.0", "5.20.1+gemma")
     assert found["maybe_first_bad"] == [] and found["flaky"] == [] and found["errors"] == []
     # 5 builds: both ends and ceil(log2 4) = 2 probes, one run each

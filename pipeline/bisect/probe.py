@@ -22,9 +22,9 @@ from pipeline.contracts.files import MANIFEST, REPORT
 from pipeline.contracts.report import Report, load_report
 from pipeline.errors import BadInput
 from pipeline.orchestrator.plan import Plan
-from pipeline.orchestrator.run import execute_stage, run_stages
+from pipeline.orchestrator.run import RunStopped, execute_stage, run_stages
 from pipeline.orchestrator.runners import LocalRunner, StageFailed, make_runner
-from pipeline.orchestrator.stages import COMPARE, LOGS, PROMPTS, expand
+from pipeline.orchestrator.stages import COMPARE, LOGS, PROMPTS, compare_stage, expand
 from pipeline.run_manifest import new_manifest, write_manifest
 
 
@@ -48,6 +48,37 @@ def pair_plan(plan: Plan, pair: str) -> Plan:
         )
     chosen = [r for r in plan.replays if r.name == pair]
     return plan.model_copy(update={"replays": chosen, "localize": None})
+
+
+def verdict_only(plan: Plan) -> Plan:
+    """The plan a probe runs: its compare judges the pair and stops there. A bisect needs
+    each build's verdict, not its cause, and verifying a failing pair by re-scoring costs
+    several forwards (a bad probe cost 4.5x a good one); the first bad build's comparison
+    is verified once, at the end (`explain`)."""
+    return plan.model_copy(update={"diagnose": False})
+
+
+def explain(plan: Plan, run_dir: Path, runner_name: str) -> Report | None:
+    """The first bad build's comparison as the plan's own compare stage makes it, verified
+    by re-scoring where the plan diagnoses: run in that build's last bad probe run, into
+    its own folder (the probe's report stays as judged). None where the plan does not
+    diagnose or the stage could not run: the bisect's answer stands without it."""
+    if not plan.diagnose:
+        return None
+    compare = compare_stage(plan, [r.name for r in plan.replays])
+    argv = list(compare.argv)
+    argv[argv.index("--out") + 1] = EXPLAINED
+    stage = replace(compare, name="explain", argv=argv, outputs=[f"{EXPLAINED}/{REPORT}"])
+    manifest = new_manifest("manual", f"lpx bisect: the first bad build's causes ({run_dir})")
+    runner = make_runner(runner_name, gpus=plan.gpus)
+    try:
+        execute_stage(stage, run_dir, plan.stage_timeout_s, manifest, runner)
+        return load_report(run_dir / EXPLAINED / REPORT)
+    except (RunStopped, OSError, ValueError):
+        return None
+
+
+EXPLAINED = "explained"  # the first bad probe's comparison, verified
 
 
 def stages_on_build(plan: Plan, side: str) -> set[str]:
@@ -148,7 +179,7 @@ def run_once(
         make_runner(runner_name, gpus=plan.gpus), prepared, stages_on_build(plan, side)
     )
     try:
-        run_stages(plan, run_dir, manifest, set(shared), runner)
+        run_stages(verdict_only(plan), run_dir, manifest, set(shared), runner)
     except (StageFailed, BadInput) as error:
         return RunResult(ERROR, time.monotonic() - started, {}, str(error))
     finally:

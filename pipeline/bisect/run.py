@@ -26,6 +26,7 @@ from pipeline.contracts.bisect import (
     BisectResult,
     BisectState,
     BuildOfBisect,
+    CauseOfBisect,
     Changed,
     ImageOfBuild,
     PlanOfBisect,
@@ -35,8 +36,9 @@ from pipeline.contracts.bisect import (
     as_written,
 )
 from pipeline.contracts.files import BISECT as FILE
+from pipeline.contracts.files import REPORT
 from pipeline.contracts.problems import describe
-from pipeline.contracts.report import Report
+from pipeline.contracts.report import Finding, Report
 from pipeline.environments import DEFAULT_BUILD
 from pipeline.errors import BadInput
 from pipeline.orchestrator.plan import load_plan
@@ -144,6 +146,9 @@ def run_bisect(
         described = {r.build: r.environment for r in state.runs if r.environment}
         described |= {builds[i].name: p.description for i, p in prepared.items()}
         state.result = _result(answer, builds, described, source)
+        _write(out, state)
+        if answer.first_bad is not None:
+            _explain(state, plan, out, runner_name)
         state.finished_at = _now()
         _write(out, state)
     return state
@@ -200,6 +205,30 @@ def _result(
             builds[answer.last_good], builds[answer.first_bad], described, source
         )
     return result
+
+
+def _explain(state: BisectState, plan, out: Path, runner_name: str) -> None:
+    """The first bad build's causes: its last bad probe's comparison, verified once."""
+    first_bad = state.result.first_bad
+    bad = [r for r in state.runs if r.build == first_bad and r.outcome == BAD]
+    if not bad:
+        return
+    run_dir = out / bad[-1].run_dir
+    click.echo(f"bisect: verifying the causes of {first_bad}'s comparison", err=True)
+    report = probes.explain(plan, run_dir, runner_name)
+    if report is None:
+        return
+    state.result.causes = [
+        CauseOfBisect(
+            cause=str(f.cause),
+            status=str(f.status),
+            sequences=len(f.sequences),
+            evidence=f.evidence,
+        )
+        for f in (Finding.model_validate(found) for found in report.diagnosis or [])
+        if f.is_fault
+    ]
+    state.result.explained = str((run_dir / probes.EXPLAINED / REPORT).relative_to(out))
 
 
 def _changed(good: Build, bad: Build, described: dict, source: Path | None) -> Changed:
@@ -275,6 +304,12 @@ def summary(state: BisectState) -> str:
             lines.append(f"  changed: {package} {old} -> {new}")
         for commit in (result.changed.commits or [])[:20]:
             lines.append(f"  commit: {commit}")
+    for cause in result.causes or []:
+        lines.append(
+            f"  cause: {cause.cause} ({cause.status}, {cause.sequences} sequences): {cause.evidence}"
+        )
+    if result.explained:
+        lines.append(f"  its comparison, verified: {result.explained}")
     lines.append(f"{result.runs} runs over {result.builds_probed} builds")
     return "\n".join(lines)
 

@@ -95,6 +95,15 @@ class Changed(Written):
     commits: list[str] | None = None
 
 
+class CauseOfBisect(Written):
+    """A cause the first bad build's comparison names, verified once at the end."""
+
+    cause: str
+    status: str
+    sequences: Count
+    evidence: str
+
+
 class BisectResult(Written):
     """The answer: no first bad (and `stopped` saying why) when the ends did not hold."""
 
@@ -108,6 +117,9 @@ class BisectResult(Written):
     flaky: list[str]
     errors: list[str]
     changed: Changed | None = None  # only with a first bad
+    # only with a first bad, under a plan that diagnoses: its comparison's faults, verified
+    causes: list[CauseOfBisect] | None = None
+    explained: str | None = None  # that comparison's report.json, relative to the bisect
 
 
 class BisectState(Written):
