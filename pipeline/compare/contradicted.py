@@ -5,7 +5,8 @@ checkpoint's, and no weight update recorded, did not score with different weight
 file fingerprints alone do not say it: a wrong conversion or sharding holds other weights
 behind them); versions
 recorded equal on both sides did not change; sequences that are all one length were never
-padded. Such a claim is ruled out, saying why, and its sequences are `unexplained`: the
+padded; two sides that lpx's engines scored from the same recorded prompt ids did not score
+different prompts. Such a claim is ruled out, saying why, and its sequences are `unexplained`: the
 verdict stays a failure, and nobody goes looking where the evidence says the bug is not.
 
 Pure: the evidence is read off the two tables once (`evidence_on_file`), then each claim is
@@ -48,6 +49,16 @@ def evidence_on_file(fixture, replay) -> dict:
         # engine held (RL engines sync weights in memory)
         "from_checkpoint": not any(t.metadata.get("ingested_from") for t in (fixture, replay)),
         "one_length": int(lengths[0]) if len(set(lengths.tolist())) == 1 else None,
+        # the prompt ids each side recorded are the ones its engine consumed: lpx's own
+        # engines take token ids and add nothing to them; a served engine (another process
+        # may prepend a BOS or apply a template) and a dump (what its engine said) may not
+        "same_prompt_ids": _same_prompts(fixture, replay),
+        "prompts_consumed_as_recorded": not any(
+            t.metadata.get("ingested_from")
+            or _engine(t) in SERVED_ENGINES
+            or t.metadata.get("prompts_consumed_as_recorded") is False
+            for t in (fixture, replay)
+        ),
         "replay_packs": layout.get("packing"),
     }
 
@@ -81,6 +92,16 @@ def contradiction(finding: Finding, evidence: dict) -> str | None:
             return f"every token of the rollout records weight version {only}" + (
                 ", as does the replay" if replay_version is not None else ""
             )
+    if (
+        cause == Cause.PROMPT_MISMATCH
+        and evidence["same_prompt_ids"]
+        and evidence["prompts_consumed_as_recorded"]
+    ):
+        return (
+            "both sides record the same prompt ids for every sequence, and both were scored "
+            "by lpx's engines from those token ids (no template applied, no BOS added), so "
+            "neither scored other prompt tokens"
+        )
     if cause == Cause.MASK_PADDING and evidence["one_length"] is not None:
         if evidence["replay_packs"] is False:
             return (
@@ -88,6 +109,22 @@ def contradiction(finding: Finding, evidence: dict) -> str | None:
                 "is padded, and the replay does not pack"
             )
     return None
+
+
+SERVED_ENGINES = ("http",)  # engines lpx reaches over a server's API, not in process
+
+
+def _engine(table) -> str | None:
+    return (table.metadata.get("engine") or {}).get("name")
+
+
+def _same_prompts(fixture, replay) -> bool:
+    """Both tables hold the same sequences with the same prompt ids, in one order."""
+    return (
+        list(fixture.sequence_ids) == list(replay.sequence_ids)
+        and np.array_equal(fixture.prompt_offsets, replay.prompt_offsets)
+        and np.array_equal(fixture.prompt_ids, replay.prompt_ids)
+    )
 
 
 def rule_out_contradicted(findings: list[Finding], evidence: dict) -> list[Finding]:

@@ -111,6 +111,11 @@ def inject_fault(
         # fingerprint no longer says what they were scored with (as in a dump whose engine
         # synced weights in memory), so it is not kept as evidence that they were
         faulted.metadata["model"] = {**faulted.metadata["model"], "weights_fingerprint": None}
+    if record["expected_cause"] == "prompt_mismatch":
+        # these logprobs were scored on other prompt tokens than the ids on file, as by an
+        # engine that added a BOS or a template to what it was given: the ids are no longer
+        # evidence of what was consumed
+        faulted.metadata["prompts_consumed_as_recorded"] = False
     return faulted
 
 
