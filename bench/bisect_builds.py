@@ -104,6 +104,12 @@ def _print(state: dict, wall: float, options, root: Path) -> None:
                 f"  {outcome} run: median {statistics.median(seconds):.1f} s "
                 f"(min {min(seconds):.1f}, max {max(seconds):.1f}, n={len(seconds)})"
             )
+    for cause in result.get("causes") or []:
+        print(f"  first bad's cause: {cause['cause']} ({cause['status']})")
+    if result.get("explained_seconds") is not None:
+        print(
+            f"  the first bad's comparison verified once, at the end: {result['explained_seconds']:.1f} s"
+        )
     made = [
         json.loads(p.read_text())["seconds"] for p in (root / "cache").rglob("lpx-environment.json")
     ]

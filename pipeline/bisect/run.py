@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -215,9 +216,11 @@ def _explain(state: BisectState, plan, out: Path, runner_name: str) -> None:
         return
     run_dir = out / bad[-1].run_dir
     click.echo(f"bisect: verifying the causes of {first_bad}'s comparison", err=True)
+    started = time.monotonic()
     report = probes.explain(plan, run_dir, runner_name)
     if report is None:
         return
+    state.result.explained_seconds = round(time.monotonic() - started, 2)
     state.result.causes = [
         CauseOfBisect(
             cause=str(f.cause),

@@ -120,6 +120,7 @@ class BisectResult(Written):
     # only with a first bad, under a plan that diagnoses: its comparison's faults, verified
     causes: list[CauseOfBisect] | None = None
     explained: str | None = None  # that comparison's report.json, relative to the bisect
+    explained_seconds: Annotated[float, Field(ge=0)] | None = None  # what verifying it took
 
 
 class BisectState(Written):

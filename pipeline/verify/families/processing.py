@@ -263,7 +263,7 @@ def find_processing(logits: HeadLogits, starts: list[Processing]) -> Processing:
     origins = list(dict.fromkeys([best_seed, Processing()]))
     quick = [fit(logits, origin, QUICK) for origin in origins for fit in GROUPS.values()]
     closest = min([best_seed, *quick], key=logits.gap)
-    if logits.gap(closest) > SCREEN * logits.gap(Processing()):
+    if logits.gap(closest) > SEARCHED_BELOW * logits.gap(Processing()):
         return closest
     found = [grown(logits, start) for start in origins]
     # fits within a share of the side's noise are equally good: the one with fewer knobs is
@@ -275,8 +275,9 @@ def find_processing(logits: HeadLogits, starts: list[Processing]) -> Processing:
     )
 
 
-QUICK = 8  # least-squares evaluations per knob in the screening round
-SCREEN = 0.5  # a processing must halve the drift in one group's quick fit to be searched
+QUICK = 8  # least-squares evaluations per knob in the quick round
+SEARCHED_BELOW = 0.5  # of the drift: one group's quick fit must leave less for a full search
+# (named apart from the judge's screen, SCREEN_SEQUENCES, which rules hypotheses out on two)
 NOISE_SHARE = 0.1  # of the side's noise floor: a knob closing less of the gap is not needed
 # A reproduction that leaves less than this share of the side's noise floor is as close as
 # the side's rounding lets anything come: no knob joins past it, and no knob is needed to
