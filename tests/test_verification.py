@@ -150,6 +150,44 @@ def test_without_verifying_findings_stay_plausible(faulted, run_dir, tmp_path):
     assert report["verification"] == {"ran": False, "reason": "--no-verify"}
 
 
+def test_a_verification_budget_that_runs_out_leaves_findings_as_the_signatures_said(
+    faulted, run_dir, tmp_path
+):
+    """--verify-budget: no hypothesis starts after it; what was left is listed, and the
+    findings it would have tested stay as compare named them (plausible), never worse."""
+    replay = run_dir / "replay-float32.parquet"
+    spent = run_lpx(
+        "compare", faulted("temperature"), replay, "--verify-budget", "0.000001",
+        "--out", tmp_path / "spent",
+    )  # fmt: skip
+    assert spent.exit_code == 1, spent.output
+    report = read_report(tmp_path / "spent")
+    note = report["verification"]
+    assert note["ran"] and note["out_of_budget"] and note["budget_s"] == 1e-6
+    assert "temperature" in {t["kind"] for t in note["not_tried"]}
+    plain = run_lpx(
+        "compare", faulted("temperature"), replay, "--no-verify", "--out", tmp_path / "plain"
+    )
+    assert plain.exit_code == 1, plain.output
+    said = [(f["cause"], f["status"]) for f in read_report(tmp_path / "plain")["diagnosis"]]
+    assert [(f["cause"], f["status"]) for f in report["diagnosis"]] == said
+    assert all(f["details"]["over_budget"] for f in report["diagnosis"])
+    assert "budget (1e-06 s, --verify-budget) ran out" in spent.output
+    # a budget that lasts: the same answer as none
+    ample = run_lpx(
+        "compare", faulted("temperature"), replay, "--verify-budget", "600",
+        "--out", tmp_path / "ample", "--quiet",
+    )  # fmt: skip
+    assert ample.exit_code == 1, ample.output
+    report = read_report(tmp_path / "ample")
+    assert only(report, "temperature")["status"] == "verified"
+    assert report["verification"]["out_of_budget"] is False
+    assert report["verification"]["not_tried"] == []
+    refused = run_lpx("compare", faulted("temperature"), replay, "--verify-budget", "5",
+                      "--no-verify", "--out", tmp_path / "x")  # fmt: skip
+    assert refused.exit_code == 2 and "contradict" in refused.output
+
+
 def test_compare_verifies_with_the_fixtures_model_by_default(faulted, run_dir, tmp_path):
     result = run_lpx(
         "compare", faulted("temperature"), run_dir / "replay-float32.parquet",

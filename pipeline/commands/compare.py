@@ -74,6 +74,14 @@ def compare_options(function):
             "fixture's (or --model's); unverified findings stay plausible.",
         ),
         click.option(
+            "--verify-budget",
+            type=click.FloatRange(min=0, min_open=True),
+            metavar="SECONDS",
+            help="Start no new hypothesis after this many seconds of verification per "
+            "comparison; the report lists what was not tried, and the findings it would have "
+            "tested stay as the signatures said [default: no limit].",
+        ),
+        click.option(
             "--allow-model-mismatch",
             is_flag=True,
             help="Verify with --model even though its weights are not the fixture's (a stale "
@@ -188,6 +196,7 @@ def run_compare(
     no_calibration,
     allow_calibration_mismatch,
     no_verify,
+    verify_budget,
     allow_model_mismatch,
     exact,
     weights_store,
@@ -207,6 +216,11 @@ def run_compare(
         raise BadInput(
             f"--model {model_dir} and --no-verify contradict each other: --model names the model "
             "that verifies the findings; give one of them."
+        )
+    if verify_budget is not None and no_verify:
+        raise BadInput(
+            f"--verify-budget {verify_budget:g} and --no-verify contradict each other: the "
+            "budget limits verification; give one of them."
         )
     outputs = COMPARE_OUTPUTS
     for name in outputs:
@@ -261,7 +275,7 @@ def run_compare(
         if needs_verifying(comparison.report.diagnosis):
             verified_with = verifying.resolve()
             if verified_with is not None:
-                verify_report(
+                added = verify_report(
                     comparison.report,
                     fixture,
                     replay,
@@ -272,8 +286,11 @@ def run_compare(
                     device=device,
                     say=lambda line: click.echo(line, err=True),
                     weights_store=weights_store,
+                    budget_s=verify_budget,
                 )
-            comparison.report.verification = verifying.note
+                comparison.report.verification = {**verifying.note, **(added or {})}
+            else:
+                comparison.report.verification = verifying.note
         else:
             comparison.report.verification = {
                 "ran": False,

@@ -282,7 +282,15 @@ def _gate_line(gate: dict) -> str:
 
 def _verification_line(note: dict) -> str:
     if note.get("ran"):
-        return f"findings re-scored with {_md(note.get('model'))} ({_md(note.get('source'))})"
+        line = f"findings re-scored with {_md(note.get('model'))} ({_md(note.get('source'))})"
+        if note.get("out_of_budget"):
+            kinds = sorted({t["kind"] for t in note.get("not_tried") or []})
+            line += (
+                f"; the budget ({note['budget_s']:g} s, --verify-budget) ran out: "
+                f"{len(note['not_tried'])} hypotheses not tried ({_md(', '.join(kinds))}); "
+                "the findings they would have tested stay as the signatures said"
+            )
+        return line
     return f"not run ({_md(note.get('reason'))}); unverified findings stay plausible"
 
 

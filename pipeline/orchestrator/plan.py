@@ -156,6 +156,8 @@ class Plan(_Strict):
     calibrate: Calibrate | None = None
     # the compare stage verifies failing pairs' findings by re-scoring them with the model
     diagnose: bool = True
+    # with diagnose: no new hypothesis after this many seconds per pair (--verify-budget)
+    verify_budget_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     # failing pairs are localized to a layer and op (lpx localize): true, or a mapping
     localize: Localize | None = None
     history: History = History()

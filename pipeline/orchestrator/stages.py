@@ -156,6 +156,8 @@ def compare_stage(plan: Plan, replay_names: list[str]) -> Stage:
         if plan.diagnose
         else ["--no-verify"]
     )
+    if plan.diagnose and plan.verify_budget_s is not None:
+        argv += ["--verify-budget", repr(plan.verify_budget_s)]
     return Stage(
         "compare",
         [*argv, "--quiet"],

@@ -7,6 +7,7 @@ verifies replaces it. What nothing reproduces is `unexplained`, listing what was
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from pipeline.contracts.causes import Cause, Severity, Status
@@ -33,10 +34,35 @@ NOT_REPRODUCIBLE = {
 class Verifier:
     """Re-scores a fixture's sequences under hypothesised bugs and judges each one."""
 
-    def __init__(self, fixture: TokenTable, replay: TokenTable, model_dir: Path, **options):
+    def __init__(
+        self,
+        fixture: TokenTable,
+        replay: TokenTable,
+        model_dir: Path,
+        budget_s: float | None = None,
+        **options,
+    ):
         """``options`` as `Reference`'s: channel, calibration, device, say, model,
-        weights_store."""
+        weights_store. ``budget_s``: no hypothesis is started after this many seconds; what
+        was left is listed in `not_tried`, and the findings it would have tested stay as the
+        signatures said."""
         self.ref = Reference(fixture, replay, model_dir, **options)
+        self.deadline = None if budget_s is None else time.monotonic() + budget_s
+        self.not_tried: list[dict] = []
+
+    def _spent(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def _left(self, finding: Finding, candidates: list[Candidate]) -> None:
+        for candidate in candidates:
+            self.not_tried.append(
+                {
+                    "finding": str(finding.cause),
+                    "cause": str(candidate.cause),
+                    "kind": candidate.kind,
+                    "params": {k: v for k, v in candidate.params.items() if _plain(v)},
+                }
+            )
 
     @property
     def base(self):
@@ -60,7 +86,15 @@ class Verifier:
                 out.append(finding)
                 continue
             own = self.candidates(finding)
+            if self._spent():
+                self._left(finding, [*own, *self._others(finding, reproduced)])
+                out.append(report.over_budget(finding, []))
+                continue
             outcome, tried = self._first_verified(finding, own)
+            if outcome is None and self._spent():
+                self._left(finding, report.distinct(self._others(finding, reproduced), tried))
+                out.append(report.over_budget(finding, tried))
+                continue
             if outcome:
                 out.append(_finished(ref, report.verified(finding, outcome), outcome))
                 reproduced.append(outcome.candidate)
@@ -74,15 +108,11 @@ class Verifier:
                 out.append(report.inconclusive_precision(finding, tried[-1]))
                 continue
             runner = (finding.runner_up or {}).get("cause")
-            others = [
-                *reproduced,
-                # what explains drift of any shape: a precision below the declared ones,
-                # other published weights
-                *(c for family in families() for c in family.any_shape(ref, finding)),
-                *(self.candidates(finding.but(cause=runner, details={})) if runner else []),
-                *self.any_cause(finding),
-            ]
+            others = self._others(finding, reproduced)
             outcome, also = self._first_verified(finding, report.distinct(others, tried))
+            if outcome is None and self._spent():
+                out.append(report.over_budget(finding, tried + also))
+                continue
             if outcome:
                 if tried:
                     out.append(report.ruled_out(finding, tried))
@@ -131,6 +161,18 @@ class Verifier:
             merged = family.merged(merged)
         return merged
 
+    def _others(self, finding: Finding, reproduced: list[Candidate]) -> list[Candidate]:
+        """What a finding's drift is tested against once its own cause did not verify: what
+        verified on other findings, what explains drift of any shape (a precision below
+        the declared ones, other published weights), its runner-up, every other cause."""
+        runner = (finding.runner_up or {}).get("cause")
+        return [
+            *reproduced,
+            *(c for family in families() for c in family.any_shape(self.ref, finding)),
+            *(self.candidates(finding.but(cause=runner, details={})) if runner else []),
+            *self.any_cause(finding),
+        ]
+
     def candidates(self, finding: Finding) -> list[Candidate]:
         """The reproductions a finding's cause and parameters call for."""
         family = for_cause(finding.cause)
@@ -145,7 +187,10 @@ class Verifier:
 
     def _first_verified(self, finding: Finding, candidates: list[Candidate]):
         tried = []
-        for candidate in candidates:
+        for index, candidate in enumerate(candidates):
+            if self._spent():
+                self._left(finding, candidates[index:])
+                break
             outcome = judge(self.ref, candidate, finding.sequences)
             if outcome is None:
                 continue
@@ -202,6 +247,9 @@ class Verifier:
             ]
             verified = []
             for candidate in report.distinct([*models, *offered], []):
+                if self._spent():  # the fill stays verified as the data bug it is
+                    self._left(finding, [candidate])
+                    continue
                 outcome = judge(self.ref, candidate, finding.sequences)
                 if outcome is None:
                     continue
@@ -222,6 +270,10 @@ class Verifier:
                 fill = f"{by['kind']} ({how}) matched the median token only"
                 out[index] = report.verified(finding.but(evidence=f"{said}; {fill}"), best)
         return out
+
+
+def _plain(value) -> bool:
+    return isinstance(value, str | int | float | bool) or value is None
 
 
 def _finished(ref, finding: Finding, outcome) -> Finding:

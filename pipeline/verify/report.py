@@ -115,6 +115,18 @@ def unverified(finding: Finding, tried: list[dict]) -> Finding:
     )
 
 
+def over_budget(finding: Finding, tried: list[dict]) -> Finding:
+    """A finding the verification budget ran out on before a reproduction verified it: as
+    its signature said (never worse than the signatures), saying what was tried and that the
+    rest was not."""
+    return finding.but(
+        evidence=f"{finding.evidence}; not verified: the verification budget (--verify-budget) "
+        f"ran out after {len(tried)} tries on it; the report's verification.not_tried lists "
+        "what was left",
+        details={**finding.details, "tried": tried, "over_budget": True},
+    )
+
+
 def distinct(candidates: list[Candidate], tried: list[dict]) -> list[Candidate]:
     """Each (kind, parameters) once, leaving out what was already tried."""
     seen = {(t["kind"], repr(sorted(t["params"].items()))) for t in tried}
