@@ -12,6 +12,7 @@ A clean rollout (no processing) is the control.
     .venv/bin/python bench/processing.py                        # tiny and 16x1024, 96 and 1024
     .venv/bin/python bench/processing.py --scales tiny --tokens 96 --dtypes float32
     .venv/bin/python bench/processing.py --scales qwen3,qwen3_moe --tokens 96   # other families
+    .venv/bin/python bench/processing.py --scales 32x512 --tokens 96 --dtypes float32
 Rows are cached under ~/.cache/lpx/bench-processing (delete it to re-run); --report prints
 the cached ones.
 """
@@ -45,6 +46,8 @@ CACHE = Path(os.environ.get("LPX_PROCESSING_CACHE") or Path.home() / ".cache/lpx
 SCALES = {
     "tiny": lambda: models.tiny(),
     "16x1024": lambda: models.random_llama(16, 1024, 0.05),
+    # the deeper scale of this CPU (not in the default --scales)
+    "32x512": lambda: models.random_llama(32, 512, 0.05),
     # the families users train in 2026, tiny (not in the default --scales)
     "qwen3": lambda: models.family("qwen3"),
     "qwen3_moe": lambda: models.family("qwen3_moe"),
