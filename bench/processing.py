@@ -176,7 +176,9 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--report", action="store_true", help="print the cached rows only")
     parser.add_argument(
-        "--cases", default="", help="run only the faults whose name contains one of these (comma-separated)"
+        "--cases",
+        default="",
+        help="run only the faults whose name contains one of these (comma-separated)",
     )
     args = parser.parse_args()
     rows = []
