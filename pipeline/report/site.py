@@ -61,6 +61,7 @@ def build_site(history: History, out_dir: Path) -> Path:
         claim=claim_badge,
         claims=claim_list,
         code_spans=code_spans,
+        script_json=script_json,
     )
     common = {
         "generated_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -118,6 +119,24 @@ def snapshot(history: History) -> Iterator[Session]:
         if session.get_bind().dialect.name == "postgresql":
             session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
         yield session
+
+
+def script_json(value) -> Markup:
+    """A page's inline data (`<script type="application/json">`) through orjson: Jinja's
+    `tojson` (the standard encoder) took 4.4 of a year's 16 s report, on the run and series
+    pages' data. Compact JSON, keys sorted, made safe inside <script> as Jinja makes it (<,
+    >, & and ' escaped); a NaN or infinity, which JSON.parse refuses, is written null."""
+    import orjson
+
+    text = orjson.dumps(
+        value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS, default=str
+    ).decode()
+    for raw, safe in HTML_UNSAFE:
+        text = text.replace(raw, safe)
+    return Markup(text)
+
+
+HTML_UNSAFE = (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("'", "\\u0027"))
 
 
 def format_number(value) -> str:
