@@ -86,12 +86,8 @@ class Verifier:
                 out.append(finding)
                 continue
             own = self.candidates(finding)
-            if self._spent():
-                self._left(finding, [*own, *self._others(finding, reproduced)])
-                out.append(report.over_budget(finding, []))
-                continue
             outcome, tried = self._first_verified(finding, own)
-            if outcome is None and self._spent():
+            if outcome is None and self._spent():  # what it did not reach is listed too
                 self._left(finding, report.distinct(self._others(finding, reproduced), tried))
                 out.append(report.over_budget(finding, tried))
                 continue
