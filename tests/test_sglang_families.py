@@ -87,9 +87,11 @@ def test_a_moe_rollout_records_the_experts_hf_routes_to(servers, family_model):
     assert report.metrics["routing_flip_rate"] == 0.0  # measured: every set equal in fp32
     assert report.metrics["max_abs_diff"] < FP32_TOLERANCE
     assert report.verdict == "pass"
-    # router replay (R3) on HF with SGLang's experts gives the same logprobs
+    # router replay (R3) on HF with SGLang's experts gives the same logprobs, to fp32's
+    # reduction order: the forced routing takes another gather path (measured up to 1.9e-6
+    # on a fresh clone, 16 ulps at |logprob| ~ 1; the same experts, so never a routing gap)
     routed = HFScoringEngine().score(fixture, model, {"router_replay": True})
-    assert np.abs(routed.channels["replay"] - replay.channels["replay"]).max() < 1e-6
+    assert np.abs(routed.channels["replay"] - replay.channels["replay"]).max() < 5e-6
 
 
 def test_qwen2_moe_fails_at_the_first_op_without_a_cpu_path(servers):
