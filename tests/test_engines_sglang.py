@@ -348,6 +348,63 @@ def test_a_missing_environment_or_a_dying_server_is_one_clear_error(tiny_model, 
         )
 
 
+# Stands in for SGLang's interpreter in the port test: it binds --port as uvicorn would and
+# answers /health, so the bind that fails is the kernel's own "Address already in use".
+STAND_IN_SERVER = """#!{python}
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+except OSError as error:
+    print(f"ERROR: [Errno {{error.errno}}] error while attempting to bind: {{error.strerror}}")
+    sys.stdout.flush()
+    import time
+    time.sleep(600)  # as SGLang's launcher does: the scheduler keeps it alive
+server.serve_forever()
+"""
+
+
+def test_a_port_taken_before_the_server_binds_it_is_retried_at_once(tmp_path, monkeypatch):
+    """The CI failure of 2026-11-27: another process took the port between lpx picking it and
+    SGLang binding it, and lpx waited its 600 s startup for a server that never answered."""
+    import socket
+
+    from pipeline.engines import sglang_server
+
+    stand_in = tmp_path / "stand-in-sglang-python"
+    stand_in.write_text(STAND_IN_SERVER.format(python=sys.executable))
+    stand_in.chmod(0o755)
+    taken = [socket.socket() for _ in range(sglang_server.PORT_TRIES)]
+    for sock in taken:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+    taken_ports = [sock.getsockname()[1] for sock in taken]
+    free = sglang_server._free_port
+    picks = iter(taken_ports[:2])
+    monkeypatch.setattr(sglang_server, "_free_port", lambda: next(picks, None) or free())
+    words = []
+    began = time.monotonic()
+    with sglang_server.running_server(stand_in, [], tmp_path / "server.log", startup_s=600,
+                                      say=words.append) as server:  # fmt: skip
+        assert int(server.url.rsplit(":", 1)[1]) not in taken_ports
+        assert time.monotonic() - began < 60  # not the 600 s startup
+    assert sum("port was taken" in word for word in words) == 2
+    # every port taken: one clear error, after PORT_TRIES starts
+    picks = iter(taken_ports)
+    monkeypatch.setattr(sglang_server, "_free_port", lambda: next(picks))
+    with pytest.raises(BadInput, match=r"could not bind a loopback port in 3 tries.*bind"):
+        with sglang_server.running_server(stand_in, [], tmp_path / "server.log", startup_s=600):
+            pass
+    for sock in taken:
+        sock.close()
+
+
 def _server_group(log) -> int:
     """The server's process group (lpx writes its pid, the group's leader, into the log)."""
     for line in Path(log).read_text().splitlines()[:3]:

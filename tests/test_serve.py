@@ -807,6 +807,29 @@ def test_a_privileged_port_says_to_use_1024_or_above(monkeypatch):
         bind_listener("0.0.0.0", 80)  # fmt: skip
 
 
+def test_a_port_taken_before_the_replica_binds_it_is_started_again_on_another(
+    tiny_model, tmp_path, monkeypatch
+):
+    """server_process picks a free port, then starts `lpx serve` on it; another process may
+    take the port between the two. The server's own "already in use" exit is retried."""
+    from pipeline.serve import process as serve_process
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        picks = iter([taken])
+        free = serve_process.free_port
+        monkeypatch.setattr(serve_process, "free_port", lambda: next(picks, None) or free())
+        with server_process(tiny_model, log_path=tmp_path / "a.log") as (url, _):
+            assert url != f"http://127.0.0.1:{taken}" and _answers(url + "/health")
+        picks = iter([taken] * serve_process.PORT_TRIES)
+        monkeypatch.setattr(serve_process, "free_port", lambda: next(picks))
+        with pytest.raises(ServerFailed, match=f"--port {taken}: the address is already in use"):
+            with server_process(tiny_model, log_path=tmp_path / "b.log"):
+                pass
+
+
 def test_port_0_serves_on_a_free_port_named_in_the_start_up_line(tiny_model, tmp_path):
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:

@@ -85,6 +85,14 @@ def _has_release_wheel(wheelhouse: Path | None) -> bool:
     return wheelhouse is not None and any(Path(wheelhouse).glob(f"sglang-{SGLANG_RELEASE}-*.whl"))
 
 
+PORT_TRIES = 3  # fresh loopback ports tried when the one picked was taken before SGLang bound it
+PORT_TAKEN = "address already in use"  # uvicorn's words when its bind fails (errno 98)
+
+
+class PortTaken(Exception):
+    """The port picked for the server was taken by the time SGLang bound it."""
+
+
 @contextlib.contextmanager
 def running_server(
     python: Path,
@@ -95,11 +103,41 @@ def running_server(
     say=None,
 ):
     """Yield a `Server` started with ``python -m pipeline.engines.sglang_launch
-    --host 127.0.0.1 --port P *server_args``; stop it (its whole process group) after."""
+    --host 127.0.0.1 --port P *server_args``; stop it (its whole process group) after.
+
+    P is a port the kernel called free, but SGLang binds it only once the model is loaded,
+    tens of seconds later, and any process may take it meanwhile (another SGLang's own
+    distributed-init port, on a shared runner). A bind that fails is seen in the log at
+    once and retried on a fresh port, up to PORT_TRIES times, instead of waiting out
+    ``startup_s`` for a server that will never answer."""
+    for attempt in range(1, PORT_TRIES + 1):
+        process, url, started = _launch(python, server_args, Path(log), env)
+        try:
+            _wait_healthy(url, process, Path(log), startup_s, say)
+            break
+        except PortTaken:
+            stop(process)
+            if attempt == PORT_TRIES:
+                raise BadInput(
+                    f"SGLang's server could not bind a loopback port in {PORT_TRIES} tries "
+                    f"(each was taken before it bound); its log {log} ends: {log_tail(log)}"
+                ) from None
+            if say is not None:
+                say(f"SGLang's port was taken before it bound; starting it again ({attempt + 1})")
+        except BaseException:
+            stop(process)
+            raise
+    try:
+        yield Server(url, Path(log), process.pid, time.monotonic() - started)
+    finally:
+        stop(process)
+
+
+def _launch(python: Path, server_args: list[str], log: Path, env: dict[str, str] | None):
+    """Start the server on a free port, its output to ``log``: (Popen, base URL, start time)."""
     port = _free_port()
     argv = [str(python), "-m", "pipeline.engines.sglang_launch", "--host", "127.0.0.1",
             "--port", str(port), *server_args]  # fmt: skip
-    log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "SGLANG_DISABLE_REQUEST_LOGGING": "1"}
     environment.update(env or {})
@@ -118,12 +156,7 @@ def running_server(
         )
         out.write(f"# lpx: server pid {process.pid}, its own process group\n")
         out.flush()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, process, log, startup_s, say)
-        yield Server(url, log, process.pid, time.monotonic() - started)
-    finally:
-        stop(process)
+    return process, f"http://127.0.0.1:{port}", started
 
 
 def stop(process: subprocess.Popen, grace_s: float = 2.0) -> None:
@@ -163,6 +196,8 @@ def _wait_healthy(url: str, process, log: Path, startup_s: float, say) -> None:
                     return
         except (urllib.error.URLError, OSError):
             pass
+        if _bind_failed(log):
+            raise PortTaken(url)
         now = time.monotonic()
         if now > deadline:
             raise BadInput(
@@ -173,6 +208,13 @@ def _wait_healthy(url: str, process, log: Path, startup_s: float, say) -> None:
             say(f"waiting for SGLang's server ({now - deadline + startup_s:.0f} s; log {log})")
             next_word = now + 30
         time.sleep(0.5)
+
+
+def _bind_failed(log: Path) -> bool:
+    try:
+        return PORT_TAKEN in Path(log).read_text(encoding="utf-8", errors="replace").lower()
+    except OSError:
+        return False
 
 
 def log_tail(log: Path, lines: int = 6) -> str:
