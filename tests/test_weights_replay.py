@@ -217,6 +217,44 @@ def test_precision_noise_never_makes_a_claim_look_wrong():
     assert len(wrong.sequences) == n // per
 
 
+
+def test_a_version_that_changed_mid_sequence_under_one_tag_is_found_never_in_noise():
+    """An engine tags every token with the version its request started under (or ended
+    under) while the weights changed mid-sequence: only the tokens after (before) the change
+    are misclaimed, however late it came. The CI run of 2026-11-27 met this on SGLang: the
+    switch came after 30 % of 320 tokens, and the whole-sequence test (75 % closer) called
+    the claim honest. Versions that bf16 noise cannot tell apart are never split: 0 of
+    1,000 sequences of 320 tokens (the split's error rate is at most 1e-3 a sequence)."""
+    rng = np.random.default_rng(1)
+    per, count = 320, 40
+    n = per * count
+    offsets = np.arange(0, n + 1, per)
+    truth = {"1": rng.normal(-2, 1, n)}
+    truth["2"] = truth["1"] + rng.normal(0, 0.05, n)  # one RL step, far above fp32 noise
+    switch = rng.integers(12, per - 12, count)  # from token 12 to token 308
+    position = np.tile(np.arange(per), count)
+    after = position >= np.repeat(switch, per)
+    served = np.where(after, truth["2"], truth["1"]) + rng.normal(0, 1e-6, n)
+    train = {v: t + rng.normal(0, 1e-6, n) for v, t in truth.items()}
+    (wrong,) = misclaimed_versions(np.full(n, "1", dtype=object), train["1"], served, offsets,
+                                   {"2": train["2"]})  # fmt: skip
+    assert (wrong.claimed, wrong.served) == ("1", "2")
+    assert wrong.tokens == int(after.sum()) and len(wrong.sequences) == count
+    # tagged with the version it ended under: the tokens before the change are misclaimed
+    (wrong,) = misclaimed_versions(np.full(n, "2", dtype=object), train["2"], served, offsets,
+                                   {"1": train["1"]})  # fmt: skip
+    assert (wrong.claimed, wrong.served, wrong.tokens) == ("2", "1", int((~after).sum()))
+    # bf16 noise on every version alike, versions 0.003 apart: 1,000 sequences stay honest
+    per, count = 320, 1000
+    n = per * count
+    offsets = np.arange(0, n + 1, per)
+    truth = {"1": rng.normal(-2, 1, n)}
+    truth["2"] = truth["1"] + rng.normal(0, 0.003, n)
+    rollout = truth["1"] + rng.normal(0, 0.01, n)
+    train = {v: t + rng.normal(0, 0.01, n) for v, t in truth.items()}
+    assert misclaimed_versions(np.full(n, "1", dtype=object), train["1"], rollout, offsets,
+                               {"2": train["2"]}) == []  # fmt: skip
+
 def test_select_sequences_cuts_every_array(run_dir):
     fixture = read_table(run_dir / "fixture.parquet")
     sub = select_sequences(fixture, [3, 1])

@@ -86,7 +86,8 @@ class Verifier:
                 out.append(finding)
                 continue
             own = self.candidates(finding)
-            outcome, tried = self._first_verified(finding, own)
+            asked: set = set()  # what was judged on this finding, as asked (before a search)
+            outcome, tried = self._first_verified(finding, own, asked)
             if outcome is None and self._spent():  # what it did not reach is listed too
                 self._left(finding, report.distinct(self._others(finding, reproduced), tried))
                 out.append(report.over_budget(finding, tried))
@@ -105,7 +106,7 @@ class Verifier:
                 continue
             runner = (finding.runner_up or {}).get("cause")
             others = self._others(finding, reproduced)
-            outcome, also = self._first_verified(finding, report.distinct(others, tried))
+            outcome, also = self._first_verified(finding, report.distinct(others, tried), asked)
             if outcome is None and self._spent():
                 out.append(report.over_budget(finding, tried + also))
                 continue
@@ -181,12 +182,18 @@ class Verifier:
         data = [c for c in offered if is_data(c.kind)]
         return [*data, *(c for c in offered if not is_data(c.kind))]
 
-    def _first_verified(self, finding: Finding, candidates: list[Candidate]):
+    def _first_verified(self, finding: Finding, candidates: list[Candidate], asked: set):
+        """The first candidate that verifies on the finding's sequences, and what was tried
+        before it. ``asked`` holds the (kind, parameters) judged on this finding so far: a
+        search (top_k_search, logits_processing) is described by what it found, so the same
+        search offered again by another family is known by what was asked of it."""
         tried = []
+        candidates = [c for c in candidates if report.key_of(c) not in asked]
         for index, candidate in enumerate(candidates):
             if self._spent():
                 self._left(finding, candidates[index:])
                 break
+            asked.add(report.key_of(candidate))
             outcome = judge(self.ref, candidate, finding.sequences)
             if outcome is None:
                 continue

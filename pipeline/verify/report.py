@@ -127,12 +127,17 @@ def over_budget(finding: Finding, tried: list[dict]) -> Finding:
     )
 
 
+def key_of(candidate: Candidate) -> tuple[str, str]:
+    """A candidate's (kind, parameters), as `distinct` tells candidates apart."""
+    return candidate.kind, repr(sorted(candidate.params.items()))
+
+
 def distinct(candidates: list[Candidate], tried: list[dict]) -> list[Candidate]:
     """Each (kind, parameters) once, leaving out what was already tried."""
     seen = {(t["kind"], repr(sorted(t["params"].items()))) for t in tried}
     out = []
     for candidate in candidates:
-        key = (candidate.kind, repr(sorted(candidate.params.items())))
+        key = key_of(candidate)
         if key not in seen:
             seen.add(key)
             out.append(candidate)
