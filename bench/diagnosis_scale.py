@@ -21,6 +21,8 @@ findings right/wrong, clean-run verdicts and semantic findings, and verification
 
     .venv/bin/python bench/diagnosis_scale.py                       # every scale, hours on 2 cores
     .venv/bin/python bench/diagnosis_scale.py --scales tiny --directions fp32
+    .venv/bin/python bench/diagnosis_scale.py --scales 16x1024 --directions float32 \
+        --kinds bos_extra,pad_attended,position_ids                  # some kinds only
     .venv/bin/python bench/diagnosis_scale.py --report               # the cached results only
 Results are cached per case under ~/.cache/lpx/bench-zoo (delete it to re-run).
 """
@@ -362,7 +364,7 @@ def _visible_sequences(faulted, replay, moved, calibration) -> set[str]:
     return out
 
 
-def run_scale(name: str, directions: list[str]) -> dict:
+def run_scale(name: str, directions: list[str], kinds: set[str] | None = None) -> dict:
     work = CACHE / name
     results_path = work / "cases.jsonl"
     done = {}
@@ -370,6 +372,7 @@ def run_scale(name: str, directions: list[str]) -> dict:
         for line in results_path.read_text().splitlines():
             row = json.loads(line)
             done[row["key"]] = row
+    only = kinds
     setup = scale_setup(name, work)
     fp32_model = load_model(setup["model_dir"], "float32", device=DEVICE)
     for direction in directions:
@@ -387,7 +390,7 @@ def run_scale(name: str, directions: list[str]) -> dict:
         for kinds, choices, position in planned:
             counts = "/".join("all" if c == "all" else str(len(c)) for c in choices)
             key = f"{direction}:{'+'.join(kinds)}:{counts}"
-            if key in done:
+            if key in done or (only is not None and not set(kinds) <= only):
                 continue
             try:
                 case = run_case(
@@ -493,6 +496,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scales", default=",".join(SCALES))
     parser.add_argument("--directions", default="float32,bfloat16,vllm")
+    parser.add_argument(
+        "--kinds", default="", help="only cases of these fault kinds (comma-separated)"
+    )
     parser.add_argument("--report", action="store_true", help="print the cached results only")
     parser.add_argument("--markdown", action="store_true", help="with --report: markdown tables")
     args = parser.parse_args()
@@ -508,7 +514,8 @@ def main() -> int:
                 "clean": json.loads(clean.read_text()) if clean.is_file() else [],
             }
         else:
-            outcome = run_scale(name, args.directions.split(","))
+            only = set(args.kinds.split(",")) if args.kinds else None
+            outcome = run_scale(name, args.directions.split(","), only)
         if args.markdown:
             print(markdown(name, outcome) + "\n")
             continue
