@@ -19,6 +19,7 @@ tests/test_engines_sglang.py:
 from __future__ import annotations
 
 import base64
+import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -269,10 +270,33 @@ def update_weights_from_disk(
     body = {
         "model_path": str(model_dir),
         "weight_version": str(version),
-        "abort_all_requests": abort_running,
         "flush_cache": True,  # cached prefixes hold keys and values of the old weights
     }
-    return _succeeded(connection, "/update_weights_from_disk", body)
+    with _paused_if(connection, abort_running):
+        return _succeeded(connection, "/update_weights_from_disk", body)
+
+
+@contextlib.contextmanager
+def _paused_if(connection: Connection, abort_running: bool):
+    """With ``abort_running``: generation paused in abort mode around the update, then
+    continued.
+
+    SGLang's own ``abort_all_requests`` aborts the running requests and updates at once, but
+    a client that resumes an aborted rollout sends it again at once, and a request running
+    or queued when the update flushes the radix cache fails the call ("Weights were updated,
+    but the cache was not flushed"): the new weights serve, the cache keeps keys and values
+    of the old ones, and the version is not set (a CI run met this). Paused in abort mode,
+    the server aborts what runs, waits until no request holds the weights, and holds new
+    requests back until it continues; the update and its flush then meet an idle
+    scheduler."""
+    if not abort_running:
+        yield
+        return
+    pause_generation(connection, "abort")
+    try:
+        yield
+    finally:
+        continue_generation(connection)
 
 
 def update_weights_from_tensor(
@@ -289,9 +313,6 @@ def update_weights_from_tensor(
     The payload is what SGLang's MultiprocessingSerializer writes (torch's ForkingPickler,
     base64), made here without importing SGLang: torch's ``file_system`` sharing, because a
     server process cannot receive another process's file descriptors."""
-    import io
-    from multiprocessing.reduction import ForkingPickler
-
     import torch.multiprocessing as torch_mp
 
     buckets, current, size = [], [], 0
@@ -304,6 +325,16 @@ def update_weights_from_tensor(
     buckets += [current] if current else []
     strategy = torch_mp.get_sharing_strategy()
     torch_mp.set_sharing_strategy("file_system")
+    with _paused_if(connection, abort_running):
+        return _send_buckets(connection, buckets, version, strategy)
+
+
+def _send_buckets(connection: Connection, buckets: list, version: str, strategy: str) -> dict:
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as torch_mp
+
     _succeeded(connection, "/begin_weight_update", {})
     try:
         answer = {}
@@ -313,7 +344,6 @@ def update_weights_from_tensor(
             body = {
                 "serialized_named_tensors": [base64.b64encode(buffer.getvalue()).decode()],
                 "flush_cache": True,
-                "abort_all_requests": abort_running and index == 0,
             }
             if index == len(buckets) - 1:
                 body["weight_version"] = str(version)
