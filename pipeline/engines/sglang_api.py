@@ -313,7 +313,6 @@ def update_weights_from_tensor(
     The payload is what SGLang's MultiprocessingSerializer writes (torch's ForkingPickler,
     base64), made here without importing SGLang: torch's ``file_system`` sharing, because a
     server process cannot receive another process's file descriptors."""
-    import torch.multiprocessing as torch_mp
 
     buckets, current, size = [], [], 0
     for name, tensor in named_tensors:
@@ -323,18 +322,18 @@ def update_weights_from_tensor(
             buckets.append(current)
             current, size = [], 0
     buckets += [current] if current else []
-    strategy = torch_mp.get_sharing_strategy()
-    torch_mp.set_sharing_strategy("file_system")
     with _paused_if(connection, abort_running):
-        return _send_buckets(connection, buckets, version, strategy)
+        return _send_buckets(connection, buckets, version)
 
 
-def _send_buckets(connection: Connection, buckets: list, version: str, strategy: str) -> dict:
+def _send_buckets(connection: Connection, buckets: list, version: str) -> dict:
     import io
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing as torch_mp
 
+    strategy = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy("file_system")
     _succeeded(connection, "/begin_weight_update", {})
     try:
         answer = {}
