@@ -4,10 +4,18 @@ partitioned over ranks and gathered by DeepSpeed's own hooks for each module's f
 Spec: `deepspeed:nproc=2`, `deepspeed:nproc=2,dtype=bf16,zero_stage=3`. bf16 is DeepSpeed's
 `bf16` mode (the module held in bf16); fp32 runs as loaded. The floor of fp32 is measured
 against fp64: ZeRO partitions and gathers fp64 parameters like any others (checked on gloo).
+
+DeepSpeed 0.19.8's ZeRO-3 `Init` takes an existing module's dtype only where the accelerator
+says fp16 is unsupported (`dtype or fp16 if fp16 supported else bf16 ...`, an operator
+precedence slip), then refuses anything but fp16, bf16 and fp32. So on a CPU with AVX512-FP16
+(Intel Sapphire Rapids and later) it refused the fp64 reference module that it takes on every
+other CPU. The fp64 reference is sharded with the fp16 probe answered as those CPUs answer it;
+the dtype `Init` records then only types tensors created under it, and none are.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,8 +65,25 @@ def open_rank(model_dir: Path, knobs: dict, device: str, world_size: int) -> Sha
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        engine, *_ = deepspeed.initialize(model=model, config=config)
+        with _fp16_probe_answering_no(deepspeed, dtype == "float64"):
+            engine, *_ = deepspeed.initialize(model=model, config=config)
         engine.eval()
         return engine
 
     return ShardedHFRank(model_dir, knobs, device, shard)
+
+
+@contextmanager
+def _fp16_probe_answering_no(deepspeed, active: bool):
+    """DeepSpeed's accelerator answering "no fp16" while a float64 module is sharded (see
+    the module's docstring); as it was otherwise."""
+    accelerator = deepspeed.accelerator.get_accelerator()
+    if not active:
+        yield
+        return
+    probe = accelerator.is_fp16_supported
+    accelerator.is_fp16_supported = lambda: False
+    try:
+        yield
+    finally:
+        accelerator.is_fp16_supported = probe
