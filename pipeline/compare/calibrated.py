@@ -43,6 +43,7 @@ __all__ = [
     "pair_key",
     "read_calibration",
     "side_precision",
+    "surprisal_side",
     "token_tau",
     "usable",
 ]
@@ -73,6 +74,21 @@ def side_precision(meta: dict) -> str:
         (meta.get("knobs") or {}).get("allow_tf32") is True
     )
     return TF32 if tf32 and dtype == "float32" else dtype
+
+
+# How close a side's precision comes to the calibration's fp32 reference (bf16, fp16: 0).
+REFERENCE_NEARNESS = {"float64": 3, "float32": 2, TF32: 1}
+
+
+def surprisal_side(rollout_precision: str, replay_precision: str) -> str:
+    """Whose logprob buckets a token's surprisal: the side nearer the fp32 reference that
+    the calibration bucketed its samples by, the replay where both are as near. A bf16 side's
+    logprob of a token whose MoE routing flipped in bf16 is tenths of a nat from fp32's, in
+    another bucket with another tau: against an fp32 rollout, a clean bf16 replay of a Qwen3-MoE
+    put 7 of 1,536 tokens over tau (0 by the rollout's), and failed the gate on a Sapphire
+    Rapids CPU."""
+    rollout, replay = (REFERENCE_NEARNESS.get(p, 0) for p in (rollout_precision, replay_precision))
+    return "rollout" if rollout > replay else "replay"
 
 
 def pair_key(a: str, b: str) -> str:
@@ -110,8 +126,8 @@ def calibrated_judging(
     """Per-token thresholds, the precision gate on ``abs_diff``, and the values this batch's
     metrics reach under noise alone (at the gate's false-alarm rate).
 
-    ``reference_logprob`` buckets each token by surprisal (the replay's logprob), as the
-    calibration bucketed its samples by the fp32 reference."""
+    ``reference_logprob`` buckets each token by surprisal (the logprob of the side that
+    `surprisal_side` names), as the calibration bucketed its samples by the fp32 reference."""
     calibration = as_calibration(calibration)
     floor = calibration.pairs[pair]
     table = floor_table(calibration, pair)

@@ -15,6 +15,7 @@ from pipeline.compare.calibrated import (
     calibrated_judging,
     effective_limits,
     side_precision,
+    surprisal_side,
     usable,
 )
 from pipeline.compare.contradicted import evidence_on_file, rule_out_contradicted
@@ -209,10 +210,11 @@ def judged_against(
         note = {"used": False, "reason": why_not, "judged_by": "the profile's constants"}
         return Judging(tau, None, None, note)
     region = aligned.completion
+    nearer = surprisal_side(side_precision(fixture.metadata), side_precision(replay.metadata))
     floor = calibrated_judging(
         calibration,
         pair,
-        region.train,
+        region.rollout if nearer == "rollout" else region.train,
         region.positions,
         region.offsets,
         options.calibration_source,

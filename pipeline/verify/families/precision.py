@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from pipeline.compare.calibrated import TAU_MARGIN, pair_key, side_precision
+from pipeline.compare.calibrated import TAU_MARGIN, pair_key, side_precision, surprisal_side
 from pipeline.compare.floor import expect
 from pipeline.compare.noise_test import bucket_level_tests, precision_gate, rules_out_faults
 from pipeline.contracts.causes import Cause, Severity
@@ -82,7 +82,8 @@ class Precision(Family):
         floor = calibration["pairs"][pair]
         offsets = np.concatenate([[0], np.cumsum([len(r) for r in rollout])])
         drift = np.abs(np.concatenate(rollout) - np.concatenate(replay))
-        surprisal = -np.concatenate(replay)
+        nearer = surprisal_side(*(candidate.params[side] for side in ("rollout", "replay")))
+        surprisal = -np.concatenate(rollout if nearer == "rollout" else replay)
         where = np.concatenate(positions)
         tau = TAU_MARGIN * np.maximum(expect(floor, surprisal, where)["q999"], 1e-12)
         gate = precision_gate(floor, drift, surprisal, where, offsets, tau)
