@@ -139,9 +139,11 @@ def test_a_seeded_routing_flip_fails_and_is_verified_by_forcing_the_experts(moe_
 def test_a_small_misrouting_within_the_floor_fails_once_re_scoring_names_it(
     moe_run, family_model, tmp_path
 ):
-    """3 % of layer 1's tokens misrouted: the drift passes the calibrated gate (bf16 flips
-    1.4 % of tokens on its own), but the drift above tau is not what bf16 gives (dtype ruled
-    out) and forcing the replay's experts reproduces it: a verified routing_flip fails."""
+    """3 % of layer 1's tokens misrouted, about twice what bf16 flips on its own (1.4 % on an
+    AMD EPYC, where the drift passed the calibrated gate; on a Sapphire Rapids CPU, whose
+    bf16 flips further, its tail fails the gate): whatever the gate says, the drift above
+    tau is not what bf16 gives (dtype ruled out) and forcing the replay's experts reproduces
+    it: a verified routing_flip fails."""
     seeded = read_table(moe_run / "fixture.parquet")
     seeded.routed_experts = _seeded_flip(seeded.routed_experts, fraction=0.03, seed=0)
     bf16 = {"dtype": "bfloat16", "device": "cpu", "router_replay": True}
@@ -151,7 +153,6 @@ def test_a_small_misrouting_within_the_floor_fails_once_re_scoring_names_it(
     done = run_lpx("compare", moe_run / "fixture.parquet", tmp_path / "replay.parquet",
                    "--out", tmp_path / "out")  # fmt: skip
     report = read_report(tmp_path / "out")
-    assert report["precision_gate"]["passed"] and not report["policy"]["violations"]
     # measured: 3.7 % of tokens flip (layer 1: 3.6 %)
     assert 0.025 < report["routing"]["flip_rate"] < 0.05
     causes = {f["cause"]: f["status"] for f in report["diagnosis"]}
@@ -164,8 +165,9 @@ def test_a_router_replay_that_routes_elsewhere_fails_whatever_the_gate(
 ):
     """A replay that says it forced the rollout's experts (router_replay=true) and still routed
     1 % of layer 1's tokens elsewhere (an R3 bug: rows misaligned, experts misnumbered across
-    EP ranks): precision never flips a forced router, so the flips fail it even though the
-    drift passes the calibrated gate."""
+    EP ranks): precision never flips a forced router, so the flips fail it even where the
+    drift passes the calibrated gate (it does on an AMD EPYC; on a Sapphire Rapids CPU its
+    largest |d| is past the limit too)."""
     seeded = read_table(moe_run / "fixture.parquet")
     seeded.routed_experts = _seeded_flip(seeded.routed_experts, fraction=0.01, seed=0)
     bf16 = {"dtype": "bfloat16", "device": "cpu", "router_replay": True}
@@ -175,7 +177,7 @@ def test_a_router_replay_that_routes_elsewhere_fails_whatever_the_gate(
                    "--out", tmp_path / "out")  # fmt: skip
     report = read_report(tmp_path / "out")
     assert report["metadata"]["replay"]["knobs"]["router_replay"] is True
-    assert report["precision_gate"]["passed"] and not report["policy"]["violations"]
+    assert report["precision_gate"]["passed"]  # the gate's statistics: within bf16's noise
     assert 0 < report["routing"]["flip_rate"] < 0.02
     (finding,) = [f for f in report["diagnosis"] if f["cause"] == "routing_flip"]
     assert finding["evidence"].startswith("router replay forced the rollout's experts, yet ")

@@ -54,6 +54,11 @@ def verified(finding: Finding, outcome: Outcome, renamed_from: str | None = None
             "signature_evidence": finding.evidence,  # kept, should a better one replace it
             **finding.details,
             "verified_by": describe(outcome),
+            **(
+                {"renamed_from": str(renamed_from)}
+                if renamed_from and renamed_from != cause
+                else {}
+            ),
         },
     )
 
@@ -218,7 +223,9 @@ def params_text(params: dict) -> str:
 
 def one_per_reproduction(findings: list[Finding]) -> list[Finding]:
     """Findings verified by the same reproduction (kind and parameters) are one bug: one
-    finding, over all their sequences."""
+    finding, over all their sequences, told in the words of the one whose signature named
+    that cause (a routing claim's flips per layer, not the unexplained drift beside it that
+    the same reproduction verified)."""
     out, seen = [], {}
     for finding in findings:
         by = finding.details.get("verified_by")
@@ -230,7 +237,12 @@ def one_per_reproduction(findings: list[Finding]) -> list[Finding]:
             key = (finding.cause, by["kind"], repr(sorted(params.items())), by["side"])
         if key in seen:
             first = out[seen[key]]
-            out[seen[key]] = first.but(
+            told = (
+                finding
+                if "renamed_from" in first.details and "renamed_from" not in finding.details
+                else first
+            )
+            out[seen[key]] = told.but(
                 sequences=sorted(set(first.sequences) | set(finding.sequences))
             )
             continue
