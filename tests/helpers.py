@@ -66,15 +66,3 @@ def sglang_serving(python, model_dir, log, moe=False, env=None, **knobs):
     argv = server_arguments(SGLangKnobs.from_dict(knobs), model_dir, "cpu", 1024, moe)
     with running_server(python, argv, log, env) as server:
         yield server.url
-
-
-def docker_daemon_lock():
-    """One lock, across the suite's worker processes, between the tests that use the
-    Docker daemon's containers (tests/test_containers.py, a module at a time) and the test
-    that stops the daemon (tests/test_nightly_faults.py): under xdist they run at once on two
-    workers, and a daemon restart mid-build failed every container test."""
-    import tempfile
-
-    from filelock import FileLock
-
-    return FileLock(Path(tempfile.gettempdir()) / "lpx-tests-docker-daemon.lock")

@@ -1,9 +1,8 @@
 """Faults in the nightly, each against the real parts (issue 22): PostgreSQL killed or
 restarted mid-record, two nightlies recording into one history at once, the report site
-rendered while a record runs, the Docker daemon restarted mid-run, a stage container
-killed for memory. docs/orchestrator.md (Faults) says what each does and how to recover.
-
-The Docker tests skip without a Docker engine, except under CI=true (tests/test_containers.py).
+rendered while a record runs. docs/orchestrator.md (Faults) says what each does and how to
+recover. The Docker faults (the daemon restarted mid-run, a stage container killed for memory)
+are in tests/test_containers.py, on the images it builds.
 """
 
 from __future__ import annotations
@@ -11,13 +10,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -28,9 +25,8 @@ from pipeline.db.models import Comparison, Run
 from sqlalchemy import func, select
 
 from pipeline.history.database import WRITE_LOCK_ID, open_history
-from tests.helpers import count, docker_daemon_lock, run_lpx
+from tests.helpers import count, run_lpx
 from tests.synthetic_runs import nightly_history
-from tests.test_containers import cpu_images, docker_host  # noqa: F401 (fixtures)
 
 PAIRS = tuple(f"pair-{i:02d}" for i in range(20))
 
@@ -305,139 +301,3 @@ def test_two_nightlies_recording_into_one_history_at_once_are_both_kept_once(
     assert again.output.count("already recorded") == 2, again.output
     assert count(url, Run) == 2
     assert read_whole_site(site) == 2  # the last render of the two holds both runs
-
-
-# --- Docker: the daemon restarted mid-run, a stage container killed for memory --------------
-
-
-@pytest.fixture(scope="module")
-def train_image(request) -> str:
-    """lpx-train:cpu, as tests/test_containers.py builds it (built now when absent)."""
-    request.getfixturevalue("docker_host")  # skips without Docker, except under CI=true
-    inspect = subprocess.run(["docker", "image", "inspect", "lpx-train:cpu"], capture_output=True)
-    if inspect.returncode != 0:
-        request.getfixturevalue("cpu_images")
-    return "lpx-train:cpu"
-
-
-def docker_answers() -> bool:
-    return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
-
-
-def wait_for_container(labels: dict, process: subprocess.Popen, timeout: float = 300) -> None:
-    """Until a container with ``labels`` runs (the stage has started inside it)."""
-    filters = [arg for key, value in labels.items() for arg in ("--filter", f"label={key}={value}")]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        found = subprocess.run(["docker", "ps", "-q", *filters], capture_output=True, text=True)
-        if found.stdout.strip():
-            return
-        time.sleep(0.2)
-    pytest.fail(
-        f"no container {labels} started: {process.communicate() if process.poll() is not None else 'timed out'}"
-    )
-
-
-@contextmanager
-def docker_daemon_stopped():
-    """Stop the Docker daemon as an upgrade or a restart does (SIGTERM: it stops every
-    container, then exits), and start it again the way it was started, whatever happens.
-    The caller holds `docker_daemon_lock()`: taken here, a wait on another worker's
-    container tests let the stage finish before the daemon stopped (a CI failure)."""
-    managed = subprocess.run(["systemctl", "is-active", "--quiet", "docker"], capture_output=True)
-    if shutil.which("systemctl") and managed.returncode == 0:
-        subprocess.run(["systemctl", "stop", "docker", "docker.socket"], check=True)
-        start = ["systemctl", "start", "docker"]
-    else:
-        found = subprocess.run(["pgrep", "-xo", "dockerd"], capture_output=True, text=True)
-        if not found.stdout.strip():
-            pytest.fail("docker answers but no dockerd process is found to restart")
-        daemon = psutil.Process(int(found.stdout))
-        start = daemon.cmdline()
-        try:
-            daemon.terminate()
-        except psutil.AccessDenied:
-            if os.environ.get("CI", "").lower() == "true":
-                raise
-            pytest.skip("restarting dockerd needs root")
-        daemon.wait(timeout=120)
-    try:
-        yield
-    finally:
-        if start[0] == "systemctl":
-            subprocess.run(start, check=True)
-        else:
-            # Not this process's environment: torch and vLLM imports put LD_PRELOAD (a libgomp
-            # in this checkout's venv) there, and a dockerd that outlives the checkout fails
-            # every iptables call once that file is gone.
-            clean = {
-                k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH")
-            }
-            with open("/var/log/lpx-dockerd.log", "ab") as log:
-                subprocess.Popen(start, stdout=log, stderr=log, start_new_session=True, env=clean)
-        deadline = time.monotonic() + 120
-        while not docker_answers() and time.monotonic() < deadline:
-            time.sleep(1)
-        assert docker_answers(), "dockerd did not come back (see /var/log/lpx-dockerd.log)"
-
-
-def test_the_docker_daemon_restarted_mid_run_is_a_stage_error_and_resume_finishes(
-    train_image, tmp_path
-):
-    db = f"sqlite:///{tmp_path / 'history.db'}"
-    plan = small_plan(tmp_path / "plan.yaml", "tiny", db, tmp_path / "site")
-    run_dir = tmp_path / "run"
-    # The lock first (never while another worker's container tests run), then the run: the
-    # daemon must stop while the rollout container still runs.
-    with docker_daemon_lock():
-        run = lpx("run", plan, "--runner", "docker", "--out", run_dir)
-        wait_for_container({"ai.lpx.stage": "rollout", "ai.lpx.run": run_dir}, run)
-        with docker_daemon_stopped():
-            code, out, err = finish(run)
-    assert code == 2, (out, err)
-    line = one_error_line(err)
-    assert line.startswith("Error: stage rollout"), line
-    assert f"log: {run_dir / 'logs' / 'rollout.log'}" in line, line
-    assert f"`lpx run {plan} --out {run_dir} --resume`" in line, line
-    stages = {s["name"]: s for s in json.loads((run_dir / "lpx-run.json").read_text())["stages"]}
-    assert stages["model"]["status"] == "ok" and stages["rollout"]["status"] == "error"
-    # The daemon stopped the container (SIGTERM, lpx exits 143) or stopped answering first.
-    assert re.search(
-        r"Docker daemon stopped answering|killed by SIGTERM", stages["rollout"]["message"]
-    ), stages["rollout"]
-
-    code, out, err = finish(lpx("run", plan, "--runner", "docker", "--out", run_dir, "--resume"))
-    assert code == 0, err
-    stages = {s["name"]: s for s in json.loads((run_dir / "lpx-run.json").read_text())["stages"]}
-    assert stages["model"]["message"] == "kept from the resumed run"
-    assert {s["status"] for s in stages.values()} == {"ok"}
-    history = history_of(db)
-    assert sorted(r["status"] for r in history) == ["error", "pass"]
-    leftovers = subprocess.run(
-        ["docker", "ps", "-aq", "--filter", f"label=ai.lpx.run={run_dir}"],
-        capture_output=True,
-        text=True,
-    )
-    assert leftovers.stdout.strip() == ""
-
-
-def test_a_stage_container_killed_for_memory_is_an_error_naming_the_stage_and_limit(
-    train_image, tmp_path
-):
-    db = f"sqlite:///{tmp_path / 'history.db'}"
-    rollout = {"engine": "hf", "dtype": "fp32", "image": train_image, "memory": "64m"}
-    plan = small_plan(tmp_path / "plan.yaml", "tiny", db, tmp_path / "site", rollout=rollout)
-    run_dir = tmp_path / "run"
-    code, out, err = finish(lpx("run", plan, "--runner", "docker", "--out", run_dir))
-    assert code == 2, (out, err)
-    line = one_error_line(err)
-    assert line.startswith(
-        "Error: stage rollout failed: killed for memory: its container reached its limit of "
-        "64m; raise the stage's memory: in the plan"
-    ), line
-    stages = {s["name"]: s for s in json.loads((run_dir / "lpx-run.json").read_text())["stages"]}
-    assert stages["rollout"]["status"] == "error" and "limit of 64m" in stages["rollout"]["message"]
-    assert stages["replay-fp32"]["message"] == "not run: rollout failed"
-    (recorded,) = history_of(db)
-    assert recorded["status"] == "error"
-    assert any("limit of 64m" in str(error) for error in recorded["errors"]), recorded["errors"]
