@@ -42,6 +42,20 @@ def qwen_run(tmp_path_factory, prompts):
     return out
 
 
+@pytest.fixture(scope="module")
+def llama_fp32(run_dir, tmp_path_factory):
+    """Each engine's fp32 replay of the tiny Llama on 2 ranks, launched once for the module
+    (the fp32, TP and matrix tests read the same replays)."""
+    out = tmp_path_factory.mktemp("llama-fp32")
+    return {
+        engine: (
+            replay(run_dir, engine, extra, out / f"{engine}.parquet"),
+            out / f"{engine}.parquet",
+        )
+        for engine, extra in ENGINES
+    }
+
+
 def replay(run_dir, engine, extra, out, *more):
     result = run_lpx(
         "replay",
@@ -65,9 +79,12 @@ def max_gap(a, b) -> float:
 
 @pytest.mark.parametrize("engine,extra", ENGINES, ids=[e for e, _ in ENGINES])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fp32_two_ranks_agree_with_hf(engine, extra, arch, run_dir, qwen_run, tmp_path):
+def test_fp32_two_ranks_agree_with_hf(engine, extra, arch, run_dir, qwen_run, request, tmp_path):
     base = run_dir if arch == "llama" else qwen_run
-    table = replay(base, engine, extra, tmp_path / "replay.parquet")
+    if arch == "llama":
+        table = request.getfixturevalue("llama_fp32")[engine][0]
+    else:
+        table = replay(base, engine, extra, tmp_path / "replay.parquet")
     hf = read_table(base / "replay-float32.parquet")
     assert max_gap(table, hf) < 1e-5
     layout = table.metadata["layout"]
@@ -78,9 +95,9 @@ def test_fp32_two_ranks_agree_with_hf(engine, extra, arch, run_dir, qwen_run, tm
     assert table.metadata["engine"]["versions"]["torch"]
 
 
-def test_megatron_tp1_and_tp2_agree(run_dir, tmp_path):
+def test_megatron_tp1_and_tp2_agree(run_dir, llama_fp32, tmp_path):
     tp1 = replay(run_dir, "megatron", ["--set", "tensor_parallel_size=1"], tmp_path / "tp1.parquet")
-    tp2 = replay(run_dir, "megatron", ["--set", "tensor_parallel_size=2"], tmp_path / "tp2.parquet")
+    tp2 = llama_fp32["megatron"][0]
     assert tp1.metadata["layout"]["data_parallel_size"] == 2
     assert max_gap(tp1, tp2) < 1e-5  # measured 4.3e-6
     assert tp2.metadata["layout"]["logprobs"].startswith("vocab-parallel")
@@ -110,11 +127,9 @@ def test_wrong_qkv_conversion_is_caught_as_weights(run_dir, tmp_path):
     assert report["metrics"]["mean_abs_diff"] > 0.1
 
 
-def test_matrix_report_has_a_row_per_engine(run_dir, tmp_path):
+def test_matrix_report_has_a_row_per_engine(run_dir, llama_fp32, tmp_path):
     paths = [run_dir / "replay-float32.parquet"]
-    for engine, extra in ENGINES:
-        paths.append(tmp_path / f"{engine}.parquet")
-        replay(run_dir, engine, extra, paths[-1])
+    paths += [llama_fp32[engine][1] for engine, _ in ENGINES]
     result = run_lpx("compare", run_dir / "fixture.parquet", *paths, "--out", tmp_path / "matrix")
     assert result.exit_code == 0, result.output
     matrix = json.loads((tmp_path / "matrix" / "report.json").read_text())
