@@ -217,7 +217,6 @@ def test_precision_noise_never_makes_a_claim_look_wrong():
     assert len(wrong.sequences) == n // per
 
 
-
 def test_a_version_that_changed_mid_sequence_under_one_tag_is_found_never_in_noise():
     """An engine tags every token with the version its request started under (or ended
     under) while the weights changed mid-sequence: only the tokens after (before) the change
@@ -254,6 +253,7 @@ def test_a_version_that_changed_mid_sequence_under_one_tag_is_found_never_in_noi
     train = {v: t + rng.normal(0, 0.01, n) for v, t in truth.items()}
     assert misclaimed_versions(np.full(n, "1", dtype=object), train["1"], rollout, offsets,
                                {"2": train["2"]}) == []  # fmt: skip
+
 
 def test_select_sequences_cuts_every_array(run_dir):
     fixture = read_table(run_dir / "fixture.parquet")
