@@ -200,6 +200,9 @@ class HeadLogits:
         self.vocab = vocab
         self.noise = noise
         self.evaluations = 0
+        # the search asks the same processing's gap many times over (each comparison of
+        # candidates, each needed-check): one re-processing each
+        self._scored: dict[Processing, np.ndarray] = {}
 
     def processed(self, processing: Processing):
         """The processed logits of the compared tokens, stacked."""
@@ -207,9 +210,14 @@ class HeadLogits:
         return apply_seen(self.logits, processing, self.cap, history)
 
     def scores(self, processing: Processing) -> np.ndarray:
-        self.evaluations += 1
-        logprobs = self.processed(processing).log_softmax(-1)
-        return logprobs.gather(-1, self._targets)[:, 0].cpu().numpy()
+        known = self._scored.get(processing)
+        if known is None:
+            self.evaluations += 1
+            logprobs = self.processed(processing).log_softmax(-1)
+            known = logprobs.gather(-1, self._targets)[:, 0].cpu().numpy()
+            if len(self._scored) < SCORES_KEPT:
+                self._scored[processing] = known
+        return known.copy()
 
     def residual(self, processing: Processing) -> np.ndarray:
         """Observed less re-processed, per token. A token the processing makes impossible
@@ -230,6 +238,7 @@ class HeadLogits:
         return float(np.mean(np.abs(residual))) if residual.size else 0.0
 
 
+SCORES_KEPT = 20_000  # processings whose scores a search keeps (256 floats each)
 IMPOSSIBLE_GAP = 10.0  # nats: a token a processing rules out, counted in a least-squares fit
 IMPOSSIBLE_SHARE = 0.02  # of the scored tokens: beyond it, a processing is not this side's
 IMPROVES = 1.25  # a group of knobs joins the reproduction when it divides the gap by this
