@@ -49,6 +49,9 @@ class FaultSettings:
     max_prompt: int | None = None  # prompt_truncated: or to this many tokens, when given
     step_lr: float = 1e-4  # stale_weights / version_change: one AdamW step of this size
     position_offset: int = 16
+    # position_ids: where >= 0, the offset starts at this prompt index in every sequence
+    # (a system prompt's reserved positions counted twice), not at completion index `at`
+    prompt_start: int = -1
     bos_id: int = 1
     presence_penalty: float = 0.5  # penalties
     frequency_penalty: float = 0.3
@@ -140,8 +143,11 @@ def _positions_restart(model, prompt, completion, settings):
 def _positions_offset(model, prompt, completion, settings):
     positions = np.arange(len(prompt) + len(completion))
     # offset from the input that predicts completion token ``at``: its logprob is the first
-    # one wrong
-    positions[len(prompt) + settings.at - 1 :] += settings.position_offset
+    # one wrong; or from one prompt index in every sequence
+    start = len(prompt) + settings.at - 1
+    if settings.prompt_start >= 0:
+        start = min(settings.prompt_start, len(prompt))
+    positions[start:] += settings.position_offset
     return _single(model, prompt, completion, positions=positions)
 
 

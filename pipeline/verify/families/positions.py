@@ -7,7 +7,9 @@ The offset is any integer, and the logprobs are not monotone in it (rotary posit
 wrap), so it is searched exhaustively over OFFSETS (one row per offset, many rows per
 forward, on the tokens up to SEARCH_TOKENS past the onset), then the start within two
 tokens; a start inside the prompt is searched over a grid of the prompt, the offset then
-refined at the best start, and the start again at that offset."""
+refined at the best start, and the start again at that offset. A start inside the prompt is
+then told apart: the same prompt index in every sequence (a system prompt's reserved
+positions), or the same distance before each completion, by which one fits more sequences."""
 
 from __future__ import annotations
 
@@ -68,7 +70,14 @@ class Positions(Family):
             for n in ONSET_NUDGES
             if prompt_length + at + n - 1 >= 1
         ]
-        return closest([best, *nudged], rescored_gap(ref, row, observed[0]))
+        best = closest([best, *nudged], rescored_gap(ref, row, observed[0]))
+        if not candidate.params.get("in_prompt"):
+            return best
+        start = prompt_length + best.settings.at - 1
+        fixed = with_settings(
+            best, {"prompt_index": int(start), "offset": offset}, prompt_start=int(start)
+        )
+        return closest([best, fixed], _gap_over(ref, rows, observed))
 
 
 class _Gaps:
@@ -93,6 +102,23 @@ class _Gaps:
             for shape, values in zip(chunk, scored, strict=True):
                 gaps[shape] = mean_abs([self.observed], [values[self.mask].astype(np.float64)])
         return min(shapes, key=gaps.get)
+
+
+def _gap_over(ref, rows: list[int], observed: list):
+    """gap(candidate) over up to FORM_ROWS of the sequences, those of the most distinct
+    prompt lengths first (where a prompt index and a distance from the completion part)."""
+    lengths = [len(ref.fixture.prompt_of(r)) for r in rows]
+    order = sorted(range(len(rows)), key=lambda i: (lengths.index(lengths[i]) != i, i))
+    chosen = order[:FORM_ROWS]
+
+    def gap(candidate) -> float:
+        scored = ref.rescore(candidate, [rows[i] for i in chosen])
+        return mean_abs([observed[i] for i in chosen], scored)
+
+    return gap
+
+
+FORM_ROWS = 4  # sequences that tell a prompt index from a distance before the completion
 
 
 def _restart(ref) -> Candidate:
