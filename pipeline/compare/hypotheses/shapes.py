@@ -160,11 +160,17 @@ def shared_onset_rule(batch: Batch, open_: np.ndarray):
     )
     if relative > WEIGHT_STEP_RELATIVE or flat.sum() > up.sum():
         return
-    # every sequence that drifts more after k than before it took the update too
+    # every sequence that drifts more after k than before it took the update too, each
+    # token's excess capped as the batch's was: one admitted a little earlier, that met the
+    # update two tokens before k, has its largest excess on those two (a lone sequence of a
+    # continuous batch was left out, then named a position bug)
+    capped = np.minimum(excess, SHARED_ONSET_CAP)
+    capped_before = segment_sum(np.where(local < k, capped, 0.0), batch.offsets)
+    capped_after = segment_sum(np.where(local >= k, capped, 0.0), batch.offsets)
     up |= (
         candidates
         & (sig.tokens > k)
-        & (mine_after / n_after > mine_before / n_before)
+        & (capped_after / n_after > capped_before / n_before)
         & (sig.bad > 0)
     )
     first = int(np.flatnonzero(up)[0])
