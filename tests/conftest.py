@@ -6,14 +6,23 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
+# Each xdist worker, and every engine it starts, takes its share of the cores (before torch
+# is imported). Left at torch's default, two workers on two cores ran four OpenMP threads
+# that spun at every barrier while the other worker held the cores, and the tiny models'
+# small ops are mostly barriers: test_logits_processing and test_verify_families took 235 s
+# on two workers, 52 s with one thread each. An OMP_NUM_THREADS the user set is kept.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
 
-from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_replay import HFScoringEngine
-from pipeline.engines.hf_rollout import HFRolloutEngine
-from pipeline.fixture.io import write_table
-from pipeline.prompts import smoke_prompt_texts, tokenize
-from pipeline.tinymodel.build import build_tiny_model
+import pytest  # noqa: E402
+
+from pipeline.engines.base import SamplingParams  # noqa: E402
+from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
+from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
+from pipeline.fixture.io import write_table  # noqa: E402
+from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
+from pipeline.tinymodel.build import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
