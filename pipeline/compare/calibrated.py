@@ -81,12 +81,14 @@ REFERENCE_NEARNESS = {"float64": 3, "float32": 2, TF32: 1}
 
 
 def surprisal_side(rollout_precision: str, replay_precision: str) -> str:
-    """Whose logprob buckets a token's surprisal: the side nearer the fp32 reference that
-    the calibration bucketed its samples by, the replay where both are as near. A bf16 side's
-    logprob of a token whose MoE routing flipped in bf16 is tenths of a nat from fp32's, in
-    another bucket with another tau: against an fp32 rollout, a clean bf16 replay of a Qwen3-MoE
-    put 7 of 1,536 tokens over tau (0 by the rollout's), and failed the gate on a Sapphire
-    Rapids CPU."""
+    """Whose logprob buckets a token's surprisal in the precision gate: the side nearer the
+    fp32 reference that the calibration bucketed its samples by, the replay where both are as
+    near. A bf16 side's logprob of a token whose MoE routing flipped in bf16 is tenths of a
+    nat from fp32's, in another bucket with another tau: against an fp32 rollout, a clean
+    bf16 replay of a Qwen3-MoE put 7 of 1,536 tokens over tau (0 by the rollout's), and failed
+    the gate on a Sapphire Rapids CPU. The per-token tau the diagnosis reads stays the
+    replay's: by the rollout's, an unrecorded update on an fp32 rollout (its logprobs the
+    faulted ones) was named other weights in the tiny zoo."""
     rollout, replay = (REFERENCE_NEARNESS.get(p, 0) for p in (rollout_precision, replay_precision))
     return "rollout" if rollout > replay else "replay"
 
@@ -122,19 +124,25 @@ def calibrated_judging(
     source: str,
     abs_diff,
     alpha: float = ALPHA,
+    gate_logprob=None,
 ) -> Calibrated:
     """Per-token thresholds, the precision gate on ``abs_diff``, and the values this batch's
     metrics reach under noise alone (at the gate's false-alarm rate).
 
-    ``reference_logprob`` buckets each token by surprisal (the logprob of the side that
-    `surprisal_side` names), as the calibration bucketed its samples by the fp32 reference."""
+    ``reference_logprob`` (the replay's) buckets each token by surprisal for its tau, as the
+    calibration bucketed its samples by the fp32 reference; the precision gate buckets by
+    ``gate_logprob`` where given (the side `surprisal_side` names)."""
     calibration = as_calibration(calibration)
     floor = calibration.pairs[pair]
     table = floor_table(calibration, pair)
     surprisal = -np.asarray(reference_logprob, dtype=np.float64)
     expected = expect(table, surprisal, positions)
     tau = TAU_MARGIN * np.maximum(expected["q999"], 1e-12)
-    gate = precision_gate(table, abs_diff, surprisal, positions, offsets, tau, alpha)
+    gated = surprisal if gate_logprob is None else -np.asarray(gate_logprob, dtype=np.float64)
+    gate_tau = (
+        tau if gate_logprob is None else token_tau(calibration, pair, gate_logprob, positions)
+    )
+    gate = precision_gate(table, abs_diff, gated, positions, offsets, gate_tau, alpha)
     under_noise, limits = noise_limits(table, expected, offsets, alpha)
     return Calibrated(
         pair=pair,

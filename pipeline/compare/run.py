@@ -214,11 +214,12 @@ def judged_against(
     floor = calibrated_judging(
         calibration,
         pair,
-        region.rollout if nearer == "rollout" else region.train,
+        region.train,
         region.positions,
         region.offsets,
         options.calibration_source,
         np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64)),
+        gate_logprob=region.rollout if nearer == "rollout" else None,
     )
     user_policy = policy.source != "default policy"
     limits = effective_limits(policy.profile(profile).get("limits", {}), floor.limits, user_policy)
