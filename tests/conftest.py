@@ -24,32 +24,6 @@ from pipeline.fixture.io import write_table  # noqa: E402
 from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
 from pipeline.tinymodel.build import build_tiny_model  # noqa: E402
 
-# The modules that hold a worker for more than a minute (pytest --durations, 2026-11-27),
-# longest first: xdist hands out whole modules in collection order (--no-loadscope-reorder in
-# pyproject: its own order, by test count, left SGLang's bisect module to run alone at the
-# end), so the two workers finish together. A module not listed runs after them as written.
-LONGEST_FIRST = (
-    "test_containers.py",
-    "test_bisect.py",
-    "test_orchestrator.py",
-    "test_engines_sglang.py",
-    "test_nightly_faults.py",
-    "test_megatron_families.py",
-    "test_serve.py",
-    "test_sglang_families.py",
-    "test_engines_distributed.py",
-    "test_bisect_sglang.py",
-    "test_families.py",
-    "test_engines_vllm.py",
-    "test_interrupts.py",
-    "test_localize_distributed.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a module
-
 
 @pytest.fixture(scope="session", autouse=True)
 def floor_cache_of_the_session(tmp_path_factory):
