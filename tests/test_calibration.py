@@ -225,3 +225,16 @@ def test_lpx_record_keeps_the_runs_calibration(calibrated_run, tmp_path):
         (row,) = session.scalars(select(Calibration)).all()
         assert row.precisions == ["bfloat16", "float32"] and row.run_id is not None
         assert row.payload["pairs"].keys() >= {"bfloat16|float32"}
+
+
+def test_fp16_from_the_fixture_is_left_out_where_the_cpu_emulates_it(monkeypatch, capsys):
+    from pipeline import devices
+    from pipeline.commands import calibrate as command
+
+    monkeypatch.setattr(devices, "fp16_emulated", lambda device: "no fp16 here")
+    assert command._without_emulated_fp16(["float16", "bfloat16"], False, "cpu") == ["bfloat16"]
+    assert "float16 left out: no fp16 here" in capsys.readouterr().err
+    asked = command._without_emulated_fp16(["float16"], True, "cpu")
+    assert asked == ["float16"] and "as asked" in capsys.readouterr().err
+    monkeypatch.setattr(devices, "fp16_emulated", lambda device: None)
+    assert command._without_emulated_fp16(["float16"], False, "cpu") == ["float16"]

@@ -107,6 +107,25 @@ def test_the_design_effect_is_measured_from_the_sequences():
     assert independent["icc"] < 0.005
 
 
+def test_a_variant_measured_on_some_sequences_is_fitted_on_those():
+    """Decoding covers a sample of the calibration's sequences (NaN elsewhere): its mean,
+    samples and design come from the tokens it measured, and the floor stays finite."""
+    rng = np.random.default_rng(7)
+    abs_diff, surprisal, positions, offsets = noise(rng, 32)
+    wide = noise(np.random.default_rng(8), 32, scale=2.0, surprisal=surprisal)[0]
+    sampled = wide.copy()
+    sampled[: 16 * LENGTH] = np.nan  # the first 16 sequences not decoded
+    fitted = fit_pair({"prefill": abs_diff, "decode": sampled}, surprisal, positions,
+                      np.diff(offsets))  # fmt: skip
+    assert fitted["variant_means"]["decode"] == pytest.approx(wide[16 * LENGTH :].mean())
+    assert fitted["fitted_on"] == ["decode"]  # the wider half of two
+    assert fitted["tau_exceedance"]["samples"] == 16 * LENGTH
+    assert all(np.isfinite(cell["mean"]) for cell in fitted["cells"].values())
+    # the level is the measured tokens' own (times the allowance, 1 with one wide variant)
+    assert fitted["all"]["mean"] == pytest.approx(wide[16 * LENGTH :].mean(), rel=1e-9)
+    assert fitted["design"]["mean_length"] == LENGTH and fitted["design"]["sequences"] == 32
+
+
 def test_precision_is_verified_only_where_a_fault_is_ruled_out(floor):
     def level_at_its_expectation(sequences, tokens):
         _, surprisal, positions, _ = noise(np.random.default_rng(6), sequences)

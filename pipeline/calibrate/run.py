@@ -1,12 +1,21 @@
 """`lpx calibrate`: measure a model's precision noise floor on the fixture's own tokens.
 
 The reference engine (HF) re-scores a sample of the fixture's sequences in every precision a
-comparison may meet (fp32, each side's declared dtype, TF32 on CUDA), each in two
-micro-batch sizes (batch variance: other padding, other reduction shapes) and by
-teacher-forced decoding with a KV cache (how a rollout engine computed them). Two correct
-scorings of the same tokens differ by this much: for every pair of precisions the |d|
-samples are fitted per surprisal and position bucket (`floor.py`) and written to
-calibration.json, keyed by the model's weights, the engine, the layout and the hardware.
+comparison may meet (fp32, each side's declared dtype, TF32 on CUDA) three correct ways:
+prefill in micro-batches of 8 with SDPA attention, prefill in micro-batches of 3 with eager
+attention (another kernel and another batching at once), and teacher-forced decoding with a
+KV cache of a sample of those sequences, all of them in one batch (how a rollout engine
+computed them). Two correct scorings of the same tokens differ by this much: for every pair
+of precisions the |d| samples are fitted per surprisal and position bucket (`floor.py`) and
+written to calibration.json, keyed by the model's weights, the engine, the layout and the
+hardware.
+
+Cost: decoding is a forward per token, bound by reading the weights, so it costs the same
+for 8 sequences or 32 in one batch; it is still most of the time (at 16 x 1024 on 2 CPU
+cores, 3x an fp32 prefill of the 32 sequences and 5x a bf16 one). A window of each sequence
+decoded after a prefilled prefix would cost one forward, and was measured: its decode gap is
+0.74x the whole decode's on the same tokens in fp32 at 16 x 1024 (the prefix's keys and
+values, computed by decoding in a rollout, carry part of the gap), so it is not used.
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ from pipeline.fixture.table import TokenTable
 
 __all__ = ["CALIBRATION_FILE", "calibrate", "calibration_key", "precisions_for"]
 DEFAULT_SEQUENCES = 32
-MICRO_BATCHES = (8, 3)
+MICRO_BATCHES = (8, 3)  # the SDPA prefill's and the eager prefill's
+DECODE_SEQUENCES = 16  # decoded in one batch: as cheap as 8, where 32 cost 1.3x (16 x 1024)
 
 
 def sample_rows(fixture: TokenTable, sequences: int) -> list[int]:
@@ -71,7 +81,7 @@ def calibrate(
     precisions = precisions_for(dtypes, device)
     scored, timing = score_ways(model_dir, pairs, precisions, device, say)
     scored = {key: values[active] for key, values in scored.items()}
-    reference = scored["float32", f"prefill{MICRO_BATCHES[0]}"].astype(np.float64)
+    reference = scored["float32", "prefill"].astype(np.float64)
     floors = {}
     for a, b in itertools.combinations_with_replacement(precisions, 2):
         samples = _pair_samples(scored, a, b, -reference, positions)
@@ -90,42 +100,57 @@ def calibrate(
 
 
 def score_ways(model_dir: Path, pairs: list, precisions: list[str], device: str, say):
-    """Each pair's completion logprobs in every precision, four correct ways: prefill in
-    micro-batches of 8 and of 3, with eager attention instead of SDPA, and teacher-forced
-    decoding with a KV cache. Keyed (precision, way); timing per precision in seconds."""
+    """Each pair's completion logprobs in every precision, three correct ways: ``prefill``
+    (SDPA, micro-batches of 8), ``eager`` (eager attention, micro-batches of 3) and
+    ``decode`` (teacher-forced decoding of `decode_rows`, NaN on the other sequences' tokens).
+    fp32 also gets its fp64 ground truth. Keyed (precision, way); timing per precision in
+    seconds."""
     from pipeline.engines.hf_common import load_model
     from pipeline.engines.hf_decode import decode_logprobs
     from pipeline.engines.hf_replay import ReplayKnobs, score_batches
 
     scored: dict[tuple[str, str], np.ndarray] = {}
     timing = {}
+    decoded = decode_rows(len(pairs))
+    lengths = [len(c) for _, c in pairs]
     for name in precisions:
         dtype = "float32" if name == TF32 else name
         started = time.perf_counter()
         model = load_model(model_dir, dtype, device=device)
         devices.set_tf32(device, name == TF32)
         settings = ReplayKnobs(dtype=dtype, device=device)
-        for size in MICRO_BATCHES:
-            batches = [pairs[i : i + size] for i in range(0, len(pairs), size)]
-            sized = replace(settings, micro_batch_size=size)
-            values = score_batches(model, batches, sized, progress=False)
-            scored[name, f"prefill{size}"] = np.concatenate([s.completion for s in values])
-        scored[name, "decode"] = np.concatenate(decode_logprobs(model, pairs, MICRO_BATCHES[0]))
-        # another attention kernel on the same weights: what a different engine's kernels move
+        prefill, eager = MICRO_BATCHES
+        values = score_batches(model, _batched(pairs, prefill), settings, progress=False)
+        scored[name, "prefill"] = np.concatenate([s.completion for s in values])
+        chosen = [pairs[i] for i in decoded]
+        scored[name, "decode"] = _spread(
+            decode_logprobs(model, chosen, max(len(chosen), 1)), decoded, lengths
+        )
+        # another attention kernel and another batching on the same weights: what a different
+        # engine's kernels and batch shapes move
         model.set_attn_implementation("eager")
-        eager = replace(settings, attn_implementation="eager")
-        batches = [pairs[i : i + MICRO_BATCHES[0]] for i in range(0, len(pairs), MICRO_BATCHES[0])]
-        values = score_batches(model, batches, eager, progress=False)
+        settings = replace(settings, attn_implementation="eager", micro_batch_size=eager)
+        values = score_batches(model, _batched(pairs, eager), settings, progress=False)
         scored[name, "eager"] = np.concatenate([s.completion for s in values])
         del model
         devices.release_memory(device)
         if name == "float32":
             # fp32's own ground truth: what two fp32 engines' reduction orders scatter about
-            scored["float64", "prefill1"] = score_exactly(model_dir, pairs, device)
+            scored["float64", "exact"] = score_exactly(model_dir, pairs, device)
         timing[name] = round(time.perf_counter() - started, 2)
-        say(f"calibrate: {name} scored {len(pairs)} sequences four ways in {timing[name]:.1f} s")
+        say(
+            f"calibrate: {name} scored {len(pairs)} sequences by prefill and eager attention, "
+            f"{len(decoded)} by decoding, in {timing[name]:.1f} s"
+        )
     devices.set_tf32(device, False)
     return scored, timing
+
+
+def decode_rows(count: int) -> list[int]:
+    """Which of ``count`` sampled sequences are decoded: up to DECODE_SEQUENCES, evenly spread."""
+    if count <= DECODE_SEQUENCES:
+        return list(range(count))
+    return sorted({int(i) for i in np.linspace(0, count - 1, DECODE_SEQUENCES).round()})
 
 
 def score_exactly(model_dir: Path, pairs: list, device: str) -> np.ndarray:
@@ -151,8 +176,21 @@ def score_exactly(model_dir: Path, pairs: list, device: str) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0)
 
 
+def _batched(pairs: list, size: int) -> list[list]:
+    return [pairs[i : i + size] for i in range(0, len(pairs), size)]
+
+
+def _spread(values: list[np.ndarray], rows: list[int], lengths: list[int]) -> np.ndarray:
+    """The chosen rows' completion values in place among all rows' tokens, NaN elsewhere."""
+    out = [np.full(n, np.nan, dtype=np.float32) for n in lengths]
+    for row, row_values in zip(rows, values, strict=True):
+        out[row] = np.asarray(row_values, dtype=np.float32)
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+
+
 def fit_pair(variants: dict[str, np.ndarray], surprisal, positions, lengths) -> dict:
-    """One pair's floor from its variants (label -> |d| per token, all on the same tokens).
+    """One pair's floor from its variants (label -> |d| per token, NaN where a variant was
+    not measured: the decoded variants cover a sample of the sequences).
 
     Correct implementations differ by different amounts (another attention kernel moves more
     than another batching). The floor is fitted on the wider half of the variants; the
@@ -165,21 +203,29 @@ def fit_pair(variants: dict[str, np.ndarray], surprisal, positions, lengths) -> 
     says how far the widest lies above the mean of all. The design
     (`noise_test.design_of`) and how often a token passes its tau are measured on the same
     scaled samples."""
+    surprisal = np.asarray(surprisal, dtype=np.float64)
+    positions = np.asarray(positions)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    measured = {label: np.isfinite(values) for label, values in variants.items()}
     means = {
-        label: float(values.mean()) if len(values) else 0.0 for label, values in variants.items()
+        label: float(values[measured[label]].mean()) if measured[label].any() else 0.0
+        for label, values in variants.items()
     }
     widest = max(means.values(), default=0.0)
     wide = sorted(means, key=means.get, reverse=True)[: (len(means) + 1) // 2]
     narrowest = min(means[label] for label in wide) if wide else 0.0
     allowance = widest / narrowest if narrowest > 0 else 1.0
     level = widest * allowance
-    scaled = [
-        variants[label] * (level / means[label]) if means[label] > 0 else variants[label]
+    scaled = {
+        label: variants[label][measured[label]] * (level / means[label] if means[label] > 0 else 1)
         for label in wide
-    ]
-    count = len(scaled)
-    pooled = np.concatenate(scaled)
-    floor = fit_floor(pooled, np.tile(surprisal, count), np.tile(positions, count))
+    }
+    pooled = np.concatenate(list(scaled.values()))
+    floor = fit_floor(
+        pooled,
+        np.concatenate([surprisal[measured[label]] for label in wide]),
+        np.concatenate([positions[measured[label]] for label in wide]),
+    )
     plain_mean = float(np.mean(list(means.values()))) if means else 0.0
     floor["spread"] = widest / plain_mean if plain_mean > 0 else 1.0
     floor["allowance"] = allowance
@@ -187,17 +233,32 @@ def fit_pair(variants: dict[str, np.ndarray], surprisal, positions, lengths) -> 
     floor["variants"] = len(means)
     floor["fitted_on"] = wide
     expected = expect(floor, surprisal, positions)
-    designs = [design_of(v, expected["mean"], expected["q99"], lengths) for v in scaled]
-    floor["design"] = {key: float(np.mean([d[key] for d in designs])) for key in designs[0]} | {
-        "sequences": int(len(lengths))
-    }
     tau = TAU_MARGIN * np.maximum(expected["q999"], 1e-12)
-    floor["tau_exceedance"] = {
-        "count": int(sum(np.count_nonzero(v > tau) for v in scaled)),
-        "samples": int(len(pooled)),
-    }
-    floor["sequence_mean_abs_max"] = float(max(_sequence_means(v, lengths).max() for v in scaled))
+    designs, exceeding, sequence_means = [], 0, []
+    for label, values in scaled.items():
+        keep = measured[label]
+        own_lengths = _measured_lengths(keep, lengths)
+        designs.append(
+            design_of(values, expected["mean"][keep], expected["q99"][keep], own_lengths)
+        )
+        exceeding += int(np.count_nonzero(values > tau[keep]))
+        sequence_means.append(_sequence_means(values, own_lengths).max(initial=0.0))
+    # a variant measured on fewer tokens weighs less in the design it shares
+    weights = np.array([len(values) for values in scaled.values()], dtype=np.float64)
+    floor["design"] = {
+        key: float(np.average([d[key] for d in designs], weights=weights)) for key in designs[0]
+    } | {"sequences": int(len(lengths))}
+    floor["tau_exceedance"] = {"count": exceeding, "samples": int(len(pooled))}
+    floor["sequence_mean_abs_max"] = float(max(sequence_means))
     return floor
+
+
+def _measured_lengths(measured: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per sequence, how many of its tokens a variant measured (only sequences it measured)."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    counts = np.add.reduceat(measured.astype(np.int64), offsets) if len(measured) else offsets
+    counts = np.where(lengths > 0, counts, 0)
+    return counts[counts > 0]
 
 
 def precisions_for(dtypes: list[str], device: str) -> list[str]:
@@ -224,38 +285,38 @@ def calibration_key(model: dict, device: str) -> dict:
 
 
 def _pair_samples(scored: dict, a: str, b: str, surprisal, positions) -> dict[str, np.ndarray]:
-    """|d| between correct scorings as a rollout meets a replay, by label.
+    """|d| between correct scorings as a rollout meets a replay, by label (NaN on tokens a
+    scoring did not measure: decoding covers a sample of the sequences).
 
-    Across two precisions: each side's decode, eager and prefill against the other's
-    prefill. In one precision: decoding against prefill in each batching, and eager against
-    SDPA attention; not prefill against prefill, which often agree to the bit (on a CPU
-    always) and would pull the floor under what a rollout engine's decoding gives. In one
-    low precision (bf16, fp16, TF32), also each side against fp32: two engines there share
-    the rounded weights and round activations alike, and measured engine pairs (vLLM-CPU,
-    Megatron-core, HF eager and SDPA) differ by up to what one of them differs from fp32,
-    3x more than HF's own decoding and prefill do. In fp32 nothing is shared but the
-    weights, which are exact: two engines' reduction orders err independently, so the pair's
-    noise is the difference of two independent errors against fp64 (docs/compare.md, the
-    precision gate)."""
-    m1, m2 = (f"prefill{size}" for size in MICRO_BATCHES)
+    Across two precisions: the two prefills, and each side's decode and eager prefill against
+    the other's prefill. In one precision: decoding against each prefill, and eager against
+    SDPA prefill; not prefill against prefill in one batching, which often agree to the bit
+    (on a CPU always) and would pull the floor under what a rollout engine's decoding gives.
+    In one low precision (bf16, fp16, TF32), also each side against fp32: two engines there
+    share the rounded weights and round activations alike, and measured engine pairs
+    (vLLM-CPU, Megatron-core, HF eager and SDPA) differ by up to what one of them differs
+    from fp32, 3x more than HF's own decoding and prefill do. In fp32 nothing is shared but
+    the weights, which are exact: two engines' reduction orders err independently, so the
+    pair's noise is the difference of two independent errors against fp64 (docs/compare.md,
+    the precision gate)."""
 
     def gap(x, y):
         return np.abs(scored[x].astype(np.float64) - scored[y].astype(np.float64))
 
     if a != b:
         return {
-            f"{a}:{m1} vs {b}:{m2}": gap((a, m1), (b, m2)),
-            f"{a}:decode vs {b}:{m1}": gap((a, "decode"), (b, m1)),
-            f"{b}:decode vs {a}:{m1}": gap((b, "decode"), (a, m1)),
-            f"{a}:eager vs {b}:{m1}": gap((a, "eager"), (b, m1)),
-            f"{b}:eager vs {a}:{m1}": gap((b, "eager"), (a, m1)),
+            f"{a}:prefill vs {b}:prefill": gap((a, "prefill"), (b, "prefill")),
+            f"{a}:decode vs {b}:prefill": gap((a, "decode"), (b, "prefill")),
+            f"{b}:decode vs {a}:prefill": gap((b, "decode"), (a, "prefill")),
+            f"{a}:eager vs {b}:prefill": gap((a, "eager"), (b, "prefill")),
+            f"{b}:eager vs {a}:prefill": gap((b, "eager"), (a, "prefill")),
         }
     samples = {
-        f"{a}:decode vs {a}:{m1}": gap((a, "decode"), (a, m1)),
-        f"{a}:decode vs {a}:{m2}": gap((a, "decode"), (a, m2)),
-        f"{a}:eager vs {a}:{m1}": gap((a, "eager"), (a, m1)),
+        f"{a}:decode vs {a}:prefill": gap((a, "decode"), (a, "prefill")),
+        f"{a}:decode vs {a}:eager": gap((a, "decode"), (a, "eager")),
+        f"{a}:eager vs {a}:prefill": gap((a, "eager"), (a, "prefill")),
     }
-    exact = ("float64", "prefill1")
+    exact = ("float64", "exact")
     if a == "float32" and exact in scored:
         samples["float32:decode vs float64"] = gap((a, "decode"), exact)
         samples["float32:eager vs float64"] = gap((a, "eager"), exact)
@@ -264,9 +325,9 @@ def _pair_samples(scored: dict, a: str, b: str, surprisal, positions) -> dict[st
         samples["float32 engines erring independently"] = np.abs(
             decode_error - _shuffled_within_buckets(eager_error, surprisal, positions)
         )
-    elif ("float32", m1) in scored:
-        samples[f"{a}:decode vs float32"] = gap((a, "decode"), ("float32", m1))
-        samples[f"{a}:eager vs float32"] = gap((a, "eager"), ("float32", m1))
+    elif ("float32", "prefill") in scored:
+        samples[f"{a}:decode vs float32"] = gap((a, "decode"), ("float32", "prefill"))
+        samples[f"{a}:eager vs float32"] = gap((a, "eager"), ("float32", "prefill"))
     return samples
 
 

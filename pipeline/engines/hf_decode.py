@@ -50,6 +50,7 @@ def _decode_batch(model, pairs) -> list[np.ndarray]:
         attention_mask=attention,
         position_ids=positions,
         use_cache=True,
+        logits_to_keep=1,  # the prefill's last row only: all of them are prompt x vocabulary
     )
     tokens = torch.from_numpy(forced).to(device)
     still = torch.from_numpy(live).to(device)
