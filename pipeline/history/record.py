@@ -137,7 +137,11 @@ def tracked_values(metrics: dict) -> dict[str, float | None]:
     prompt = (metrics.get("by_region") or {}).get("prompt") or {}
     for prefix, region in (("", metrics), ("prompt.", prompt)):
         for name, value in region.items():
-            if name not in NOT_METRICS and (_is_number(value) or value in NON_FINITE):
+            if name in NOT_METRICS:
+                continue
+            if type(value) is float:  # nearly every value: skip the general checks
+                values[prefix + name] = value if math.isfinite(value) else None
+            elif _is_number(value) or value in NON_FINITE:
                 values[prefix + name] = _finite(value)
     return values
 
