@@ -25,34 +25,6 @@ from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
 from pipeline.tinymodel.build import build_tiny_model  # noqa: E402
 
 
-def pytest_configure(config):
-    # xdist's own order is by test count; the order below replaces it (set here, not in
-    # pyproject's addopts: the images' dependency layers are keyed on pyproject.toml).
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config, items):
-    """The longest modules first (tests/module-seconds.json, measured; pytest's order within a
-    module kept): xdist hands a module to the first idle worker in this order
-    (--no-loadscope-reorder), so a long module no longer starts near the end while the other
-    worker idles. In xdist's own order, by test count, the container tests (10 tests, ~570 s)
-    started 44th of 68 modules. scripts/module-seconds refreshes the file; a module it does not
-    list counts a second a test."""
-    import json
-
-    measured = json.loads((Path(__file__).parent / "module-seconds.json").read_text())
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item.nodeid.split("::")[0]] = counts.get(item.nodeid.split("::")[0], 0) + 1
-
-    def seconds(item) -> float:
-        module = item.nodeid.split("::")[0]
-        return measured.get(module, counts[module])
-
-    items.sort(key=lambda item: -seconds(item))
-
-
 @pytest.fixture(scope="session", autouse=True)
 def floor_cache_of_the_session(tmp_path_factory):
     """lpx localize keeps floors in a cache under the home directory; tests keep theirs in the
