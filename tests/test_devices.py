@@ -224,6 +224,24 @@ def test_gpu_stages_get_the_gpus_cuda_visible_devices_names(monkeypatch):
     assert request["Count"] == -1 and not request.get("DeviceIDs")
 
 
+def test_stage_containers_get_the_callers_thread_counts(monkeypatch):
+    """A container sees every core; a thread count the caller set (the test workers set one
+    each) reaches the stage's container as it reaches a local stage, and compose's smoke
+    passes the host's on to the runner."""
+    import yaml
+
+    from pipeline.orchestrator.runners import _thread_settings
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    assert _thread_settings() == {"OMP_NUM_THREADS": "1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert _thread_settings() == {}  # unset or empty: torch's own default in the container
+    compose = yaml.safe_load((Path(__file__).parents[1] / "compose.yaml").read_text())
+    smoke = compose["services"]["smoke"]["environment"]
+    assert "OMP_NUM_THREADS" in smoke and smoke["OMP_NUM_THREADS"] is None  # from the host
+
+
 def test_the_testbed_reads_the_cuda_build_without_importing_torch():
     from pipeline.testbed import cuda_from_version_file, describe_testbed
 

@@ -34,6 +34,16 @@ class DockerLost(Exception):
     """The Docker daemon stopped answering during a stage: every later stage would fail too."""
 
 
+# Thread counts the caller set reach the stage's container as they reach a local stage's
+# process: a container sees every core, and torch's default of a thread per core, next to
+# other work on the same cores, spins at every barrier.
+THREAD_SETTINGS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _thread_settings() -> dict[str, str]:
+    return {name: os.environ[name] for name in THREAD_SETTINGS if os.environ.get(name)}
+
+
 def server_argv(stage: Stage, model: Path) -> list[str]:
     port = str(stage.server.port)
     return [a.replace("{model}", str(model)).replace("{port}", port) for a in stage.server.argv]
@@ -198,7 +208,12 @@ class DockerRunner:
             volumes=_volumes(run_dir),
             # files in the run dir stay the caller's (LPX_DOCKER_USER overrides, e.g. 1000:1000)
             user=os.environ.get("LPX_DOCKER_USER") or f"{os.getuid()}:{os.getgid()}",
-            environment={"CI": "true", "LPX_CACHE": f"{run_dir}/.cache", "HOME": str(run_dir)},
+            environment={
+                "CI": "true",
+                "LPX_CACHE": f"{run_dir}/.cache",
+                "HOME": str(run_dir),
+                **_thread_settings(),
+            },
             shm_size="2g",  # torch.distributed's gloo/NCCL use /dev/shm
             device_requests=gpu_requests() if self.gpus else None,
         )
