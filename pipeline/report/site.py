@@ -68,12 +68,13 @@ def build_site(history: History, out_dir: Path) -> Path:
         "database": describe(history.url),
     }
     staging = out_dir.with_name(f".{out_dir.name}.building-{os.getpid()}")
-    if staging.exists():
-        shutil.rmtree(staging)
-    (staging / "series").mkdir(parents=True)
-    (staging / "runs").mkdir()
-    (staging / "assets").mkdir()
     try:
+        # Made inside the try: a SIGTERM between two of these mkdirs left the staging
+        # directory behind (seen once in tests/test_interrupts.py on a loaded machine).
+        if staging.exists():
+            shutil.rmtree(staging)
+        for part in ("series", "runs", "assets"):
+            (staging / part).mkdir(parents=True)
         with snapshot(history) as session:
             data = load_history(session)
             _render(
