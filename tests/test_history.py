@@ -12,6 +12,7 @@ from pipeline.db.models import Alert, Comparison, MetricValue, Run, Series
 from sqlalchemy import create_engine, func, select, text
 
 from pipeline.history import queries
+from pipeline.history.attribution import summary
 from pipeline.history.collect import collect_run
 from pipeline.history.database import (
     _create_engine,
@@ -60,7 +61,7 @@ def alerts(url, statuses=("active",)):
 
 def test_a_fresh_database_is_migrated_to_head_on_first_use(history_url):
     history = open_history(history_url)
-    assert schema_revision(history) == head_revision() == "0006"
+    assert schema_revision(history) == head_revision() == "0007"
     history.dispose()
     assert count(history_url, Run) == 0
 
@@ -101,9 +102,12 @@ def test_step_regression_is_attributed_to_the_engine_upgrade(history_url, tmp_pa
         "side": "rollout",
         "engine": "vllm",
         "field": "version",
-        "before": "0.31.0",
-        "after": "0.32.0",
+        "before": "0.31.0, torch 2.13.0+cpu",  # an engine's build names the torch under it
+        "after": "0.32.0, torch 2.13.0+cpu",
     }
+    assert summary(alert["attribution"]) == (
+        "rollout vllm: vllm 0.31.0 -> 0.32.0 (torch 2.13.0+cpu)"
+    )
     # every later night keeps the series in regression against the old baseline
     statuses = statuses_of(history_url, "mean_abs_diff")
     assert statuses[:5] == ["insufficient_data"] * 5
@@ -394,7 +398,7 @@ def test_upgrade_from_the_previous_revision_keeps_data_and_judges_it(history_url
             )
     engine.dispose()
     history = open_history(history_url)
-    assert schema_revision(history) == "0006"
+    assert schema_revision(history) == "0007"
     with history.read() as session:
         rows = session.execute(
             select(MetricValue.value, MetricValue.status, MetricValue.upper).order_by(
@@ -501,7 +505,7 @@ def test_upgrade_to_0004_keeps_every_metric_row_and_swaps_the_series_index(histo
         }
     engine.dispose()
     history = open_history(history_url)
-    assert schema_revision(history) == "0006"
+    assert schema_revision(history) == "0007"
     with history.engine.connect() as connection:
         after = connection.execute(
             text("SELECT comparison_id, name, value, status FROM metric_values ORDER BY id")

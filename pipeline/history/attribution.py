@@ -7,7 +7,7 @@ so a regression reads "replay vllm: vllm 0.31.0 -> 0.32.0" rather than "somethin
 
 from __future__ import annotations
 
-from pipeline.history.keys import ENGINE_VERSION_KEYS
+from pipeline.history.keys import ENGINE_STACKS, ENGINE_VERSION_KEYS
 
 BUILD_FIELDS = ("version", "image_digest", "image_ref", "torch", "cuda", "driver")
 
@@ -37,9 +37,9 @@ def changes(before: dict, after: dict) -> list[dict]:
                 found.append(_change(side, engine, label, old.get(name), new.get(name)))
         old_versions, new_versions = old.get("versions") or {}, new.get("versions") or {}
         for package in sorted(set(old_versions) | set(new_versions)):
-            own = (engine, ENGINE_VERSION_KEYS.get(engine))
+            own = (engine, ENGINE_VERSION_KEYS.get(engine), *ENGINE_STACKS.get(engine, ()))
             if package in ("torch", "lpx", "cuda", "driver") or package in own:
-                continue  # listed above as the build's version/torch/cuda/driver, or below
+                continue  # listed above in the build's version (its stack), torch, cuda or driver
             if old_versions.get(package) != new_versions.get(package):
                 found.append(
                     _change(
@@ -73,8 +73,23 @@ def _change(side: str, engine: str, field: str, before, after) -> dict:
 
 def _format(change: dict) -> str:
     where = f"{change['side']} {change['engine']}".strip()
-    name = change["engine"] if change["field"] == "version" else change["field"]
-    return f"{where}: {name} {change['before'] or '-'} -> {change['after'] or '-'}"
+    if change["field"] == "version":
+        before, after, shared = _stack_difference(change["before"], change["after"])
+        text = f"{where}: {change['engine']} {before} -> {after}"
+        return text + (f" ({shared})" if shared else "")
+    return f"{where}: {change['field']} {change['before'] or '-'} -> {change['after'] or '-'}"
+
+
+def _stack_difference(before, after) -> tuple[str, str, str]:
+    """A build's version is its release and its stack ("0.32.0, torch 2.9.0"): the parts
+    that differ on each side, and the parts both share (said once)."""
+    old, new = str(before or "-").split(", "), str(after or "-").split(", ")
+    shared = [part for part in old if part in new]
+    return (
+        ", ".join(p for p in old if p not in shared) or "-",
+        ", ".join(p for p in new if p not in shared) or "-",
+        ", ".join(shared),
+    )
 
 
 def _flatten(values: dict, prefix: str = "") -> dict:

@@ -7,6 +7,11 @@ point at a time and stores what they return. The rule, per series and metric:
   its band, or judged before the series had ``min_points``; never an excluded point or a
   point of an error run), counted from the latest reset (a "distribution change"
   annotation or an acknowledged alert);
+* build segments: a point whose engine builds differ from the previous point's starts a
+  new baseline segment, so a band never mixes builds. Until the new segment has
+  ``min_points`` of its own, its points are judged against the previous segment's healthy
+  points (the *reference*, however few: one night of the old build is enough to see a step),
+  so an upgrade in the first nights is judged, and an alert after it names it;
 * band: ``max(k * 1.4826 * MAD, relative_floor * |median - ideal|, absolute_floor)``, where
   1.4826 * MAD estimates the standard deviation of normal noise (robust to the spikes that
   mean/std baselines absorb), ``ideal`` is the metric's perfect value (0 for drifts, 1 for
@@ -133,12 +138,16 @@ class Boundary(NamedTuple):  # a NamedTuple: built a few hundred thousand times 
 
 
 def robust_boundary(
-    window: Sequence[float], spec: MetricSpec, tau: float, config: DetectionConfig
+    window: Sequence[float],
+    spec: MetricSpec,
+    tau: float,
+    config: DetectionConfig,
+    min_points: int | None = None,
 ) -> Boundary | None:
     """The band around the median of ``window`` (finite values, as ``step`` keeps them);
-    None with fewer than min_points values."""
+    None with fewer than ``min_points`` values (the config's by default)."""
     n = len(window)
-    if n < config.min_points:
+    if n < (config.min_points if min_points is None else min_points) or n == 0:
         return None
     # Plain sorts on <= lookback floats: ~10x faster than numpy at this size, and recording
     # a year of nightlies judges a few hundred thousand points.
@@ -157,15 +166,17 @@ def robust_boundaries(
     specs: Sequence[MetricSpec],
     tau: float | Sequence[float],
     config: DetectionConfig,
+    min_points: Sequence[int] | None = None,
 ) -> list[Boundary | None]:
     """``robust_boundary`` of many windows at once (a run's metrics), exactly equal to it:
     windows of one length are sorted together in numpy, a tenth of the per-window cost.
-    ``tau`` is one value or one per window."""
+    ``tau`` is one value or one per window; ``min_points`` one minimum per window."""
     taus = [tau] * len(windows) if isinstance(tau, (int, float)) else list(tau)
+    minimums = [config.min_points] * len(windows) if min_points is None else list(min_points)
     out: list[Boundary | None] = [None] * len(windows)
     by_length: dict[int, list[int]] = {}
     for i, window in enumerate(windows):
-        if len(window) >= config.min_points:
+        if len(window) >= max(minimums[i], 1):
             by_length.setdefault(len(window), []).append(i)
     for n, rows in by_length.items():
         values = np.array([windows[i] for i in rows], dtype=np.float64)
@@ -217,8 +228,38 @@ class PointResult(NamedTuple):
 def new_state() -> dict:
     """Detection state of one series metric, JSON-able and stored with the series: the
     baseline window (finite values, oldest first), the current violation streak (point ids)
-    and the last healthy point."""
+    and the last healthy point; once builds are known, the build segment the window belongs
+    to (``build``) and, early in a segment, the previous segments' healthy values
+    (``reference``)."""
     return {"window": [], "streak": [], "last_good": None}
+
+
+def enter_build(state: dict, build: str | None, config: DetectionConfig) -> dict:
+    """The state a point of ``build`` is judged from. Another build than the state's starts
+    a new segment: its window starts empty, and the old segment's healthy values become the
+    reference its first points are judged against (a short old segment adds to the reference
+    it had, so builds that change every night still build up a baseline)."""
+    if build is None or state.get("build") == build:
+        return state
+    if state.get("build") is None:  # the first point that knows its build (or an old state)
+        return {**state, "build": build}
+    window = state.get("window") or []
+    if len(window) >= config.min_points:
+        reference = window
+    else:
+        reference = [*(state.get("reference") or []), *window][-config.lookback :]
+    return {**state, "window": [], "reference": reference, "build": build}
+
+
+def judged_window(state: dict, config: DetectionConfig) -> tuple[list[float], int]:
+    """The values a point is judged against and how many it needs: the segment's own window
+    once it has min_points, else the reference (any number of values), else the window (too
+    short: insufficient_data)."""
+    window = state.get("window") or []
+    reference = state.get("reference") or []
+    if len(window) >= config.min_points or not reference:
+        return window, config.min_points
+    return reference, 1
 
 
 def step(
@@ -233,34 +274,44 @@ def step(
     excluded: bool = False,
     error_run: bool = False,
     boundary: Boundary | None | bool = False,
+    build: str | None = None,
 ) -> tuple[dict, PointResult]:
     """Judge one new point of a series metric against the state before it.
 
     Returns the state after it and the point's result. ``reset`` starts a new baseline at
-    this point (distribution change, acknowledged alert); an excluded point or a point of
-    an error run is recorded with its status and changes nothing. ``boundary`` may pass in
-    the window's boundary computed by ``robust_boundaries`` (False: compute it here).
+    this point (distribution change, acknowledged alert; the reference is dropped too); an
+    excluded point or a point of an error run is recorded with its status and changes
+    nothing. ``build`` names the point's engine builds (``enter_build``). ``boundary`` may
+    pass in the boundary of ``judged_window`` computed by ``robust_boundaries`` (False:
+    compute it here).
     """
     if reset:
         state = {"window": [], "streak": [], "last_good": state.get("last_good")}
+        if build is not None:
+            state["build"] = build
     if error_run or excluded or not spec.detect:
         status = ERROR_RUN if error_run else EXCLUDED if excluded else UNTRACKED
         return state, PointResult(status, None, None, None)
-    window = state.get("window") or []
+    state = enter_build(state, build, config)
     if boundary is False:
-        boundary = robust_boundary(window, spec, tau, config)
+        judged, needed = judged_window(state, config)
+        boundary = robust_boundary(judged, spec, tau, config, needed)
+    segment = {k: state[k] for k in ("build", "reference") if state.get(k) is not None}
+    window = state.get("window") or []
     if boundary is not None and violates(value, boundary, spec.better):
         streak = [*state.get("streak", []), point_id]
         status = REGRESSION if len(streak) >= config.consecutive else SUSPICIOUS
         return (
-            {"window": window, "streak": streak, "last_good": state.get("last_good")},
+            {"window": window, "streak": streak, "last_good": state.get("last_good"), **segment},
             PointResult(status, boundary, streak[0], state.get("last_good")),
         )
     if value is not None and math.isfinite(value):
         # 6 significant digits: the state is rewritten with the series on every point, and
         # a median/MAD band never needs more.
         window = [*window, float(f"{value:.6g}")][-config.lookback :]
-    new = {"window": window, "streak": [], "last_good": point_id}
+    if len(window) >= config.min_points:
+        segment.pop("reference", None)  # the segment judges by its own points from now on
+    new = {"window": window, "streak": [], "last_good": point_id, **segment}
     return new, PointResult(OK if boundary is not None else INSUFFICIENT, boundary, None, None)
 
 

@@ -25,12 +25,15 @@ from pipeline.history.detection import (
     VIOLATING,
     DetectionConfig,
     PointResult,
+    enter_build,
+    judged_window,
     metric_spec,
     new_state,
     policy_step,
     robust_boundaries,
     step,
 )
+from pipeline.history.keys import segment_of
 
 POLICY = "policy"  # the metric name of policy-violation alerts
 POLICY_VIOLATION = "policy_violation"
@@ -54,6 +57,8 @@ class Point:
     violations: list[dict] = field(default_factory=list)
     # the causes the policy failed on, each with its status: `stale_weights (plausible)`
     failing_findings: list[str] = field(default_factory=list)
+    # both sides' engine builds (keys.segment_of): a change starts a new baseline segment
+    build: str | None = None
 
 
 def utc_now() -> datetime:
@@ -87,17 +92,20 @@ def point_boundaries(
 ) -> list[dict]:
     """The baseline boundary of every judged metric of many points (each of another series),
     in one numpy batch: {metric: Boundary | None} per point."""
-    windows, specs, taus, owners = [], [], [], []
+    windows, minimums, specs, taus, owners = [], [], [], [], []
     for index, (series, point) in enumerate(points):
         state = series.detection_state or {}
         for name in _judged(point, reset, excluded):
-            windows.append((state.get(name) or {}).get("window") or [])
+            metric_state = enter_build(state.get(name) or new_state(), point.build, config)
+            window, needed = judged_window(metric_state, config)
+            windows.append(window)
+            minimums.append(needed)
             specs.append(metric_spec(name))
             taus.append(point.tau)
             owners.append((index, name))
     out = [{} for _ in points]
     for (index, name), boundary in zip(
-        owners, robust_boundaries(windows, specs, taus, config), strict=True
+        owners, robust_boundaries(windows, specs, taus, config, minimums), strict=True
     ):
         out[index][name] = boundary
     return out
@@ -134,6 +142,7 @@ def _judge_point(
             excluded=excluded,
             error_run=point.error_run,
             boundary=boundaries.get(name, False),
+            build=point.build,
         )
         state[name] = after
         results[name] = result
@@ -159,6 +168,8 @@ def reevaluate_series(session: Session, series: Series, config: DetectionConfig)
             Comparison.tau,
             Comparison.violations,
             Comparison.details,
+            Comparison.rollout_build_id,
+            Comparison.replay_build_id,
             Run.status,
         )
         .join(Run, Run.id == Comparison.run_id)
@@ -190,6 +201,16 @@ def reevaluate_series(session: Session, series: Series, config: DetectionConfig)
         .values(status="resolved", updated_at=utc_now())
     )
     series.detection_state = {}
+    builds = {
+        b.id: build_as_dict(b)
+        for b in session.scalars(
+            select(EngineBuild).where(
+                EngineBuild.id.in_(
+                    {p.rollout_build_id for p in points} | {p.replay_build_id for p in points}
+                )
+            )
+        )
+    }
     updates = []
     for p in points:
         reset = {metric for metric, first_bad in acknowledged if first_bad == p.id}
@@ -207,6 +228,7 @@ def reevaluate_series(session: Session, series: Series, config: DetectionConfig)
                 (p.details or {}).get("policy", {}).get("failing_findings", []),
                 (p.details or {}).get("diagnosis"),
             ),
+            segment_of(builds[p.rollout_build_id], builds[p.replay_build_id]),
         )
         results = judge_point(
             session, series, point, config, frozenset(reset), excluded=p.run_id in excluded_runs

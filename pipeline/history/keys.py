@@ -3,12 +3,15 @@
 Pure functions of report.json's metadata (``Metadata``, pipeline/contracts/report.py). A
 series key = case + engine pair by name + testbed and deliberately leaves out engine
 versions, images and drivers: those are the engine builds, and a change in them is a point
-on the series, not a new series.
+on the series, not a new series. Nor does anything that differs from run to run of the same
+case split it: seeds, run and request ids, output paths, timestamps (``run_specific``).
+What a case key holds, and why: docs/history.md, "What a series is".
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 
 import orjson
 
@@ -17,8 +20,32 @@ from pipeline.contracts.report import Metadata, Side
 
 # The package that carries each engine's own version in metadata.engine.versions.
 ENGINE_VERSION_KEYS = {"hf": "transformers", "fsdp": "torch", "http": "server"}
-# Sampling fields that vary night to night without changing what is compared.
-SAMPLING_NOT_IN_CASE = ("seed",)
+# What else an engine's numbers depend on, beside its own release, as
+# metadata.engine.versions names it: the runtime, and the modelling code where the engine
+# takes it from transformers (FSDP, DeepSpeed and Megatron's conversion build the model
+# with it), so a transformers upgrade under FSDP is an upgrade of the FSDP build.
+ENGINE_STACKS = {
+    "hf": ("torch",),
+    "fsdp": ("transformers",),  # its own version string is "FSDP2 (torch X)"
+    "deepspeed": ("torch", "transformers"),
+    "megatron": ("torch", "transformers"),
+    "vllm": ("torch",),
+    "sglang": ("torch",),
+}
+# Knobs that differ from run to run of one case: a seed, an id of the run or a request, where
+# the outputs go, when. Matched on the last part of a knob's name, lower case.
+RUN_SPECIFIC_NAMES = frozenset(
+    {"seed", "run_id", "run_name", "request_id", "trajectory_id", "job_id", "uuid",
+     "out", "output", "outputs", "timestamp", "date", "time", "started", "ended"}
+)  # fmt: skip
+RUN_SPECIFIC_SUFFIXES = ("seed", "_dir", "_path", "_file", "_at", "_timestamp", "_uuid")
+RUN_SPECIFIC_PREFIXES = ("seed_", "output_", "out_")
+# A value that is a timestamp or a UUID is run-specific whatever the knob is called.
+_RUN_SPECIFIC_VALUE = re.compile(
+    r"^(\d{4}-\d{2}-\d{2}[T _]\d{2}:\d{2}"
+    r"|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$)",
+    re.IGNORECASE,
+)
 
 
 def digest(value) -> str:
@@ -32,10 +59,19 @@ def engine_name(side: Side) -> str:
 
 
 def engine_version(side: Side) -> str:
+    """The engine's build as the matrix and attribution name it: its own release, then the
+    stack under it that changes its numbers (``ENGINE_STACKS``): "0.32.0, torch 2.9.0"."""
     engine = side.get("engine") or {}
-    versions = engine.get("versions") or {}
-    name = engine_name(side)
-    return str(versions.get(name) or versions.get(ENGINE_VERSION_KEYS.get(name, "")) or "unknown")
+    return stack_version(engine_name(side), engine.get("versions") or {})
+
+
+def stack_version(engine: str, versions: dict) -> str:
+    own = versions.get(engine) or versions.get(ENGINE_VERSION_KEYS.get(engine, ""))
+    parts = [str(own or "unknown")]
+    for package in ENGINE_STACKS.get(engine, ()):
+        if versions.get(package) and package != ENGINE_VERSION_KEYS.get(engine):
+            parts.append(f"{package} {versions[package]}")
+    return ", ".join(parts)
 
 
 def build_description(side: Side, image: StageImage | None = None) -> dict:
@@ -58,19 +94,62 @@ def _version(value) -> str | None:
     return None if value is None else str(value)
 
 
-def describe_case(metadata: Metadata, label: str | None = None) -> dict:
+BUILD_SEGMENT_FIELDS = ("engine", "version", "image_ref", "image_digest", "cuda", "driver")
+
+
+def segment_of(rollout_build: dict, replay_build: dict) -> str:
+    """Both sides' builds as detection's baseline segments tell them apart: the engines'
+    releases with their stacks, images, CUDA and driver; not lpx, Python or the other
+    packages a build lists (they do not change an engine's numbers)."""
+    return digest(
+        [
+            [build.get(name) for name in BUILD_SEGMENT_FIELDS]
+            for build in (rollout_build, replay_build)
+        ]
+    )[:16]
+
+
+def run_specific(name: str, value, run_dir: str | None = None) -> bool:
+    """Whether a knob differs from run to run of one case (``RUN_SPECIFIC_*``), or is a path
+    inside the run's own directory (an output)."""
+    last = str(name).rsplit(".", 1)[-1].lower()
+    if (
+        last in RUN_SPECIFIC_NAMES
+        or last.endswith(RUN_SPECIFIC_SUFFIXES)
+        or last.startswith(RUN_SPECIFIC_PREFIXES)
+    ):
+        return True
+    if isinstance(value, str):
+        if _RUN_SPECIFIC_VALUE.match(value.strip()):
+            return True
+        if run_dir and value.startswith(run_dir.rstrip("/") + "/"):
+            return True
+    return False
+
+
+def case_knobs(knobs: dict, run_dir: str | None = None) -> dict:
+    """``knobs`` without what is run-specific, at any depth (nested dicts kept as dicts)."""
+    kept = {}
+    for name, value in knobs.items():
+        if run_specific(name, value, run_dir):
+            continue
+        kept[name] = case_knobs(value, run_dir) if isinstance(value, dict) else value
+    return kept
+
+
+def describe_case(metadata: Metadata, label: str | None = None, run_dir: str | None = None) -> dict:
     """Model, prompt set, channel, dtypes, knobs and parallel layout of one comparison.
 
-    With a ``label`` (a plan's name for the comparison) the knobs are recorded but left out
-    of the key, so a knob that an engine upgrade reads back differently stays on the series
-    and shows up in the attribution instead of starting a new series.
+    Knobs that differ from run to run (``run_specific``: seeds, ids, outputs under
+    ``run_dir``, timestamps) are left out. With a ``label`` (a plan's name for the
+    comparison) the knobs are recorded but left out of the key, so a knob that an engine
+    upgrade reads back differently stays on the series and shows up in the attribution
+    instead of starting a new series.
     """
     fixture, replay = metadata.get("fixture") or {}, metadata.get("replay") or {}
     model = fixture.get("model") or {}
-    sampling = {
-        k: v for k, v in (fixture.get("sampling") or {}).items() if k not in SAMPLING_NOT_IN_CASE
-    }
-    layout = replay.get("layout") or {}
+    sampling = case_knobs(fixture.get("sampling") or {}, run_dir)
+    layout = case_knobs(replay.get("layout") or {}, run_dir)
     return {
         "label": label,
         "model": str(model.get("path") or model.get("architecture") or "unknown"),
@@ -81,8 +160,8 @@ def describe_case(metadata: Metadata, label: str | None = None) -> dict:
         "rollout_dtype": str(fixture.get("dtype") or "unknown"),
         "replay_dtype": str(replay.get("dtype") or "unknown"),
         "knobs": {
-            "rollout": fixture.get("knobs") or {},
-            "replay": replay.get("knobs") or {},
+            "rollout": case_knobs(fixture.get("knobs") or {}, run_dir),
+            "replay": case_knobs(replay.get("knobs") or {}, run_dir),
             "sampling": sampling,
         },
         "layout": layout,
@@ -90,7 +169,13 @@ def describe_case(metadata: Metadata, label: str | None = None) -> dict:
 
 
 def case_key(case: dict) -> str:
+    """The digest of a case (``describe_case``) less its model path (the weights' and the
+    tokenizer's fingerprints stand for the model) and, for a labelled case, its knobs. The
+    run-specific knobs are dropped here too, so a case stored before they were is keyed as
+    a new one is (the history migration re-keys with this)."""
     keyed = {k: v for k, v in case.items() if k not in ("model",)}
+    keyed["knobs"] = case_knobs(keyed.get("knobs") or {})
+    keyed["layout"] = case_knobs(keyed.get("layout") or {})
     if case.get("label"):
         keyed = {k: v for k, v in keyed.items() if k != "knobs"}
     return digest(keyed)

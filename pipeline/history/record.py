@@ -244,7 +244,7 @@ class _Recorder:
         for pair in run.pairs:
             meta = pair.report.metadata
             fixture, replay = meta["fixture"], meta["replay"]
-            case = keys.describe_case(meta, labels.get(pair.pair))
+            case = keys.describe_case(meta, labels.get(pair.pair), str(run.run_dir))
             case_key = keys.case_key(case)
             series_key = keys.series_key(
                 case_key, keys.engine_name(fixture), keys.engine_name(replay), testbed.key
@@ -356,6 +356,7 @@ class _Recorder:
             failing_claims(
                 p.pair.report.policy.get("failing_findings") or [], p.pair.report.diagnosis
             ),
+            keys.segment_of(p.rollout_build, p.replay_build),
         )
         return series, point
 

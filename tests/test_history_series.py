@@ -1,0 +1,232 @@
+"""Series that hold across nights and engine upgrades (issue 43): what never splits a series,
+baseline segments per engine build from the first night, engine builds named with their
+stacks, and the migration that re-keys a history recorded under the older rules."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import pytest
+from pipeline.db.models import Alert, Case, Comparison, EngineBuild, MetricValue, Series
+from sqlalchemy import func, select, text
+
+from pipeline.history import keys
+from pipeline.history.attribution import summary
+from pipeline.history.database import _create_engine, open_history, schema_revision
+from pipeline.history.rekey import rekey
+from tests.synthetic_runs import BASE_METRICS, pair_report, write_run
+from tests.test_history import alerts, record, statuses_of
+
+START = datetime(2026, 3, 1, 3, 0)
+
+
+def night_report(night: int, run_dir, *, version="0.32.0", scale=1.0, eager=False) -> dict:
+    """A vLLM nightly as vLLM records it: the seed among the applied knobs and in sampling,
+    plus an id, an output path, a timestamp and a request uuid that differ every night."""
+    report = pair_report(
+        rollout_version=version,
+        metrics={m: BASE_METRICS[m] * scale for m in ("max_abs_diff", "mean_abs_diff", "k3")},
+    )
+    rollout = report["metadata"]["fixture"]
+    rollout["sampling"]["seed"] = 1000 + night
+    rollout["knobs"] |= {
+        "seed": 1000 + night,
+        "enforce_eager": eager,
+        "run_id": f"nightly-{night}",
+        "output_dir": f"{run_dir}/rollout",
+        "scheduler": {"sampling_seed": night, "started": f"2026-03-0{night + 1}T03:00:00"},
+        "request": f"{night:08x}-0000-4000-8000-000000000000",
+    }
+    report["metadata"]["replay"]["knobs"]["generator_seed"] = night
+    return report
+
+
+def nights(tmp_path, count: int, first: int = 0, **kwargs) -> list:
+    out = []
+    for night in range(first, first + count):
+        run_dir = tmp_path / f"night-{night}"
+        out.append(
+            write_run(
+                run_dir,
+                {"vllm-hf-bf16": night_report(night, run_dir, **kwargs)},
+                started_at=START + timedelta(days=night),
+            )
+        )
+    return out
+
+
+def series_count(url) -> int:
+    history = open_history(url)
+    try:
+        with history.read() as session:
+            return session.scalar(select(func.count()).select_from(Series))
+    finally:
+        history.dispose()
+
+
+def test_seeds_ids_outputs_and_timestamps_never_split_a_series(history_url, tmp_path):
+    record(history_url, *nights(tmp_path, 4))
+    assert series_count(history_url) == 1
+    # a knob that changes what is compared still starts a new series
+    record(history_url, *nights(tmp_path / "eager", 1, first=4, eager=True))
+    assert series_count(history_url) == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "run_specific"),
+    [
+        ("seed", 3, True),
+        ("sampling_seed", 3, True),
+        ("rollout.scheduler.seed_offset", 1, True),
+        ("run_id", "a", True),
+        ("output_dir", "/x", True),
+        ("log_path", "/x", True),
+        ("created_at", "x", True),
+        ("note", "2026-03-01T03:00:00+00:00", True),  # a timestamp whatever its name
+        ("tag", "123e4567-e89b-42d3-a456-426614174000", True),  # a uuid whatever its name
+        ("chat_template", "/runs/n1/template.jinja", True),  # inside the run: an output
+        ("chat_template", "/models/template.jinja", False),
+        ("enforce_eager", True, False),
+        ("max_model_len", 4096, False),
+        ("attention_backend", "FLASH_ATTN", False),
+        ("kv_cache_dtype", "fp8", False),
+    ],
+)
+def test_what_is_run_specific(name, value, run_specific):
+    assert keys.run_specific(name, value, "/runs/n1") is run_specific
+
+
+def test_an_engine_build_names_its_stack():
+    versions = {"torch": "2.13.0", "transformers": "5.19.0", "deepspeed": "0.18.1",
+                "megatron": "0.15.0", "vllm": "0.32.0", "sglang": "0.5.23",
+                "fsdp": "FSDP2 (torch 2.13.0)", "numpy": "2.3.0", "lpx": "0.1.0"}  # fmt: skip
+    side = lambda name: {"engine": {"name": name, "versions": versions}}  # noqa: E731
+    assert keys.engine_version(side("fsdp")) == "FSDP2 (torch 2.13.0), transformers 5.19.0"
+    assert keys.engine_version(side("deepspeed")) == (
+        "0.18.1, torch 2.13.0, transformers 5.19.0"
+    )
+    assert keys.engine_version(side("megatron")) == "0.15.0, torch 2.13.0, transformers 5.19.0"
+    assert keys.engine_version(side("vllm")) == "0.32.0, torch 2.13.0"
+    assert keys.engine_version(side("sglang")) == "0.5.23, torch 2.13.0"
+    assert keys.engine_version(side("hf")) == "5.19.0, torch 2.13.0"
+
+
+def test_a_transformers_upgrade_under_fsdp_is_an_upgrade(history_url, tmp_path):
+    runs = []
+    for night in range(7):
+        report = pair_report(
+            replay="fsdp",
+            metrics={"mean_abs_diff": BASE_METRICS["mean_abs_diff"] * (3 if night >= 5 else 1)},
+        )
+        versions = report["metadata"]["replay"]["engine"]["versions"]
+        versions |= {"fsdp": "FSDP2 (torch 2.13.0+cpu)"}
+        versions["transformers"] = "5.21.0" if night >= 5 else "5.19.0"
+        runs.append(
+            write_run(tmp_path / f"n{night}", {"p": report}, started_at=START + timedelta(night))
+        )
+    record(history_url, *runs)
+    (alert,) = [a for a in alerts(history_url) if a["metric"] == "mean_abs_diff"]
+    assert summary(alert["attribution"]) == (
+        "replay fsdp: fsdp transformers 5.19.0 -> transformers 5.21.0 "
+        "(FSDP2 (torch 2.13.0+cpu))"
+    )
+
+
+def upgrade_history(tmp_path, before: int, after: int, factor: float) -> list:
+    """``before`` nights of vLLM 0.31.0, then ``after`` of 0.32.0 whose drift is ``factor``
+    times the old (3 % night-to-night noise on every night)."""
+    import numpy as np
+
+    rng = np.random.default_rng(before * 10 + after)
+    runs = []
+    for night in range(before + after):
+        upgraded = night >= before
+        noise = float(np.exp(rng.normal(0, 0.03)))
+        report = pair_report(
+            rollout_version="0.32.0" if upgraded else "0.31.0",
+            metrics={
+                m: BASE_METRICS[m] * noise * (factor if upgraded else 1.0)
+                for m in ("max_abs_diff", "mean_abs_diff", "k3", "p99_abs_diff")
+            },
+        )
+        runs.append(
+            write_run(
+                tmp_path / f"night-{night}", {"p": report}, started_at=START + timedelta(night)
+            )
+        )
+    return runs
+
+
+@pytest.mark.parametrize(("before", "after"), [(3, 3), (1, 5), (5, 1)])
+def test_an_upgrade_in_the_first_nights_is_judged_and_named(history_url, tmp_path, before, after):
+    """A 3x step at the upgrade: an alert from the upgrade night on, attributed to it, even
+    with fewer than the 5 points a baseline needs before it (the old build's nights are the
+    reference the new build's first nights are judged against)."""
+    record(history_url, *upgrade_history(tmp_path, before, after, 3.0))
+    (alert,) = [a for a in alerts(history_url) if a["metric"] == "mean_abs_diff"]
+    assert alert["first_bad"]["run"] == before + 1
+    assert alert["last_good"]["run"] == before
+    assert alert["kind"] == ("regression" if after >= 2 else "suspicious")
+    assert summary(alert["attribution"]).startswith("rollout vllm: vllm 0.31.0 -> 0.32.0")
+    statuses = statuses_of(history_url, "mean_abs_diff")
+    assert statuses[:before] == ["insufficient_data"] * before
+    assert statuses[before:] == ["suspicious"] + ["regression"] * (after - 1)
+
+
+@pytest.mark.parametrize(("before", "after"), [(3, 3), (1, 5)])
+def test_an_upgrade_without_drift_in_the_first_nights_raises_nothing(
+    history_url, tmp_path, before, after
+):
+    record(history_url, *upgrade_history(tmp_path, before, after, 1.0))
+    assert alerts(history_url) == []
+    statuses = statuses_of(history_url, "mean_abs_diff")
+    # judged against the old build's nights from the upgrade on, then its own baseline
+    assert statuses[:before] == ["insufficient_data"] * before
+    assert set(statuses[before:]) == {"ok"}
+
+
+def test_a_history_keyed_by_the_older_rules_is_re_keyed_and_merged(
+    history_url, tmp_path, monkeypatch
+):
+    """Recorded with the rules before issue 43 (every knob in the key, a build's version
+    its release alone): four nights with a new seed each made four series and builds named
+    "0.32.0". Opening it with this lpx migrates it: one series with every point and metric
+    value, builds named with their stacks, judged again; re-keying again changes nothing."""
+    with monkeypatch.context() as old_rules:
+        old_rules.setattr(keys, "case_knobs", lambda knobs, run_dir=None: knobs)
+        old_rules.setattr(keys, "ENGINE_STACKS", {})
+        record(history_url, *nights(tmp_path, 6))
+    assert series_count(history_url) == 6
+    engine = _create_engine(history_url)
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE alembic_version SET version_num = '0006'"))
+        versions = connection.execute(text("SELECT version FROM engine_builds")).scalars().all()
+    engine.dispose()
+    assert sorted(versions) == ["0.32.0", "5.19.0"]
+
+    history = open_history(history_url)  # migrates to head
+    assert schema_revision(history) == "0007"
+    with history.read() as session:
+        (series,) = session.scalars(select(Series)).all()
+        assert session.scalar(select(func.count()).select_from(Case)) == 1
+        assert session.scalar(
+            select(func.count()).select_from(Comparison).where(Comparison.series_id == series.id)
+        ) == 6
+        rows = session.scalars(
+            select(MetricValue.status)
+            .where(MetricValue.series_id == series.id, MetricValue.name == "mean_abs_diff")
+            .order_by(MetricValue.started_at)
+        ).all()
+        assert rows == ["insufficient_data"] * 5 + ["ok"]  # judged as one series
+        assert sorted(session.scalars(select(EngineBuild.version)).all()) == [
+            "0.32.0, torch 2.13.0+cpu",
+            "5.19.0, torch 2.13.0+cpu",
+        ]
+        assert session.scalar(select(func.count()).select_from(Alert)) == 0
+    with history.write() as session:
+        again = rekey(session)
+    assert again == {"builds": 0, "cases": 0, "series": 0, "merged_series": []}
+    history.dispose()
+    # a new night after the migration joins the merged series
+    record(history_url, *nights(tmp_path / "later", 1, first=6))
+    assert series_count(history_url) == 1
