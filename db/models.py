@@ -153,6 +153,9 @@ class Comparison(Base):
     violations: Mapped[list] = mapped_column(Json, default=list)
     # What the run page shows: worst tokens (decoded), diagnosis, heatmap, reproduce.
     details: Mapped[dict] = mapped_column(Json, default=dict)
+    # the prompt set, the token digest and the agreement with the series' previous night
+    # (pipeline/history/workload.py); NULL for reports without a digest
+    workload: Mapped[dict | None] = mapped_column(Json)
     # `lpx localize` on this pair (localize/ beside its report.json): clean | localized |
     # verified, or error | skipped when the run's localize stage did not finish; NULL: none.
     localize_verdict: Mapped[str | None] = mapped_column(String(16))

@@ -102,9 +102,7 @@ def test_an_engine_build_names_its_stack():
                 "fsdp": "FSDP2 (torch 2.13.0)", "numpy": "2.3.0", "lpx": "0.1.0"}  # fmt: skip
     side = lambda name: {"engine": {"name": name, "versions": versions}}  # noqa: E731
     assert keys.engine_version(side("fsdp")) == "FSDP2 (torch 2.13.0), transformers 5.19.0"
-    assert keys.engine_version(side("deepspeed")) == (
-        "0.18.1, torch 2.13.0, transformers 5.19.0"
-    )
+    assert keys.engine_version(side("deepspeed")) == ("0.18.1, torch 2.13.0, transformers 5.19.0")
     assert keys.engine_version(side("megatron")) == "0.15.0, torch 2.13.0, transformers 5.19.0"
     assert keys.engine_version(side("vllm")) == "0.32.0, torch 2.13.0"
     assert keys.engine_version(side("sglang")) == "0.5.23, torch 2.13.0"
@@ -127,8 +125,7 @@ def test_a_transformers_upgrade_under_fsdp_is_an_upgrade(history_url, tmp_path):
     record(history_url, *runs)
     (alert,) = [a for a in alerts(history_url) if a["metric"] == "mean_abs_diff"]
     assert summary(alert["attribution"]) == (
-        "replay fsdp: fsdp transformers 5.19.0 -> transformers 5.21.0 "
-        "(FSDP2 (torch 2.13.0+cpu))"
+        "replay fsdp: fsdp transformers 5.19.0 -> transformers 5.21.0 (FSDP2 (torch 2.13.0+cpu))"
     )
 
 
@@ -200,6 +197,7 @@ def test_a_history_keyed_by_the_older_rules_is_re_keyed_and_merged(
     engine = _create_engine(history_url)
     with engine.begin() as connection:
         connection.execute(text("UPDATE alembic_version SET version_num = '0006'"))
+        connection.execute(text("ALTER TABLE comparisons DROP COLUMN workload"))  # 0006's
         versions = connection.execute(text("SELECT version FROM engine_builds")).scalars().all()
     engine.dispose()
     assert sorted(versions) == ["0.32.0", "5.19.0"]
@@ -209,9 +207,14 @@ def test_a_history_keyed_by_the_older_rules_is_re_keyed_and_merged(
     with history.read() as session:
         (series,) = session.scalars(select(Series)).all()
         assert session.scalar(select(func.count()).select_from(Case)) == 1
-        assert session.scalar(
-            select(func.count()).select_from(Comparison).where(Comparison.series_id == series.id)
-        ) == 6
+        assert (
+            session.scalar(
+                select(func.count())
+                .select_from(Comparison)
+                .where(Comparison.series_id == series.id)
+            )
+            == 6
+        )
         rows = session.scalars(
             select(MetricValue.status)
             .where(MetricValue.series_id == series.id, MetricValue.name == "mean_abs_diff")
@@ -230,3 +233,118 @@ def test_a_history_keyed_by_the_older_rules_is_re_keyed_and_merged(
     # a new night after the migration joins the merged series
     record(history_url, *nights(tmp_path / "later", 1, first=6))
     assert series_count(history_url) == 1
+
+
+def tokens_night(run_dir, night, ids, rollout, train, version):
+    """A run whose pair's report and tokens.parquet hold exactly these tokens: the report's
+    metrics are compare's own over them, and its workload digest is theirs."""
+    import hashlib
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.compare.metrics import batch_metrics
+
+    sequences, length = ids.shape
+    names = [f"{i}-0" for i in range(sequences)]
+    measured = batch_metrics(train.ravel(), rollout.ravel(), 0.1)
+    report = pair_report(
+        rollout_version=version,
+        sequence_ids=names,
+        metrics={k: v for k, v in measured.items() if k in BASE_METRICS},
+    )
+    report["workload"] = {
+        "prompt_set": "sha256:" + "ef" * 32,
+        "tokens_digest": hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest(),
+        "sequences": sequences,
+        "completion_tokens": ids.size,
+    }
+    write_run(run_dir, {"p": report}, started_at=START + timedelta(days=night))
+    pq.write_table(
+        pa.table(
+            {
+                "sequence_id": pa.array(np.repeat(names, length)).dictionary_encode(),
+                "position": np.tile(np.arange(length, dtype=np.int32), sequences),
+                "region": pa.array(["completion"] * ids.size).dictionary_encode(),
+                "token_id": ids.ravel().astype(np.int32),
+                "logprob_rollout": rollout.ravel().astype(np.float32),
+                "logprob_train": train.ravel().astype(np.float32),
+                "diff": (train - rollout).ravel(),
+            }
+        ),
+        run_dir / "p" / "tokens.parquet",
+    )
+    return run_dir
+
+
+def upgrade_with_new_tokens(tmp_path, numerics_moved: bool) -> list:
+    """Five nights of vLLM 0.31.0 on the same tokens (a fixed seed), then two of 0.32.0 that
+    sample other tokens on half the sequences after position 5. The new tokens drift more
+    (rarer tokens); where ``numerics_moved`` the shared tokens' drift doubles too."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    sequences, length = 8, 64
+    ids = rng.integers(3, 500, (sequences, length))
+    rollout = -rng.exponential(2.0, (sequences, length))
+    drift = rng.normal(0, 0.004, (sequences, length))
+    new_ids = ids.copy()
+    new_ids[4:, 5:] = rng.integers(3, 500, (4, length - 5))
+    new_rollout = rollout.copy()
+    new_rollout[4:, 5:] = -rng.exponential(4.0, (4, length - 5))
+    new_drift = drift * (2.0 if numerics_moved else 1.0)
+    new_drift[4:, 5:] = rng.normal(0, 0.02, (4, length - 5))
+    runs = []
+    for night in range(7):
+        upgraded = night >= 5
+        chosen = (new_ids, new_rollout, new_drift) if upgraded else (ids, rollout, drift)
+        runs.append(
+            tokens_night(
+                tmp_path / f"night-{night}",
+                night,
+                chosen[0],
+                chosen[1],
+                chosen[1] + chosen[2],
+                "0.32.0" if upgraded else "0.31.0",
+            )
+        )
+    return runs
+
+
+def workloads(url) -> list:
+    history = open_history(url)
+    try:
+        with history.read() as session:
+            return session.scalars(select(Comparison.workload).order_by(Comparison.id)).all()
+    finally:
+        history.dispose()
+
+
+def test_an_upgrade_that_only_changed_the_tokens_says_workload_changed(history_url, tmp_path):
+    record(history_url, *upgrade_with_new_tokens(tmp_path, numerics_moved=False))
+    statuses = statuses_of(history_url, "mean_abs_diff")
+    assert statuses == ["insufficient_data"] * 5 + ["workload_changed", "ok"]
+    assert alerts(history_url) == []
+    found = workloads(history_url)
+    assert found[4]["agreement"] == {"same_tokens": True, "fraction_in_common": 1.0}
+    upgrade = found[5]["agreement"]
+    assert upgrade["same_tokens"] is False
+    assert upgrade["sequences_identical"] == 4 and upgrade["sequences_in_both"] == 8
+    assert upgrade["tokens_in_common"] == 4 * 64 + 4 * 5
+    assert upgrade["first_divergence"] == {"sequence_id": "4-0", "position": 5}
+    shared = upgrade["shared"]
+    assert shared["current"]["mean_abs_diff"] == shared["previous"]["mean_abs_diff"]
+    assert upgrade["new_tokens"]["mean_abs_diff"] > 3 * shared["current"]["mean_abs_diff"]
+    assert found[6]["agreement"]["same_tokens"] is True
+
+
+def test_a_numeric_change_riding_with_new_tokens_is_still_a_regression(history_url, tmp_path):
+    record(history_url, *upgrade_with_new_tokens(tmp_path, numerics_moved=True))
+    assert statuses_of(history_url, "mean_abs_diff")[5:] == ["suspicious", "regression"]
+    (alert,) = [a for a in alerts(history_url) if a["metric"] == "mean_abs_diff"]
+    assert summary(alert["attribution"]).startswith("rollout vllm: vllm 0.31.0 -> 0.32.0")
+    shared = workloads(history_url)[5]["agreement"]["shared"]
+    assert shared["current"]["mean_abs_diff"] == pytest.approx(
+        2 * shared["previous"]["mean_abs_diff"], rel=1e-3
+    )

@@ -294,6 +294,7 @@ def assemble(
         precision_gate=judging.gate,
         calibration=judging.note,
         verification=None,
+        workload=workload_of(fixture),
         # said only where the model's generation config sets what the sampling leaves unset
         **_present(generation_defaults=unset_generation_defaults(fixture.metadata)),
         metadata={
@@ -374,6 +375,23 @@ def prompt_set_fingerprint(table: TokenTable) -> str:
     digest = hashlib.sha256(np.asarray(table.prompt_offsets, dtype=np.int64).tobytes())
     digest.update(np.asarray(table.prompt_ids, dtype=np.int64).tobytes())
     return "sha256:" + digest.hexdigest()
+
+
+def workload_of(fixture: TokenTable) -> dict:
+    """What was compared, as the history tells nights apart: the prompt set, and a digest of
+    the sampled tokens (sequence ids, completion lengths and ids). Two nights with the same
+    digest compared the same tokens; otherwise `lpx record` measures how much they share
+    (pipeline/history/workload.py)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update("\0".join(map(str, fixture.sequence_ids)).encode())
+    digest.update(np.asarray(fixture.completion_offsets, dtype=np.int64).tobytes())
+    digest.update(np.asarray(fixture.completion_ids, dtype=np.int64).tobytes())
+    return {
+        "prompt_set": prompt_set_fingerprint(fixture),
+        "tokens_digest": digest.hexdigest(),
+        "sequences": int(fixture.num_sequences),
+        "completion_tokens": int(len(fixture.completion_ids)),
+    }
 
 
 def worst_tokens(aligned: Aligned, k: int) -> list[dict]:

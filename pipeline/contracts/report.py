@@ -378,6 +378,8 @@ class Report(Open):
     precision_gate: dict | None = None
     calibration: dict | None = None
     verification: dict | None = None
+    # the prompt set and a digest of the compared tokens (compare/run.py workload_of)
+    workload: dict | None = None
     metadata: Metadata
 
     def as_dict(self) -> dict:

@@ -45,7 +45,10 @@ INSUFFICIENT = "insufficient_data"
 EXCLUDED = "excluded"
 ERROR_RUN = "error_run"
 UNTRACKED = "untracked"
-HEALTHY = (OK, INSUFFICIENT)
+# outside the band, but the tokens changed and the tokens both nights share did not move:
+# the workload changed, not the numerics; the baseline starts again from this point
+WORKLOAD_CHANGED = "workload_changed"
+HEALTHY = (OK, INSUFFICIENT, WORKLOAD_CHANGED)
 VIOLATING = (SUSPICIOUS, REGRESSION)
 
 
@@ -275,6 +278,7 @@ def step(
     error_run: bool = False,
     boundary: Boundary | None | bool = False,
     build: str | None = None,
+    same_tokens: tuple[float, float] | None = None,
 ) -> tuple[dict, PointResult]:
     """Judge one new point of a series metric against the state before it.
 
@@ -283,7 +287,9 @@ def step(
     excluded point or a point of an error run is recorded with its status and changes
     nothing. ``build`` names the point's engine builds (``enter_build``). ``boundary`` may
     pass in the boundary of ``judged_window`` computed by ``robust_boundaries`` (False:
-    compute it here).
+    compute it here). ``same_tokens`` is the metric last night and tonight on the tokens both
+    nights share, where the tokens changed (pipeline/history/workload.py): a point outside
+    the band whose shared tokens stayed within it is ``workload_changed``.
     """
     if reset:
         state = {"window": [], "streak": [], "last_good": state.get("last_good")}
@@ -299,6 +305,11 @@ def step(
     segment = {k: state[k] for k in ("build", "reference") if state.get(k) is not None}
     window = state.get("window") or []
     if boundary is not None and violates(value, boundary, spec.better):
+        if same_tokens is not None and _numerics_held(same_tokens, spec, config):
+            # a new level set by new tokens: judge the next nights against it, not the old
+            new = {"window": [], "streak": [], "last_good": point_id, **segment}
+            new["reference"] = [float(f"{value:.6g}")] if value is not None else []
+            return new, PointResult(WORKLOAD_CHANGED, boundary, None, None)
         streak = [*state.get("streak", []), point_id]
         status = REGRESSION if len(streak) >= config.consecutive else SUSPICIOUS
         return (
@@ -313,6 +324,19 @@ def step(
         segment.pop("reference", None)  # the segment judges by its own points from now on
     new = {"window": window, "streak": [], "last_good": point_id, **segment}
     return new, PointResult(OK if boundary is not None else INSUFFICIENT, boundary, None, None)
+
+
+def _numerics_held(
+    same_tokens: tuple[float, float], spec: MetricSpec, config: DetectionConfig
+) -> bool:
+    """Whether the tokens both nights share kept their value: within the relative floor of
+    last night's (20 %), never the absolute floor. The same tokens in the same context
+    under the same numerics score the same up to the engine's nondeterminism, so a tolerance
+    made for comparing different samples would let a numeric change pass as new tokens."""
+    before, after = same_tokens
+    if before is None or after is None or not (math.isfinite(before) and math.isfinite(after)):
+        return False
+    return abs(after - before) <= config.relative_floor * abs(before - spec.ideal)
 
 
 def policy_step(

@@ -34,6 +34,7 @@ from pipeline.history.detection import (
     step,
 )
 from pipeline.history.keys import segment_of
+from pipeline.history.workload import same_token_values
 
 POLICY = "policy"  # the metric name of policy-violation alerts
 POLICY_VIOLATION = "policy_violation"
@@ -59,6 +60,8 @@ class Point:
     failing_findings: list[str] = field(default_factory=list)
     # both sides' engine builds (keys.segment_of): a change starts a new baseline segment
     build: str | None = None
+    # {metric: (last night, tonight)} on the tokens both nights share, where they changed
+    same_tokens: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def utc_now() -> datetime:
@@ -143,6 +146,7 @@ def _judge_point(
             error_run=point.error_run,
             boundary=boundaries.get(name, False),
             build=point.build,
+            same_tokens=point.same_tokens.get(name),
         )
         state[name] = after
         results[name] = result
@@ -170,6 +174,7 @@ def reevaluate_series(session: Session, series: Series, config: DetectionConfig)
             Comparison.details,
             Comparison.rollout_build_id,
             Comparison.replay_build_id,
+            Comparison.workload,
             Run.status,
         )
         .join(Run, Run.id == Comparison.run_id)
@@ -229,6 +234,7 @@ def reevaluate_series(session: Session, series: Series, config: DetectionConfig)
                 (p.details or {}).get("diagnosis"),
             ),
             segment_of(builds[p.rollout_build_id], builds[p.replay_build_id]),
+            same_token_values(p.workload),
         )
         results = judge_point(
             session, series, point, config, frozenset(reset), excluded=p.run_id in excluded_runs

@@ -14,10 +14,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import itemgetter
+from pathlib import Path
 
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
+from pipeline.contracts.files import TOKENS
 from pipeline.contracts.manifest import RunManifest, StageImage
 from pipeline.contracts.report import Side
 from pipeline.db.models import (
@@ -50,6 +52,7 @@ from pipeline.history.evaluate import (
 from pipeline.history.localized import BOUNDARY_COLUMNS as LOCALIZE_BOUNDARY_COLUMNS
 from pipeline.history.localized import boundary_rows, stage_summary
 from pipeline.history.localized import summary as localize_summary
+from pipeline.history.workload import agreement, read_tokens, same_token_values
 
 METRIC_COLUMNS = (
     "comparison_id",
@@ -81,6 +84,7 @@ COMPARISON_COLUMNS = (
     "localize_verdict",
     "localize_boundary",
     "localize",
+    "workload",
 )
 COMPARISON_JSON = ("findings", "violations", "details")  # sent as JSON text
 LOCALIZE_COLUMNS = ("comparison_id", "series_id", "started_at", *LOCALIZE_BOUNDARY_COLUMNS)
@@ -171,6 +175,8 @@ class _Recorder:
         self.tokenizers: dict = {}
         self.out_of_order: set[int] = set()
         self.statements: dict = {}  # compiled INSERTs per table and dialect
+        # each series' newest point recorded so far: {id, started_at, workload, tokens_path}
+        self.latest: dict[int, dict] = {}
 
     def record(self, run: RunInput) -> Recorded:
         session = self.session
@@ -326,8 +332,56 @@ class _Recorder:
             findings=report.diagnosis or [],
             violations=policy.get("violations") or [],
             details=comparison_details(report, p.pair.tokens_path, self.tokenizers),
+            workload=self._workload(run, p),
             **_localize_columns(p.pair),
         )
+
+    def _workload(self, run: RunInput, p: _Pair) -> dict | None:
+        """The report's workload, with its agreement with the series' previous point: read
+        from both nights' tokens.parquet only when their token digests differ."""
+        measured = p.pair.report.workload
+        if not measured:
+            return None
+        series_id = self.cache[(Series, p.series_key)].id
+        previous = self._previous_point(series_id, run.started_at)
+        workload = dict(measured)
+        if previous is not None and (previous["workload"] or {}).get("tokens_digest"):
+            workload["previous"] = previous["id"]
+            if previous["workload"]["tokens_digest"] == measured.get("tokens_digest"):
+                workload["agreement"] = {"same_tokens": True, "fraction_in_common": 1.0}
+            else:
+                before, now = read_tokens(previous["tokens_path"]), read_tokens(p.pair.tokens_path)
+                if before is None or now is None:
+                    missing = "the previous night's" if before is None else "this night's"
+                    workload["agreement"] = {
+                        "same_tokens": False,
+                        "why": f"tokens differ; {missing} tokens.parquet is not on disk",
+                    }
+                else:
+                    tau = _finite(p.pair.report.policy.get("tau")) or 0.0
+                    workload["agreement"] = agreement(before, now, tau)
+        return workload
+
+    def _previous_point(self, series_id: int, started_at) -> dict | None:
+        latest = self.latest.get(series_id)
+        if latest is not None and latest["started_at"] <= started_at:
+            return latest
+        row = self.session.execute(
+            select(Comparison.id, Comparison.pair, Comparison.workload, Comparison.started_at,
+                   Run.run_dir)
+            .join(Run, Run.id == Comparison.run_id)
+            .where(Comparison.series_id == series_id, Comparison.started_at < started_at)
+            .order_by(Comparison.started_at.desc(), Comparison.id.desc())
+            .limit(1)
+        ).first()  # fmt: skip
+        if row is None:
+            return None
+        return {
+            "id": row.id,
+            "started_at": row.started_at,
+            "workload": row.workload,
+            "tokens_path": Path(row.run_dir) / row.pair / TOKENS,
+        }
 
     def _insert_localize_rows(self, pairs: list[_Pair], comparisons: list[dict]) -> None:
         """Each localized pair's boundaries (a few hundred rows for a 32-layer model)."""
@@ -357,7 +411,15 @@ class _Recorder:
                 p.pair.report.policy.get("failing_findings") or [], p.pair.report.diagnosis
             ),
             keys.segment_of(p.rollout_build, p.replay_build),
+            same_token_values({"agreement": (comparison["workload"] or {}).get("agreement")}),
         )
+        if series.last_started_at is None or run.started_at >= series.last_started_at:
+            self.latest[series.id] = {
+                "id": comparison["id"],
+                "started_at": run.started_at,
+                "workload": comparison["workload"],
+                "tokens_path": p.pair.tokens_path,
+            }
         return series, point
 
     def _judge(
@@ -405,8 +467,9 @@ class _Recorder:
         for comparison in comparisons:
             values = comparison | {"started_at": started_at}
             values |= {name: json_dumps(comparison[name]) for name in COMPARISON_JSON}
-            if comparison["localize"] is not None:  # none stays NULL, not JSON null
-                values["localize"] = json_dumps(comparison["localize"])
+            for name in ("localize", "workload"):  # none stays NULL, not JSON null
+                if comparison[name] is not None:
+                    values[name] = json_dumps(comparison[name])
             rows.append(tuple(values[name] for name in COMPARISON_COLUMNS))
         self._insert_plain_rows(table, COMPARISON_COLUMNS, rows)
 

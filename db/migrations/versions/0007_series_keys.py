@@ -1,19 +1,22 @@
-"""Series keys that hold, and engine builds named with their stacks (issue 43).
+"""Series keys that hold, engine builds named with their stacks, the workload (issue 43).
 
-A data migration, no schema change:
+comparisons.workload (JSON, NULL where a report has no token digest): the prompt set, the
+digest of the compared tokens and the agreement with the series' previous night. Then:
 - a case key leaves out what differs from run to run of one case (seeds in any knob, run
   and request ids, output paths, timestamps), so the series a varying seed split are merged;
 - an engine build's version names its stack (FSDP: torch and transformers; vLLM: its
   release and torch; pipeline/history/keys.py ENGINE_STACKS), so builds re-key;
 - detection now keeps a baseline segment per engine build, so every series is judged again
   from its first point.
-Idempotent (pipeline/history/rekey.py); downgrading leaves the data as re-keyed.
+Idempotent (pipeline/history/rekey.py); downgrading drops the column and leaves the keys
+as re-keyed.
 
 Revision ID: 0007
 Revises: 0006
 Create Date: 2026-11-28
 """
 
+import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.orm import Session
 
@@ -24,6 +27,7 @@ depends_on = None
 
 
 def upgrade() -> None:
+    op.add_column("comparisons", sa.Column("workload", sa.JSON()))
     from pipeline.history.evaluate import reevaluate_all
     from pipeline.history.rekey import rekey
 
@@ -34,4 +38,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    pass
+    # Not a batch (SQLite's copy-and-rename would cascade-delete every metric value; its
+    # own DROP COLUMN, 3.35+, does not)
+    op.execute("ALTER TABLE comparisons DROP COLUMN workload")
