@@ -348,3 +348,18 @@ def test_a_numeric_change_riding_with_new_tokens_is_still_a_regression(history_u
     assert shared["current"]["mean_abs_diff"] == pytest.approx(
         2 * shared["previous"]["mean_abs_diff"], rel=1e-3
     )
+
+
+def test_the_series_page_shows_the_tokens_at_the_upgrade(tmp_path):
+    from tests.helpers import run_lpx
+
+    url = f"sqlite:///{tmp_path / 'history.db'}"
+    record(url, *upgrade_with_new_tokens(tmp_path / "runs", numerics_moved=False))
+    assert run_lpx("report", "--db", url, "--out", tmp_path / "site").exit_code == 0
+    (page,) = (tmp_path / "site" / "series").glob("*.html")
+    html = page.read_text()
+    assert (
+        "54% of tokens in common, 4/8 sequences identical, first divergence 4-0 @ 5; "
+        "shared tokens mean |d|"
+    ) in html
+    assert html.count("same tokens") >= 5

@@ -149,6 +149,7 @@ def comparison_points(session: Session) -> Result:
             Comparison.localize_verdict,
             Comparison.localize_boundary,
             Comparison.localize,
+            Comparison.workload,
         ).order_by(Comparison.started_at, Comparison.id)
     )
 

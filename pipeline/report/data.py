@@ -31,6 +31,8 @@ class Point:
     metrics: dict[str, tuple] = field(default_factory=dict)  # name -> (value, status, lo, up, base)
     localize: str | None = None  # the pair's localize verdict, when one ran
     localize_boundary: str | None = None  # its first boundary beyond the floor
+    # the token digest and the agreement with the previous night (history/workload.py)
+    workload: dict | None = None
     localize_first_ratio: float | None = None
     localize_margin: float | None = None  # beyond = ratio past it
     # (ratio, beyond) at the boundary its series tracks (the latest localized one)
@@ -144,6 +146,7 @@ def _load_points(session, series: dict[int, SeriesData]) -> tuple[dict, dict]:
             localize_boundary=row.localize_boundary,
             localize_first_ratio=((row.localize or {}).get("first") or {}).get("ratio"),
             localize_margin=(row.localize or {}).get("margin"),
+            workload=row.workload,
         )
         points[row.id] = point
         target = series[row.series_id]

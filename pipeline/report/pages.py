@@ -105,7 +105,8 @@ def series_page(data: HistoryData, series: SeriesData) -> dict:
         {
             "index": i,
             "text": f"{runs[i - 1]['rollout']} / {runs[i - 1]['replay']} -> "
-            f"{runs[i]['rollout']} / {runs[i]['replay']}",
+            f"{runs[i]['rollout']} / {runs[i]['replay']}"
+            + (f"; tokens: {workload_line(points[i].workload)}" if points[i].workload else ""),
         }
         for i in range(1, len(points))
         if (points[i].rollout_build, points[i].replay_build)
@@ -142,10 +143,44 @@ def series_page(data: HistoryData, series: SeriesData) -> dict:
         "metric_names": list(charts),
         "key_metrics": [m for m in KEY_METRICS if m in charts],
         "recent": [
-            {**runs[i], "metrics": points[i].metrics, "findings": points[i].findings}
+            {
+                **runs[i],
+                "metrics": points[i].metrics,
+                "findings": points[i].findings,
+                "workload": workload_line(points[i].workload),
+            }
             for i in range(len(points) - 1, max(-1, len(points) - 31), -1)
         ],
     }
+
+
+def workload_line(workload: dict | None) -> str:
+    """A point's tokens against the series' previous night, in one line."""
+    agreement = (workload or {}).get("agreement")
+    if not agreement:
+        return "–"
+    if agreement.get("same_tokens"):
+        return "same tokens"
+    if "why" in agreement:
+        return agreement["why"]
+    text = (
+        f"{agreement['fraction_in_common']:.0%} of tokens in common, "
+        f"{agreement['sequences_identical']}/{agreement['sequences']} sequences identical"
+    )
+    first = agreement.get("first_divergence")
+    if first:
+        text += f", first divergence {first['sequence_id']} @ {first['position']}"
+    shared = agreement.get("shared")
+    if shared:
+        before, after = shared["previous"], shared["current"]
+        text += (
+            f"; shared tokens mean |d| {before['mean_abs_diff']:.3g} -> "
+            f"{after['mean_abs_diff']:.3g}"
+        )
+        new = agreement.get("new_tokens")
+        if new:
+            text += f", new tokens {new['mean_abs_diff']:.3g}"
+    return text
 
 
 def run_page(
