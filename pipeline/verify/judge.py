@@ -6,8 +6,11 @@ forward) is judged without the model, on the tokens that drift beyond noise.
 
 A model hypothesis is screened first on SCREEN_SEQUENCES of the sequences (the most drifting
 and the median one): where it neither explains their drift nor comes within SCREEN_SLACK
-times the margin of their floor, it is ruled out there, and the rest are not re-scored. The
-screen only ever saves a re-score: what passes it is judged on every sequence as before."""
+times the margin of their floor, it is ruled out there, and the rest are not re-scored. What
+passes it is judged on every sequence: first with the parameters the screen's search found
+where the family's parameters are the same in every sequence (not a per-sequence pad count
+or onset), and only where those do not verify there, searched again on every sequence; so a
+true hypothesis costs one search, not two."""
 
 from __future__ import annotations
 
@@ -49,11 +52,16 @@ def judge(ref, candidate: Candidate, sequence_ids: list[str]) -> Outcome | None:
         judged = _judge_data(ref, family, candidate, *observed)
     else:
         screen = _screen_rows(rows, *observed) if family.screened else rows
+        judged = None
         if len(screen) < len(rows):
             first = _judge_model(ref, family, candidate, screen, *ref.observed(screen))
             if first is not None and _far(first):
                 return _outcome(first, started, screened_on=len(screen))
-        judged = _judge_model(ref, family, candidate, rows, *observed)
+            if first is not None and not family.per_sequence:
+                found = _judge_model(ref, family, first[0], rows, *observed, search=False)
+                judged = found if found is not None and _verifies(found) else None
+        if judged is None:
+            judged = _judge_model(ref, family, candidate, rows, *observed)
     if judged is None:
         return None
     return _outcome(judged, started)
@@ -64,6 +72,11 @@ def _outcome(judged, started: float, screened_on: int = 0) -> Outcome:
     verified = explained and after <= VERIFY_MARGIN * floor and not screened_on
     seconds = time.perf_counter() - started
     return Outcome(candidate, side, before, after, floor, verified, seconds, screened_on)
+
+
+def _verifies(judged) -> bool:
+    *_, after, floor, explained = judged
+    return bool(explained) and after <= VERIFY_MARGIN * floor
 
 
 def _far(judged) -> bool:
@@ -106,9 +119,10 @@ def _judge_data(ref, family, candidate, rollout, replay, positions):
     return candidate, side, before, after, floor, after <= EXPLAINED * before
 
 
-def _judge_model(ref, family, candidate, rows, rollout, replay, positions):
+def _judge_model(ref, family, candidate, rows, rollout, replay, positions, search=True):
     """The side the bug moved is the one farther from the clean reference; the family's
-    search and the verdict are about reproducing that side."""
+    search (unless ``search`` is False: the candidate's parameters are taken as they are)
+    and the verdict are about reproducing that side."""
     before = mean_abs(rollout, replay)
     clean = ref.clean(rows)
     side = _moved_side(ref, rollout, replay, clean, positions)
@@ -116,7 +130,8 @@ def _judge_model(ref, family, candidate, rows, rollout, replay, positions):
     meta = ref.fixture.metadata if side == "rollout" else ref.replay.metadata
     if candidate.params.get("computed_in") == side_precision(meta).removesuffix("+tf32"):
         return None  # that side declares this precision: the precision test's case
-    candidate = family.search(ref, candidate, rows, observed, clean, side)
+    if search:
+        candidate = family.search(ref, candidate, rows, observed, clean, side)
     reproduced = ref.rescore(candidate, rows)
     tokens = family.judged(ref, rows)
     if tokens is not None:  # the bug moves only these tokens: judged on them
