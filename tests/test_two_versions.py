@@ -93,12 +93,13 @@ def test_both_releases_are_distinct_engine_builds_of_one_series(history):
     assert [(r["kind"], r["status"]) for r in runs] == [("nightly", "pass")] * 2
     assert len(series) == 1 and series[0]["points"] == 2  # an upgrade is a point, not a series
     assert (series[0]["rollout_engine"], series[0]["replay_engine"]) == ("hf", "hf")
+    (torch,) = {b.torch for b in builds}  # only transformers changed under the engine
+    stacks = [f"{v}, torch {torch}" for v in RELEASES]  # an hf build: transformers and torch
     assert [(b.engine, b.version, b.versions["transformers"]) for b in builds] == [
-        ("hf", v, v) for v in RELEASES
+        ("hf", stack, v) for stack, v in zip(stacks, RELEASES, strict=True)
     ]
-    assert len({b.torch for b in builds}) == 1  # only transformers changed under the engine
     for side in ("rollout", "replay"):
-        assert [p[side]["version"] for p in points] == list(RELEASES)
+        assert [p[side]["version"] for p in points] == stacks
     # the same model, prompts and seed: the bf16 replay drifts the same under both releases
     drift = [p["metrics"]["mean_abs_diff"]["value"] for p in points]
     assert drift[0] > 0 and drift[1] == pytest.approx(drift[0], rel=1e-6)
@@ -111,6 +112,7 @@ def test_the_report_shows_both_releases_in_the_matrix_and_the_change_on_the_char
         points = queries.series_points(session, queries.series(session)[0]["id"])
     store.dispose()
     drift = [p["metrics"]["mean_abs_diff"]["value"] for p in points]
+    torch = points[0]["replay"]["torch"]
     with headless_chromium() as browser:
         context, page = open_page(browser, site / "index.html")
         page.select_option("select[data-filter=metric]", "mean_abs_diff")
@@ -123,9 +125,9 @@ def test_the_report_shows_both_releases_in_the_matrix_and_the_change_on_the_char
         ]
         for i in range(rows.count()):
             cells = rows.nth(i).locator("td")
-            assert [cells.nth(c).locator(".version").inner_text() for c in range(2)] == list(
-                RELEASES
-            )
+            assert [cells.nth(c).locator(".version").inner_text() for c in range(2)] == [
+                f"{v}, torch {torch}" for v in RELEASES
+            ]
             shown = [float(cells.nth(c).locator(".num").inner_text()) for c in range(2)]
             assert shown == pytest.approx(drift, rel=1e-3)
         assert page.problems == [] and all(u.startswith("file://") for u in page.requests)
@@ -135,7 +137,8 @@ def test_the_report_shows_both_releases_in_the_matrix_and_the_change_on_the_char
         change = page.locator(".chart[data-chart=mean_abs_diff] line.vc")
         assert change.count() == 1
         assert change.locator("title").text_content() == (
-            "version change: hf 5.20.0 / hf 5.20.0 -> hf 5.21.0 / hf 5.21.0"
+            f"version change: rollout hf 5.20.0 -> 5.21.0 (torch {torch}); "
+            f"replay hf 5.20.0 -> 5.21.0 (torch {torch}); tokens: same tokens"
         )
         assert page.problems == []
         context.close()

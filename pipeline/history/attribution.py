@@ -74,13 +74,13 @@ def _change(side: str, engine: str, field: str, before, after) -> dict:
 def _format(change: dict) -> str:
     where = f"{change['side']} {change['engine']}".strip()
     if change["field"] == "version":
-        before, after, shared = _stack_difference(change["before"], change["after"])
+        before, after, shared = stack_difference(change["before"], change["after"])
         text = f"{where}: {change['engine']} {before} -> {after}"
         return text + (f" ({shared})" if shared else "")
     return f"{where}: {change['field']} {change['before'] or '-'} -> {change['after'] or '-'}"
 
 
-def _stack_difference(before, after) -> tuple[str, str, str]:
+def stack_difference(before, after) -> tuple[str, str, str]:
     """A build's version is its release and its stack ("0.32.0, torch 2.9.0"): the parts
     that differ on each side, and the parts both share (said once)."""
     old, new = str(before or "-").split(", "), str(after or "-").split(", ")

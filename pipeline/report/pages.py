@@ -12,7 +12,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from pipeline.history.attribution import summary
+from pipeline.history.attribution import stack_difference, summary
 from pipeline.history.changepoints import change_points
 from pipeline.history.claims import claim_of
 from pipeline.history.detection import KEY_METRICS, factor, metric_spec
@@ -104,8 +104,7 @@ def series_page(data: HistoryData, series: SeriesData) -> dict:
     version_changes = [
         {
             "index": i,
-            "text": f"{runs[i - 1]['rollout']} / {runs[i - 1]['replay']} -> "
-            f"{runs[i]['rollout']} / {runs[i]['replay']}"
+            "text": build_change(data, points[i - 1], points[i])
             + (f"; tokens: {workload_line(points[i].workload)}" if points[i].workload else ""),
         }
         for i in range(1, len(points))
@@ -415,6 +414,27 @@ def _pair_builds(data: HistoryData, point) -> str:
 
 def _build_name(build: dict) -> str:
     return f"{build['engine']} {build['version']}"
+
+
+def build_change(data: HistoryData, before, after) -> str:
+    """What changed between two points' builds, each side that changed once, the stack parts
+    both builds share in brackets: 'rollout hf 5.20.0 -> 5.21.0 (torch 2.13.0+cpu)'."""
+    parts = []
+    for side, old, new in (
+        ("rollout", before.rollout_build, after.rollout_build),
+        ("replay", before.replay_build, after.replay_build),
+    ):
+        old, new = data.builds[old], data.builds[new]
+        if (old["engine"], old["version"]) == (new["engine"], new["version"]):
+            continue
+        was, now, shared = stack_difference(old["version"], new["version"])
+        engine = (
+            new["engine"]
+            if old["engine"] == new["engine"]
+            else f"{old['engine']} -> {new['engine']}"
+        )
+        parts.append(f"{side} {engine} {was} -> {now}" + (f" ({shared})" if shared else ""))
+    return "; ".join(parts) or "build (image, CUDA or driver) changed"
 
 
 def _short(value):
