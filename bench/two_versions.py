@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import subprocess
 import sys
 import time
@@ -72,6 +73,11 @@ history: {{kind: nightly}}
 stage_timeout_s: 900
 """
 NUMERIC_CHANGE = 1.01
+# The plan's replay names, in its order: the compare directories are numbered alike. Each
+# night's manifest names its comparisons by them (lpx-run.json `cases`, as an orchestrator
+# that names its comparisons writes it), so a knob that changes, as the seeded one does,
+# stays on its series and shows in the attribution.
+CASES = ("hf-fp32", "hf-bf16", "hf-fp32-numerics")
 SHOWN_METRIC = "mean_abs_diff"  # the screenshot's matrix: one metric, both dtype profiles
 
 
@@ -168,11 +174,22 @@ def fetch_missing_wheels(requirements: tuple[str, ...], wheelhouse: Path) -> Non
 
 
 def run_night(python: Path, plan: Path, out: Path, name: str, database: Path) -> None:
-    """`lpx run` of the nightly plan under ``python``: exit 0 (pass) or 1 (a comparison
-    failed its policy) is a recorded night; 2 stops the bench naming the log."""
+    """`lpx run` of the nightly plan under ``python``, its comparisons named in its manifest,
+    then `lpx record`: exit 0 (pass) or 1 (a comparison failed its policy) is a recorded
+    night; 2 stops the bench naming the log."""
     step = time.perf_counter()
-    code = lpx(python, "run", plan, "--out", out / "nights" / name, "--db", database,
+    night = out / "nights" / name
+    # lpx run records into a scratch history; the bench records the named night itself
+    code = lpx(python, "run", plan, "--out", night, "--db", out / "scratch.db",
                log=out / "logs" / f"{name}.log", allowed=(0, 1))  # fmt: skip
+    manifest_path = night / "lpx-run.json"
+    manifest = json.loads(manifest_path.read_text())
+    compared = sorted(p.name for p in (night / "compare").iterdir() if p.is_dir())
+    manifest["cases"] = {
+        f"compare/{directory}": CASES[int(directory.split("-")[0])] for directory in compared
+    }
+    manifest_path.write_text(json.dumps(manifest, indent=1))
+    lpx(sys.executable, "record", night, "--db", database, log=out / "logs" / f"{name}-record.log")
     verdict = "PASS" if code == 0 else "FAIL (policy)"
     print(f"night {name}: {verdict} in {time.perf_counter() - step:.1f} s")
 
