@@ -363,3 +363,25 @@ def test_the_series_page_shows_the_tokens_at_the_upgrade(tmp_path):
         "shared tokens mean |d|"
     ) in html
     assert html.count("same tokens") >= 5
+
+
+def test_new_tokens_after_a_bad_night_do_not_clear_a_regression():
+    """Tonight's shared tokens agree with last night's, but last night was already outside
+    the band: that says nothing about the numerics coming back. Only a healthy night before
+    makes a point workload_changed."""
+    from pipeline.history.detection import DetectionConfig, metric_spec, new_state, step
+
+    config, spec = DetectionConfig(), metric_spec("mean_abs_diff")
+    state = new_state()
+    for night in range(5):
+        state, _ = step(state, night, 0.004, spec, 0.1, config, build="a")
+    state, first = step(state, 5, 0.012, spec, 0.1, config, build="b")
+    assert first.status == "suspicious"
+    state, second = step(state, 6, 0.013, spec, 0.1, config, build="b",
+                         same_tokens=(0.012, 0.012))  # fmt: skip
+    assert second.status == "regression"
+    healthy = new_state()
+    for night in range(5):
+        healthy, _ = step(healthy, night, 0.004, spec, 0.1, config, build="a")
+    _, moved = step(healthy, 5, 0.012, spec, 0.1, config, build="b", same_tokens=(0.004, 0.004))
+    assert moved.status == "workload_changed"

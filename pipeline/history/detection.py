@@ -305,7 +305,10 @@ def step(
     segment = {k: state[k] for k in ("build", "reference") if state.get(k) is not None}
     window = state.get("window") or []
     if boundary is not None and violates(value, boundary, spec.better):
-        if same_tokens is not None and _numerics_held(same_tokens, spec, config):
+        # only against a healthy night: a bad night's tokens agreeing with tonight's say
+        # nothing about whether the numerics came back
+        healthy_before = not state.get("streak")
+        if same_tokens is not None and healthy_before and _numerics_held(same_tokens, spec, config):
             # a new level set by new tokens: judge the next nights against it, not the old
             new = {"window": [], "streak": [], "last_good": point_id, **segment}
             new["reference"] = [float(f"{value:.6g}")] if value is not None else []
