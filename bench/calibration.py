@@ -36,33 +36,16 @@ import numpy as np  # noqa: E402
 
 from pipeline.calibrate.run import calibrate  # noqa: E402
 from pipeline.compare.floor import expect  # noqa: E402
-from pipeline.engines.base import SamplingParams  # noqa: E402
 from pipeline.engines.hf_common import load_model  # noqa: E402
 from pipeline.engines.hf_replay import ReplayKnobs, score_batches  # noqa: E402
-from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
-from pipeline.fixture.io import read_table, write_table  # noqa: E402
+from pipeline.fixture.io import read_table  # noqa: E402
 
-CACHE = Path.home() / ".cache" / "lpx" / "bench-calibration"
 SCALES = {
     "tiny": models.tiny,
     "16x1024": lambda: models.random_llama(16, 1024, 0.05),
     "32x512": lambda: models.random_llama(32, 512, 0.05),
 }
-SEQUENCES, TOKENS, PROMPT_TOKENS = 32, 128, 24
-
-
-def fixture_of(scale: str, model_dir: Path) -> Path:
-    path = CACHE / scale / "fixture-fp32.parquet"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        rng = np.random.default_rng(0)
-        prompts = [list(map(int, rng.integers(3, 250, PROMPT_TOKENS))) for _ in range(SEQUENCES)]
-        params = SamplingParams(max_tokens=TOKENS, samples_per_prompt=1, seed=0, ignore_eos=True)
-        began = time.perf_counter()
-        table = HFRolloutEngine().rollout(model_dir, prompts, params, {"device": "cpu"})
-        write_table(table, path)
-        print(f"  {scale}: rollout in {time.perf_counter() - began:.0f} s", flush=True)
-    return path
+SEQUENCES = models.SEQUENCES
 
 
 def forward_seconds(model_dir: Path, fixture, dtype: str) -> float:
@@ -80,7 +63,7 @@ def main() -> None:
     results = {}
     for scale in OPTIONS.scales.split(","):
         model_dir = SCALES[scale]()
-        fixture = read_table(fixture_of(scale, model_dir))
+        fixture = read_table(models.calibration_fixture(scale, model_dir))
         forward = {d: forward_seconds(model_dir, fixture, d) for d in ("float32", "bfloat16")}
         began = time.perf_counter()
         result = calibrate(fixture, model_dir, ["bfloat16"], SEQUENCES, "cpu", keyed=False)

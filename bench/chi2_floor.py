@@ -61,21 +61,17 @@ import numpy as np  # noqa: E402
 
 from pipeline.compare.metrics import batch_metrics  # noqa: E402
 from pipeline.compare.policy import load_policy, profile_for  # noqa: E402
-from pipeline.engines.base import SamplingParams  # noqa: E402
 from pipeline.engines.hf_common import load_model  # noqa: E402
 from pipeline.engines.hf_replay import ReplayKnobs, score_batches  # noqa: E402
-from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
-from pipeline.fixture.io import read_table, write_table  # noqa: E402
+from pipeline.fixture.io import read_table  # noqa: E402
 from pipeline.history import detection  # noqa: E402
 
-FIXTURES = Path.home() / ".cache" / "lpx" / "bench-calibration"
 CACHE = Path.home() / ".cache" / "lpx" / "bench-chi2-floor"
 SCALES = {
     "tiny": models.tiny,
     "16x1024": lambda: models.random_llama(16, 1024, 0.05),
     "32x512": lambda: models.random_llama(32, 512, 0.05),
 }
-SEQUENCES, TOKENS, PROMPT_TOKENS = 32, 128, 24  # bench/calibration.py's fixture
 # replay name -> (dtype, micro-batch size, shuffled order); each precision's first is what
 # `lpx replay --dtype D` makes, the others check whether other batches change a logprob
 REPLAYS = {
@@ -92,21 +88,6 @@ FLOORS = {
     "2 (tau/20)^2": lambda tau: 2 * (tau / 20) ** 2,
     "none": lambda tau: 0.0,
 }
-
-
-def fixture_of(scale: str, model_dir: Path) -> Path:
-    """bench/calibration.py's fp32 rollout (the same seed and sizes, the same cache)."""
-    path = FIXTURES / scale / "fixture-fp32.parquet"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        rng = np.random.default_rng(0)
-        prompts = [list(map(int, rng.integers(3, 250, PROMPT_TOKENS))) for _ in range(SEQUENCES)]
-        params = SamplingParams(max_tokens=TOKENS, samples_per_prompt=1, seed=0, ignore_eos=True)
-        began = time.perf_counter()
-        table = HFRolloutEngine().rollout(model_dir, prompts, params, {"device": "cpu"})
-        write_table(table, path)
-        print(f"  {scale}: rollout in {time.perf_counter() - began:.0f} s", flush=True)
-    return path
 
 
 def replays_of(scale: str, model_dir: Path, fixture, dtype: str) -> dict[str, np.ndarray]:
@@ -330,7 +311,7 @@ def main() -> None:
     for scale in OPTIONS.scales.split(","):
         began = time.perf_counter()
         model_dir = SCALES[scale]()
-        fixture = read_table(fixture_of(scale, model_dir))
+        fixture = read_table(models.calibration_fixture(scale, model_dir))
         results[scale] = {}
         for dtype, tau in taus.items():
             nights = Nights(fixture, replays_of(scale, model_dir, fixture, dtype), tau, names)

@@ -103,3 +103,32 @@ def _tiny_vocab() -> int:
 def _special_tokens() -> dict:
     config = json.loads((tiny() / "config.json").read_text())
     return {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+# The calibration benches' fixture: an HF fp32 rollout per scale (bench/calibration.py,
+# bench/chi2_floor.py and bench/decode_positions.py read the same one).
+FIXTURES = Path.home() / ".cache" / "lpx" / "bench-calibration"
+SEQUENCES, TOKENS, PROMPT_TOKENS = 32, 128, 24
+
+
+def calibration_fixture(scale: str, model_dir: Path) -> Path:
+    """32 sequences x 128 tokens sampled by the HF engine in fp32 (seed 0), made once."""
+    import time
+
+    import numpy as np
+
+    from pipeline.engines.base import SamplingParams
+    from pipeline.engines.hf_rollout import HFRolloutEngine
+    from pipeline.fixture.io import write_table
+
+    path = FIXTURES / scale / "fixture-fp32.parquet"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(0)
+        prompts = [list(map(int, rng.integers(3, 250, PROMPT_TOKENS))) for _ in range(SEQUENCES)]
+        params = SamplingParams(max_tokens=TOKENS, samples_per_prompt=1, seed=0, ignore_eos=True)
+        began = time.perf_counter()
+        table = HFRolloutEngine().rollout(model_dir, prompts, params, {"device": "cpu"})
+        write_table(table, path)
+        print(f"  {scale}: rollout in {time.perf_counter() - began:.0f} s", flush=True)
+    return path
