@@ -9,6 +9,7 @@ never skip (scripts/setup provisions Docker there). The first run builds the bas
 wheelhouses and the images (minutes); later runs reuse Docker's layer cache.
 """
 
+import importlib.metadata
 import json
 import os
 import re
@@ -147,9 +148,11 @@ def test_compose_smoke_runs_every_engine_container(cpu_images, tmp_path):
     assert len(runs) == 2 and {run["status"] for run in runs} == {"pass"}
     pairs = _recorded_pairs(tmp_path / "lpx.db")
     rollouts = {(p["plan"], p["rollout"], p["version"], p["image"]) for p in pairs}
+    # an engine build names the torch under it; both images carry lpx's CPU torch
+    torch = importlib.metadata.version("torch")
     assert rollouts == {
-        ("smoke", "vllm", "0.32.0", "lpx-vllm:cpu"),
-        ("smoke-sglang", "sglang", "0.5.23", "lpx-sglang:cpu"),
+        ("smoke", "vllm", f"0.32.0, torch {torch}", "lpx-vllm:cpu"),
+        ("smoke-sglang", "sglang", f"0.5.23, torch {torch}", "lpx-sglang:cpu"),
     }
     # the rollout stage ran in its container (the runner records each stage's image)
     stages = {p["plan"]: p["stages"] for p in pairs}
@@ -168,7 +171,10 @@ def test_compose_smoke_runs_every_engine_container(cpu_images, tmp_path):
         assert pair["max_abs_diff"] < limit, pair
     # the report's engine x version matrix: SGLang 0.5.23 beside vLLM 0.32.0
     html = index.read_text()
-    for engine, version in (("sglang", "0.5.23"), ("vllm", "0.32.0")):
+    for engine, version in (
+        ("sglang", f"0.5.23, torch {torch}"),
+        ("vllm", f"0.32.0, torch {torch}"),
+    ):
         row = re.search(rf'<tr data-engine="{engine}"><th>{engine} .*?</tr>', html, re.S)
         assert row and f'<div class="version">{version}</div>' in row.group(0), engine
     labels = json.loads(
