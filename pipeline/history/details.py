@@ -33,7 +33,7 @@ def comparison_details(report: Report, tokens_path: Path | None, tokenizers: dic
     worst = report.worst or []
     tokens = None
     if heatmap is None or not _has_context(worst):  # an older report: read its token table
-        tokens = _read_tokens(tokens_path)
+        tokens = read_tokens(tokens_path)
         if heatmap is None and tokens is not None:
             heatmap = _drift_map_from_tokens(tokens, report.policy.get("tau"))
     tokenizer = _tokenizer(fixture.get("model") or {}, tokenizers)
@@ -87,16 +87,17 @@ def _side(side: Side) -> dict:
     }
 
 
-def _read_tokens(path: Path | None) -> dict | None:
-    """tokens.parquet as numpy columns, or None when missing or unreadable (a run page then
-    shows token ids without context and no heatmap; the metrics are still recorded)."""
+def read_tokens(path: Path | None, extra: tuple[str, ...] = ()) -> dict | None:
+    """tokens.parquet as numpy columns (and the ``extra`` ones by their names), or None when
+    missing or unreadable (a run page then shows token ids without context and no heatmap;
+    the metrics are still recorded)."""
     if path is None:
         return None
     try:
         import pyarrow.parquet as pq
 
         table = pq.read_table(
-            path, columns=["sequence_id", "position", "region", "token_id", "diff"]
+            path, columns=["sequence_id", "position", "region", "token_id", "diff", *extra]
         )
     except Exception:  # noqa: BLE001 - a damaged side file must not block recording the run
         return None
@@ -109,6 +110,7 @@ def _read_tokens(path: Path | None) -> dict | None:
         "completion": regions[region_index] == "completion",
         "token_id": table.column("token_id").to_numpy(),
         "diff": table.column("diff").to_numpy(),
+        **{name: table.column(name).to_numpy() for name in extra},
     }
 
 

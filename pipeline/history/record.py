@@ -411,7 +411,7 @@ class _Recorder:
                 p.pair.report.policy.get("failing_findings") or [], p.pair.report.diagnosis
             ),
             keys.segment_of(p.rollout_build, p.replay_build),
-            same_token_values({"agreement": (comparison["workload"] or {}).get("agreement")}),
+            same_token_values(comparison["workload"]),
         )
         if series.last_started_at is None or run.started_at >= series.last_started_at:
             self.latest[series.id] = {

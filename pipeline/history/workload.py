@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.compare.metrics import batch_metrics
+from pipeline.history import details
 
 # Fewer shared tokens than this tell nothing about the numerics (a p99 of 64 values is the
 # second largest; a mean of 64 bf16 |d| is within ~15 % of its expectation).
@@ -36,27 +37,19 @@ def read_tokens(path: Path | None) -> dict[str, tuple] | None:
     from a tokens.parquet, or None when it is missing or unreadable."""
     if path is None or not Path(path).is_file():
         return None
-    try:
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(
-            path,
-            columns=["sequence_id", "position", "region", "token_id",
-                     "logprob_rollout", "logprob_train"],
-        )  # fmt: skip
-        table = table.filter(pc.equal(table.column("region").cast("string"), "completion"))
-    except Exception:  # noqa: BLE001 - a damaged side file must not block recording the run
+    table = details.read_tokens(path, extra=("logprob_rollout", "logprob_train"))
+    if table is None:
         return None
-    names = np.asarray(table.column("sequence_id").cast("string").to_pylist(), dtype=object)
-    position = table.column("position").to_numpy()
-    columns = [table.column(c).to_numpy() for c in ("token_id", "logprob_rollout", "logprob_train")]
-    order = np.lexsort((position, names))
-    names, columns = names[order], [c[order] for c in columns]
-    starts = np.flatnonzero(np.r_[True, names[1:] != names[:-1]]) if len(names) else []
-    ends = [*starts[1:], len(names)]
+    keep = table["completion"]
+    sequence, position = table["sequence"][keep], table["position"][keep]
+    columns = [table[c][keep] for c in ("token_id", "logprob_rollout", "logprob_train")]
+    order = np.lexsort((position, sequence))
+    sequence, columns = sequence[order], [c[order] for c in columns]
+    starts = np.flatnonzero(np.r_[True, sequence[1:] != sequence[:-1]]) if len(sequence) else []
+    ends = [*starts[1:], len(sequence)]
     return {
-        str(names[a]): tuple(c[a:b] for c in columns) for a, b in zip(starts, ends, strict=True)
+        str(table["names"][sequence[a]]): tuple(c[a:b] for c in columns)
+        for a, b in zip(starts, ends, strict=True)
     }
 
 
