@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,7 +203,7 @@ def test_weight_updates_tag_tokens_and_aborted_rollouts_resume(
     url, log = server
     store, _ = publish_one_step(tiny_model, run_dir / "fixture.parquet", tmp_path / "weights")
     long = SamplingParams(max_tokens=320, temperature=1.0, seed=7, ignore_eos=True)
-    lines_before = log.read_text().count("Decode batch")
+    start = len(log.read_text())
     result: dict = {}
     rolling = threading.Thread(
         target=lambda: result.update(
@@ -211,9 +212,14 @@ def test_weight_updates_tag_tokens_and_aborted_rollouts_resume(
     )
     rolling.start()
     try:
+        # Abort only once all six requests decode together: a request still queued (or not yet
+        # sent by its client thread) would sample its first token under version 2, and the
+        # switch this test is about would not be inside it. CI once caught exactly that.
         deadline = time.monotonic() + 120
-        while log.read_text().count("Decode batch") <= lines_before + 1:  # 80 steps decoded
-            assert time.monotonic() < deadline, "the rollout never started decoding"
+        while re.findall(r"Decode batch.*#running-req: (\d+)", log.read_text()[start:])[-1:] != [
+            "6"
+        ]:
+            assert time.monotonic() < deadline, "the six requests never decoded together"
             time.sleep(0.05)
         done = hot_load(url, store, "2", via="disk", abort_running=True)
         assert done == {**done, "server": "sglang", "version": "2"}
