@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
+import threading
 
 import click
 
@@ -32,7 +34,7 @@ from pipeline.commands.sweep import sweep
 from pipeline.commands.weights import weights
 from pipeline.errors import EXIT_BAD_INPUT, BadInput, Interrupted
 from pipeline.paths import is_disk_full
-from pipeline.signals import after_imports
+from pipeline.signals import RESEND_AFTER_S, after_imports
 
 
 class LpxGroup(click.Group):
@@ -125,10 +127,45 @@ name_environment_variables(cli)
 
 
 def _interrupt(signum, _frame) -> None:
+    _silence_logged_interruptions()
     raise Interrupted(signum)
 
 
+def _deliver_unraisable_interruptions(unraisable) -> None:
+    """An interrupt raised inside a finalizer (a ``__del__``, a weakref callback) cannot
+    propagate: Python would print it as "Exception ignored" with a traceback and go on running,
+    the Ctrl-C lost. It is sent again a moment later, from a thread (a signal sent from here
+    would run its handler inside this hook), to be raised where it can be."""
+    if isinstance(unraisable.exc_value, Interrupted):
+        resend = threading.Timer(
+            RESEND_AFTER_S, os.kill, (os.getpid(), unraisable.exc_value.signum)
+        )
+        resend.daemon = True
+        resend.start()
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def _is_not_an_interruption(record: logging.LogRecord) -> bool:
+    return not (record.exc_info and isinstance(record.exc_info[1], Interrupted))
+
+
+def _silence_logged_interruptions() -> None:
+    """A library that catches BaseException to log and re-raise (SQLAlchemy's pool, closing a
+    connection the interrupt landed in) would print our interrupt as an error with its
+    traceback on the way out. The interrupt is ours and main() reports it in one line, so from
+    now on every handler drops a record that carries it: Python's last-resort handler (used
+    when nothing is configured) and the handlers of every logger that has some."""
+    handlers = {logging.lastResort, *logging.getLogger().handlers}
+    for logger in list(logging.Logger.manager.loggerDict.values()):
+        handlers.update(getattr(logger, "handlers", ()))
+    for handler in handlers:
+        if handler is not None and _is_not_an_interruption not in handler.filters:
+            handler.addFilter(_is_not_an_interruption)
+
+
 def main() -> None:
+    sys.unraisablehook = _deliver_unraisable_interruptions
     signal.signal(signal.SIGINT, after_imports(_interrupt))
     signal.signal(signal.SIGTERM, after_imports(_interrupt))
     try:
