@@ -4,6 +4,7 @@ stacks, and the migration that re-keys a history recorded under the older rules.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timedelta
 
 import pytest
@@ -36,6 +37,10 @@ def night_report(night: int, run_dir, *, version="0.32.0", scale=1.0, eager=Fals
         "output_dir": f"{run_dir}/rollout",
         "scheduler": {"sampling_seed": night, "started": f"2026-03-0{night + 1}T03:00:00"},
         "request": f"{night:08x}-0000-4000-8000-000000000000",
+        # reached on whichever runner was free that night
+        "url": f"http://gpu-{night}.cluster:{30000 + night}",
+        "server": {"host": f"gpu-{night}", "master_port": 29500 + night, "pid": 4000 + night},
+        "chat_template": f"/tmp/tmp{night}abc/template.jinja",
     }
     report["metadata"]["replay"]["knobs"]["generator_seed"] = night
     return report
@@ -64,7 +69,7 @@ def series_count(url) -> int:
         history.dispose()
 
 
-def test_seeds_ids_outputs_and_timestamps_never_split_a_series(history_url, tmp_path):
+def test_seeds_ids_outputs_timestamps_and_addresses_never_split_a_series(history_url, tmp_path):
     record(history_url, *nights(tmp_path, 4))
     assert series_count(history_url) == 1
     # a knob that changes what is compared still starts a new series
@@ -86,7 +91,17 @@ def test_seeds_ids_outputs_and_timestamps_never_split_a_series(history_url, tmp_
         ("tag", "123e4567-e89b-42d3-a456-426614174000", True),  # a uuid whatever its name
         ("chat_template", "/runs/n1/template.jinja", True),  # inside the run: an output
         ("chat_template", "/models/template.jinja", False),
+        ("url", "http://10.0.0.7:30000", True),
+        ("base_url", "x", True),
+        ("server.master_port", 29500, True),
+        ("dist_init_addr", "10.0.0.7:5000", True),
+        ("hostname", "gpu-17", True),
+        ("pid", 4242, True),
+        ("router", "grpc://10.0.0.7:9000", True),  # an address whatever its name
+        ("chat_template", "/tmp/tmpab12/template.jinja", True),  # a temporary directory
         ("enforce_eager", True, False),
+        ("tensor_parallel_size", 2, False),
+        ("served_model", "Qwen/Qwen3-8B", False),
         ("max_model_len", 4096, False),
         ("attention_backend", "FLASH_ATTN", False),
         ("kv_cache_dtype", "fp8", False),
@@ -203,7 +218,7 @@ def test_a_history_keyed_by_the_older_rules_is_re_keyed_and_merged(
     assert sorted(versions) == ["0.32.0", "5.19.0"]
 
     history = open_history(history_url)  # migrates to head
-    assert schema_revision(history) == "0007"
+    assert schema_revision(history) == "0008"
     with history.read() as session:
         (series,) = session.scalars(select(Series)).all()
         assert session.scalar(select(func.count()).select_from(Case)) == 1
@@ -231,6 +246,37 @@ def test_a_history_keyed_by_the_older_rules_is_re_keyed_and_merged(
     assert again == {"builds": 0, "cases": 0, "series": 0, "merged_series": []}
     history.dispose()
     # a new night after the migration joins the merged series
+    record(history_url, *nights(tmp_path / "later", 1, first=6))
+    assert series_count(history_url) == 1
+
+
+def test_a_history_keyed_before_the_address_rule_is_merged(history_url, tmp_path, monkeypatch):
+    """Recorded under 0007's rules (a server's URL, host and port in the key): a series per
+    night. Migration 0008 merges them into one, judged as one; a later night joins it."""
+    addresses = keys.RUN_SPECIFIC_SUFFIXES.index("_url")
+    with monkeypatch.context() as old_rules:
+        old_rules.setattr(keys, "RUN_SPECIFIC_NAMES",
+                          keys.RUN_SPECIFIC_NAMES - {"url", "host", "master_port", "pid"})  # fmt: skip
+        old_rules.setattr(keys, "RUN_SPECIFIC_SUFFIXES", keys.RUN_SPECIFIC_SUFFIXES[:addresses])
+        old_rules.setattr(keys, "_RUN_SPECIFIC_VALUE", re.compile(r"^\d{4}-\d{2}-\d{2}T"))
+        record(history_url, *nights(tmp_path, 6))
+    assert series_count(history_url) == 6
+    engine = _create_engine(history_url)
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE alembic_version SET version_num = '0007'"))
+    engine.dispose()
+
+    history = open_history(history_url)  # migrates to head
+    assert schema_revision(history) == "0008"
+    with history.read() as session:
+        (series,) = session.scalars(select(Series)).all()
+        rows = session.scalars(
+            select(MetricValue.status)
+            .where(MetricValue.series_id == series.id, MetricValue.name == "mean_abs_diff")
+            .order_by(MetricValue.started_at)
+        ).all()
+        assert rows == ["insufficient_data"] * 5 + ["ok"]  # judged as one series
+    history.dispose()
     record(history_url, *nights(tmp_path / "later", 1, first=6))
     assert series_count(history_url) == 1
 

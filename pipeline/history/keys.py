@@ -33,17 +33,26 @@ ENGINE_STACKS = {
     "sglang": ("torch",),
 }
 # Knobs that differ from run to run of one case: a seed, an id of the run or a request, where
-# the outputs go, when. Matched on the last part of a knob's name, lower case.
+# the outputs go, when, and where the engine was reached (a server's URL, host and port, a
+# process id: a nightly on whichever runner is free gets another each night; the server's
+# build is recorded apart). Matched on the last part of a knob's name, lower case.
 RUN_SPECIFIC_NAMES = frozenset(
     {"seed", "run_id", "run_name", "request_id", "trajectory_id", "job_id", "uuid",
-     "out", "output", "outputs", "timestamp", "date", "time", "started", "ended"}
+     "out", "output", "outputs", "log", "timestamp", "date", "time", "started", "ended",
+     "url", "host", "hostname", "port", "pid", "node", "address", "endpoint",
+     "master_addr", "master_port", "dist_init_addr"}
 )  # fmt: skip
-RUN_SPECIFIC_SUFFIXES = ("seed", "_dir", "_path", "_file", "_at", "_timestamp", "_uuid")
+RUN_SPECIFIC_SUFFIXES = ("seed", "_dir", "_path", "_file", "_at", "_timestamp", "_uuid",
+                         "_url", "_host", "_hostname", "_port", "_addr", "_address",
+                         "_endpoint", "_pid")  # fmt: skip
 RUN_SPECIFIC_PREFIXES = ("seed_", "output_", "out_")
-# A value that is a timestamp or a UUID is run-specific whatever the knob is called.
+# A value that is a timestamp, a UUID, a network address (scheme://...) or a path in a
+# temporary directory is run-specific whatever the knob is called.
 _RUN_SPECIFIC_VALUE = re.compile(
     r"^(\d{4}-\d{2}-\d{2}[T _]\d{2}:\d{2}"
-    r"|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$)",
+    r"|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+    r"|(https?|tcp|grpc|wss?|zmq|ipc|unix)://"
+    r"|/(tmp|var/tmp|dev/shm)/)",
     re.IGNORECASE,
 )
 

@@ -4,7 +4,7 @@ Engine builds, cases and series whose keys the rules now compute otherwise get t
 rows that now share a key are merged into the oldest (every comparison, metric value,
 localize row, alert, annotation and bisect moves with them). Idempotent: a history already
 keyed this way is left as it is. A migration that changes a key rule runs it
-(db/migrations/versions/0007_series_keys.py), and so may a later one.
+(db/migrations/versions/0007_series_keys.py; 0008 after the address rule).
 
 What it cannot re-derive: a knob that was an output path inside its run directory under a
 name that does not say so (the case row does not hold the run's directory); such a series

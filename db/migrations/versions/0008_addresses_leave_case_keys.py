@@ -1,0 +1,35 @@
+"""A case key leaves out where the engine was reached: re-key and merge (issue 43).
+
+0007 left out what differs from run to run of one case (seeds, ids, outputs, timestamps).
+Where the engine was reached differs too: a server's URL, host and port, a process id, a path
+in a temporary directory (pipeline/history/keys.py ``run_specific``). A nightly that reaches
+its server on whichever runner is free split its series each night. This re-keys the cases
+and merges the series that now share a key, then judges every series again. Idempotent
+(pipeline/history/rekey.py); nothing to undo on a downgrade (the keys stay as re-keyed).
+
+Revision ID: 0008
+Revises: 0007
+Create Date: 2026-11-28
+"""
+
+from alembic import op
+from sqlalchemy.orm import Session
+
+revision = "0008"
+down_revision = "0007"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    from pipeline.history.evaluate import reevaluate_all
+    from pipeline.history.rekey import rekey
+
+    with Session(bind=op.get_bind()) as session:
+        if rekey(session)["merged_series"]:
+            reevaluate_all(session)
+        session.flush()
+
+
+def downgrade() -> None:
+    pass
