@@ -40,6 +40,7 @@ def night_report(night: int, run_dir, *, version="0.32.0", scale=1.0, eager=Fals
         # reached on whichever runner was free that night
         "url": f"http://gpu-{night}.cluster:{30000 + night}",
         "server": {"host": f"gpu-{night}", "master_port": 29500 + night, "pid": 4000 + night},
+        "device": f"cuda:{night % 8}",  # whichever GPU of the node was free
         "chat_template": f"/tmp/tmp{night}abc/template.jinja",
     }
     report["metadata"]["replay"]["knobs"]["generator_seed"] = night
@@ -109,6 +110,12 @@ def test_seeds_ids_outputs_timestamps_and_addresses_never_split_a_series(history
 )
 def test_what_is_run_specific(name, value, run_specific):
     assert keys.run_specific(name, value, "/runs/n1") is run_specific
+
+
+def test_a_device_index_is_not_part_of_a_case():
+    knobs = {"device": "cuda:3", "server": {"device": "CUDA:0"}, "dtype": "cuda:x"}
+    assert keys.case_knobs(knobs) == {"device": "cuda", "server": {"device": "cuda"},
+                                      "dtype": "cuda:x"}  # fmt: skip
 
 
 def test_an_engine_build_names_its_stack():

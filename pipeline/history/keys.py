@@ -40,7 +40,7 @@ RUN_SPECIFIC_NAMES = frozenset(
     {"seed", "run_id", "run_name", "request_id", "trajectory_id", "job_id", "uuid",
      "out", "output", "outputs", "log", "timestamp", "date", "time", "started", "ended",
      "url", "host", "hostname", "port", "pid", "node", "address", "endpoint",
-     "master_addr", "master_port", "dist_init_addr"}
+     "master_addr", "master_port", "dist_init_addr", "cuda_visible_devices"}
 )  # fmt: skip
 RUN_SPECIFIC_SUFFIXES = ("seed", "_dir", "_path", "_file", "_at", "_timestamp", "_uuid",
                          "_url", "_host", "_hostname", "_port", "_addr", "_address",
@@ -55,6 +55,8 @@ _RUN_SPECIFIC_VALUE = re.compile(
     r"|/(tmp|var/tmp|dev/shm)/)",
     re.IGNORECASE,
 )
+
+_DEVICE_INDEX = re.compile(r"^(cuda|xpu|npu|mps|hpu):\d+$", re.IGNORECASE)
 
 
 def digest(value) -> str:
@@ -137,12 +139,19 @@ def run_specific(name: str, value, run_dir: str | None = None) -> bool:
 
 
 def case_knobs(knobs: dict, run_dir: str | None = None) -> dict:
-    """``knobs`` without what is run-specific, at any depth (nested dicts kept as dicts)."""
+    """``knobs`` without what is run-specific, at any depth (nested dicts kept as dicts), and
+    a device without its index ("cuda:3" is "cuda": which GPU of a node a nightly got is not
+    part of the case, as the layout already records it)."""
     kept = {}
     for name, value in knobs.items():
         if run_specific(name, value, run_dir):
             continue
-        kept[name] = case_knobs(value, run_dir) if isinstance(value, dict) else value
+        if isinstance(value, dict):
+            kept[name] = case_knobs(value, run_dir)
+        elif isinstance(value, str) and _DEVICE_INDEX.match(value):
+            kept[name] = value.split(":", 1)[0].lower()
+        else:
+            kept[name] = value
     return kept
 
 

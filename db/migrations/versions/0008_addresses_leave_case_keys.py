@@ -2,8 +2,9 @@
 
 0007 left out what differs from run to run of one case (seeds, ids, outputs, timestamps).
 Where the engine was reached differs too: a server's URL, host and port, a process id, a path
-in a temporary directory (pipeline/history/keys.py ``run_specific``). A nightly that reaches
-its server on whichever runner is free split its series each night. This re-keys the cases
+in a temporary directory (pipeline/history/keys.py ``run_specific``), and which GPU of a node
+it ran on (a knob's "cuda:3" keys as "cuda"). A nightly that reaches its server on whichever
+runner is free split its series each night. This re-keys the cases
 and merges the series that now share a key, then judges every series again. Idempotent
 (pipeline/history/rekey.py); nothing to undo on a downgrade (the keys stay as re-keyed).
 
