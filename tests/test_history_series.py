@@ -204,6 +204,15 @@ def test_an_upgrade_without_drift_in_the_first_nights_raises_nothing(
     assert set(statuses[before:]) == {"ok"}
 
 
+def judged(session, series) -> list[str]:
+    """The series' mean_abs_diff statuses, night by night."""
+    return session.scalars(
+        select(MetricValue.status)
+        .where(MetricValue.series_id == series.id, MetricValue.name == "mean_abs_diff")
+        .order_by(MetricValue.started_at)
+    ).all()
+
+
 def test_a_history_keyed_by_the_older_rules_is_re_keyed_and_merged(
     history_url, tmp_path, monkeypatch
 ):
@@ -237,12 +246,7 @@ def test_a_history_keyed_by_the_older_rules_is_re_keyed_and_merged(
             )
             == 6
         )
-        rows = session.scalars(
-            select(MetricValue.status)
-            .where(MetricValue.series_id == series.id, MetricValue.name == "mean_abs_diff")
-            .order_by(MetricValue.started_at)
-        ).all()
-        assert rows == ["insufficient_data"] * 5 + ["ok"]  # judged as one series
+        assert judged(session, series) == ["insufficient_data"] * 5 + ["ok"]  # as one series
         assert sorted(session.scalars(select(EngineBuild.version)).all()) == [
             "0.32.0, torch 2.13.0+cpu",
             "5.19.0, torch 2.13.0+cpu",
@@ -277,12 +281,7 @@ def test_a_history_keyed_before_the_address_rule_is_merged(history_url, tmp_path
     assert schema_revision(history) == "0008"
     with history.read() as session:
         (series,) = session.scalars(select(Series)).all()
-        rows = session.scalars(
-            select(MetricValue.status)
-            .where(MetricValue.series_id == series.id, MetricValue.name == "mean_abs_diff")
-            .order_by(MetricValue.started_at)
-        ).all()
-        assert rows == ["insufficient_data"] * 5 + ["ok"]  # judged as one series
+        assert judged(session, series) == ["insufficient_data"] * 5 + ["ok"]  # as one series
     history.dispose()
     record(history_url, *nights(tmp_path / "later", 1, first=6))
     assert series_count(history_url) == 1
