@@ -532,7 +532,8 @@ def _boundary_only(logits: HeadLogits, found: Processing, without: Processing) -
         return False
     with_it, without_it = logits.scores(found), logits.scores(without)
     scored = np.isfinite(logits.observed)
-    moved = np.abs(with_it - without_it)[scored]
+    with np.errstate(invalid="ignore"):  # -inf - -inf: a token both cut, so not moved (0 below)
+        moved = np.abs(with_it - without_it)[scored]
     return bool(np.mean(np.nan_to_num(moved, nan=0.0) > logits.noise) <= IMPOSSIBLE_SHARE)
 
 
