@@ -78,6 +78,22 @@ def test_seeds_ids_outputs_timestamps_and_addresses_never_split_a_series(history
     assert series_count(history_url) == 2
 
 
+def test_an_alert_names_the_knob_that_changed_not_the_seeds_and_addresses(history_url, tmp_path):
+    """A named comparison (its knobs off the key) whose sixth night turned enforce_eager on
+    and drifts 3x: the attribution is that knob alone. The seed, run id, output directory,
+    timestamps, server URL, host, port and GPU index also changed that night, as every night."""
+    runs = []
+    for night in range(6):
+        run_dir = tmp_path / f"night-{night}"
+        report = night_report(night, run_dir, scale=3.0 if night == 5 else 1.0, eager=night == 5)
+        runs.append(write_run(run_dir, {"vllm-hf-bf16": report}, cases={"vllm-hf-bf16": "nightly"},
+                              started_at=START + timedelta(days=night)))  # fmt: skip
+    record(history_url, *runs)
+    assert series_count(history_url) == 1
+    (alert,) = [a for a in alerts(history_url) if a["metric"] == "mean_abs_diff"]
+    assert summary(alert["attribution"]) == "knobs: rollout.enforce_eager False -> True"
+
+
 @pytest.mark.parametrize(
     ("name", "value", "run_specific"),
     [

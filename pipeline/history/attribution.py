@@ -77,7 +77,13 @@ def _format(change: dict) -> str:
         before, after, shared = stack_difference(change["before"], change["after"])
         text = f"{where}: {change['engine']} {before} -> {after}"
         return text + (f" ({shared})" if shared else "")
-    return f"{where}: {change['field']} {change['before'] or '-'} -> {change['after'] or '-'}"
+    before, after = (_shown(change[end]) for end in ("before", "after"))
+    return f"{where}: {change['field']} {before} -> {after}"
+
+
+def _shown(value) -> str:
+    """A value as a change lists it: '-' where there was none (False and 0 are values)."""
+    return "-" if value is None or value == "" else str(value)
 
 
 def stack_difference(before, after) -> tuple[str, str, str]:

@@ -16,6 +16,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from pipeline.db.models import Alert, Annotation, Comparison, EngineBuild, MetricValue, Run, Series
+from pipeline.history import keys
 from pipeline.history.attribution import changes, point_description
 from pipeline.history.claims import failing_claims
 from pipeline.history.detection import (
@@ -396,15 +397,18 @@ def _policy_values(session, last_good: int | None, point: Point):
 
 
 def describe_point(session: Session, comparison_id: int) -> dict:
-    """Both engine builds, the knobs, host and lpx version of one point (for attribution)."""
+    """Both engine builds, the knobs, host and lpx version of one point (for attribution).
+    The knobs leave out what differs from run to run (a seed, an id, an output path, a
+    server's address: ``keys.case_knobs``): they change every night, so they never tell a
+    good night from a bad one, and listed first they would hide the knob that did."""
     comparison = session.get(Comparison, comparison_id)
     run = session.get(Run, comparison.run_id)
     rollout = session.get(EngineBuild, comparison.rollout_build_id)
     replay = session.get(EngineBuild, comparison.replay_build_id)
     reproduce = (comparison.details or {}).get("reproduce", {})
     knobs = {
-        "rollout": (reproduce.get("fixture") or {}).get("knobs", {}),
-        "replay": (reproduce.get("replay") or {}).get("knobs", {}),
+        side: keys.case_knobs((reproduce.get(part) or {}).get("knobs") or {}, str(run.run_dir))
+        for side, part in (("rollout", "fixture"), ("replay", "replay"))
     }
     return point_description(
         build_as_dict(rollout),
