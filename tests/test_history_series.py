@@ -145,6 +145,13 @@ def test_an_engine_build_names_its_stack():
     assert keys.engine_version(side("vllm")) == "0.32.0, torch 2.13.0"
     assert keys.engine_version(side("sglang")) == "0.5.23, torch 2.13.0"
     assert keys.engine_version(side("hf")) == "5.19.0, torch 2.13.0"
+    # as a dump from another tool spells a release
+    for spelled in ("megatron-core", "megatron_core", "Megatron.Core"):
+        other = {"engine": {"name": "megatron", "versions": {spelled: "0.15.0", "torch": "2.9"}}}
+        assert keys.engine_version(other) == "0.15.0, torch 2.9"
+    other = {"engine": {"name": "sglang", "versions": {"SGLang": "0.5.23"}}}
+    assert keys.engine_version(other) == "0.5.23"
+    assert keys.engine_version({"engine": {"name": "vllm", "versions": {}}}) == "unknown"
 
 
 def test_a_transformers_upgrade_under_fsdp_is_an_upgrade(history_url, tmp_path):

@@ -7,7 +7,7 @@ so a regression reads "replay vllm: vllm 0.31.0 -> 0.32.0" rather than "somethin
 
 from __future__ import annotations
 
-from pipeline.history.keys import ENGINE_STACKS, ENGINE_VERSION_KEYS
+from pipeline.history.keys import ENGINE_STACKS, ENGINE_VERSION_KEYS, release_key
 
 BUILD_FIELDS = ("version", "image_digest", "image_ref", "torch", "cuda", "driver")
 
@@ -36,8 +36,9 @@ def changes(before: dict, after: dict) -> list[dict]:
                 label = "version" if name == "version" else name
                 found.append(_change(side, engine, label, old.get(name), new.get(name)))
         old_versions, new_versions = old.get("versions") or {}, new.get("versions") or {}
+        own = {release_key(engine, new_versions), release_key(engine, old_versions), engine,
+               ENGINE_VERSION_KEYS.get(engine), *ENGINE_STACKS.get(engine, ())}  # fmt: skip
         for package in sorted(set(old_versions) | set(new_versions)):
-            own = (engine, ENGINE_VERSION_KEYS.get(engine), *ENGINE_STACKS.get(engine, ()))
             if package in ("torch", "lpx", "cuda", "driver") or package in own:
                 continue  # listed above in the build's version (its stack), torch, cuda or driver
             if old_versions.get(package) != new_versions.get(package):

@@ -76,11 +76,23 @@ def engine_version(side: Side) -> str:
     return stack_version(engine_name(side), engine.get("versions") or {})
 
 
+def release_key(engine: str, versions: dict) -> str | None:
+    """Which of ``versions`` is the engine's own release: its name, or the package that
+    carries it (``ENGINE_VERSION_KEYS``), spelled as a dump from another tool may spell it
+    ("megatron-core", "megatron_core", "SGLang")."""
+    wanted = [engine, ENGINE_VERSION_KEYS.get(engine, ""), f"{engine}core"]
+    spelled = {re.sub(r"[-_. ]", "", str(name).lower()): name for name in versions}
+    for name in wanted:
+        if name and versions.get(spelled.get(re.sub(r"[-_. ]", "", name.lower()), "")):
+            return spelled[re.sub(r"[-_. ]", "", name.lower())]
+    return None
+
+
 def stack_version(engine: str, versions: dict) -> str:
-    own = versions.get(engine) or versions.get(ENGINE_VERSION_KEYS.get(engine, ""))
-    parts = [str(own or "unknown")]
+    own = release_key(engine, versions)
+    parts = [str(versions[own]) if own else "unknown"]
     for package in ENGINE_STACKS.get(engine, ()):
-        if versions.get(package) and package != ENGINE_VERSION_KEYS.get(engine):
+        if versions.get(package) and package != own:
             parts.append(f"{package} {versions[package]}")
     return ", ".join(parts)
 
