@@ -20,6 +20,10 @@ of 512 tokens on average) and `lpx record` / `lpx report` of a year of nightly h
 
     .venv/bin/python bench/stage_costs.py --before /tmp/before42          # ~1 hour on 2 cores
     .venv/bin/python bench/stage_costs.py --before /tmp/before42 --scales tiny
+    .venv/bin/python bench/stage_costs.py --scales 16x1024 --sequences 32 --tokens 96 --no-once
+
+Without `--before` only this checkout is timed. `--sequences` and `--tokens` size the fixture
+(16 x 48 by default; issue 42's own figures were taken on 32 x 96).
 
 `--before DIR` is another checkout of lpx (`git worktree add /tmp/before42 37d6642`, the main
 that issue 42 was filed against); it runs with this checkout's virtual environment, its own
@@ -51,7 +55,8 @@ SCALES = {
     "16x1024": lambda: models.random_llama(16, 1024, 0.05),
     "32x512": lambda: models.random_llama(32, 512, 0.05),
 }
-SEQUENCES, TOKENS, PROMPT_TOKENS = 16, 48, 24
+SIZE = {"sequences": 16, "tokens": 48}  # the fixture's; set from the command line
+PROMPT_TOKENS = 24
 FAULTS = {  # kind: (sequences faulted, first position)
     "bos_extra": ("all", 0),
     "pad_attended": (3, 0),
@@ -105,14 +110,15 @@ def fixtures(scale: str) -> dict:
     from pipeline.fixture.io import read_table, write_table
 
     model_dir = SCALES[scale]()
-    root = CACHE / scale
+    sequences, tokens = SIZE["sequences"], SIZE["tokens"]
+    root = CACHE / (scale if (sequences, tokens) == (16, 48) else f"{scale}-{sequences}x{tokens}")
     root.mkdir(parents=True, exist_ok=True)
     fixture = root / "fixture.parquet"
     if not fixture.is_file():
         rng = np.random.default_rng(0)
-        lengths = rng.integers(PROMPT_TOKENS // 2, PROMPT_TOKENS * 3 // 2, SEQUENCES)
+        lengths = rng.integers(PROMPT_TOKENS // 2, PROMPT_TOKENS * 3 // 2, sequences)
         prompts = [list(map(int, rng.integers(3, 250, n))) for n in lengths]
-        params = SamplingParams(max_tokens=TOKENS, samples_per_prompt=1, seed=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=tokens, samples_per_prompt=1, seed=0, ignore_eos=True)
         table = HFRolloutEngine().rollout(model_dir, prompts, params, {"device": "cpu"})
         write_table(table, fixture)
     replay = root / "replay-bf16.parquet"
@@ -148,7 +154,7 @@ def stage_rows(scale: str, checkouts: dict[str, Path], work: Path) -> list[dict]
     for name, checkout in checkouts.items():
         out = work / scale / name / "calibration.json"
         seconds, _, _ = lpx(checkout, "calibrate", made["fixture"], "--dtype", "bf16",
-                            "--sequences", SEQUENCES, "--device", "cpu", "--out", out,
+                            "--sequences", SIZE["sequences"], "--device", "cpu", "--out", out,
                             cwd=work)  # fmt: skip
         calibration[name] = out
         rows.append({"scale": scale, "stage": "calibrate bf16", "checkout": name, "s": seconds})
@@ -208,13 +214,18 @@ def once_rows(checkouts: dict[str, Path], work: Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", type=Path, required=True, help="the older checkout")
+    parser.add_argument("--before", type=Path, help="the older checkout (none: this one alone)")
+    parser.add_argument("--sequences", type=int, default=16, help="the fixture's sequences")
+    parser.add_argument("--tokens", type=int, default=48, help="completion tokens a sequence")
     parser.add_argument("--scales", default="tiny,16x1024,32x512")
     parser.add_argument("--no-once", action="store_true", help="skip compare 1 M and the year")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     options = parser.parse_args()
-    checkouts = {"before": options.before.resolve(), "after": AFTER}
-    own_mapped_packages(checkouts["before"])
+    SIZE.update(sequences=options.sequences, tokens=options.tokens)
+    checkouts = {"before": options.before.resolve()} if options.before else {}
+    checkouts["after"] = AFTER
+    if options.before:
+        own_mapped_packages(checkouts["before"])
     for checkout in checkouts.values():
         wanted = [checkout / "pipeline", *(checkout / f for f in MAPPED.values())]
         found = imported_from(checkout)
@@ -231,11 +242,23 @@ def main() -> None:
                 options.json.write_text(json.dumps(rows, indent=1))
     if options.json:
         options.json.write_text(json.dumps(rows, indent=1))
-    print("\n| scale | stage | before | after | ratio | answers (before / after) |")
-    print("|---|---|---|---|---|---|")
+    print_table(rows, compared="before" in checkouts)
+
+
+def print_table(rows: list[dict], compared: bool) -> None:
     keyed = {(r["scale"], r["stage"], r["checkout"]): r for r in rows}
+    if compared:
+        print("\n| scale | stage | before | after | ratio | answers (before / after) |")
+        print("|---|---|---|---|---|---|")
+    else:
+        print("\n| scale | stage | seconds | answer |")
+        print("|---|---|---|---|")
     for scale, stage in dict.fromkeys((r["scale"], r["stage"]) for r in rows):
-        before, after = keyed[scale, stage, "before"], keyed[scale, stage, "after"]
+        after = keyed[scale, stage, "after"]
+        if not compared:
+            print(f"| {scale} | {stage} | {after['s']:.1f} s | {after.get('answer', '')} |")
+            continue
+        before = keyed[scale, stage, "before"]
         same = before.get("answer") == after.get("answer")
         answers = (
             "" if "answer" not in before
