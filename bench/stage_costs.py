@@ -55,7 +55,8 @@ SCALES = {
     "16x1024": lambda: models.random_llama(16, 1024, 0.05),
     "32x512": lambda: models.random_llama(32, 512, 0.05),
 }
-SIZE = {"sequences": 16, "tokens": 48}  # the fixture's; set from the command line
+DEFAULT_SIZE = (16, 48)  # the fixture's sequences and completion tokens
+SIZE = dict(zip(("sequences", "tokens"), DEFAULT_SIZE, strict=True))  # set by the command line
 PROMPT_TOKENS = 24
 FAULTS = {  # kind: (sequences faulted, first position)
     "bos_extra": ("all", 0),
@@ -111,7 +112,9 @@ def fixtures(scale: str) -> dict:
 
     model_dir = SCALES[scale]()
     sequences, tokens = SIZE["sequences"], SIZE["tokens"]
-    root = CACHE / (scale if (sequences, tokens) == (16, 48) else f"{scale}-{sequences}x{tokens}")
+    root = CACHE / (
+        scale if (sequences, tokens) == DEFAULT_SIZE else f"{scale}-{sequences}x{tokens}"
+    )
     root.mkdir(parents=True, exist_ok=True)
     fixture = root / "fixture.parquet"
     if not fixture.is_file():
@@ -215,8 +218,8 @@ def once_rows(checkouts: dict[str, Path], work: Path) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, help="the older checkout (none: this one alone)")
-    parser.add_argument("--sequences", type=int, default=16, help="the fixture's sequences")
-    parser.add_argument("--tokens", type=int, default=48, help="completion tokens a sequence")
+    parser.add_argument("--sequences", type=int, default=DEFAULT_SIZE[0], help="fixture rows")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_SIZE[1], help="completion tokens")
     parser.add_argument("--scales", default="tiny,16x1024,32x512")
     parser.add_argument("--no-once", action="store_true", help="skip compare 1 M and the year")
     parser.add_argument("--json", type=Path, help="also write the rows here")

@@ -80,12 +80,16 @@ def release_key(engine: str, versions: dict) -> str | None:
     """Which of ``versions`` is the engine's own release: its name, or the package that
     carries it (``ENGINE_VERSION_KEYS``), spelled as a dump from another tool may spell it
     ("megatron-core", "megatron_core", "SGLang")."""
-    wanted = [engine, ENGINE_VERSION_KEYS.get(engine, ""), f"{engine}core"]
-    spelled = {re.sub(r"[-_. ]", "", str(name).lower()): name for name in versions}
-    for name in wanted:
-        if name and versions.get(spelled.get(re.sub(r"[-_. ]", "", name.lower()), "")):
-            return spelled[re.sub(r"[-_. ]", "", name.lower())]
+    spelled = {_plain(name): name for name in versions}
+    for name in (engine, ENGINE_VERSION_KEYS.get(engine, ""), f"{engine}core"):
+        key = spelled.get(_plain(name))
+        if name and key is not None and versions[key]:
+            return key
     return None
+
+
+def _plain(name) -> str:
+    return re.sub(r"[-_. ]", "", str(name).lower())
 
 
 def stack_version(engine: str, versions: dict) -> str:
