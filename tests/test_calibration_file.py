@@ -83,7 +83,8 @@ DAMAGE = [
     (lambda c: c["pairs"].update({"x": c["pairs"][PAIR]}), "`pairs.x.[key]`: String should "
      "match pattern"),
     (lambda c: c.update(pairs={}), "`pairs`: Dictionary should have at least 1 item"),
-    (lambda c: c.update(precisions=["float64"]), "`precisions[0]`: Input should be"),
+    (lambda c: c.update(precisions=["float64"]), "`precisions[0]`: unknown dtype 'float64'"),
+    (lambda c: c.update(precisions=["bfloat16+fp9"]), "`precisions[0]`: unknown quantization 'fp9'"),
     (lambda c: c["key"].update(model_fingerprint=7), "`key.model_fingerprint`: Input should be "
      "a valid string (got 7)"),
     (lambda c: c.pop("key"), "`key`: Field required"),

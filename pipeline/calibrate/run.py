@@ -1,7 +1,8 @@
 """`lpx calibrate`: measure a model's precision noise floor on the fixture's own tokens.
 
 The reference engine (HF) re-scores a sample of the fixture's sequences in every precision a
-comparison may meet (fp32, each side's declared dtype, TF32 on CUDA) three correct ways:
+comparison may meet (fp32, each side's declared dtype and reduced-precision numerics, emulated
+exactly by pipeline/numerics, TF32 on CUDA) three correct ways:
 prefill in micro-batches of 8 with SDPA attention, prefill in micro-batches of 3 with eager
 attention (another kernel and another batching at once), and teacher-forced decoding with a
 KV cache of a sample of those sequences, all of them in one batch (how a rollout engine
@@ -38,6 +39,7 @@ from pipeline.compare.calibrated import (
 )
 from pipeline.compare.floor import bucket_of, expect, fit_floor
 from pipeline.compare.noise_test import design_of
+from pipeline.contracts.numerics import split_precision
 from pipeline.fixture.table import TokenTable
 
 __all__ = ["CALIBRATION_FILE", "calibrate", "calibration_key", "precisions_for"]
@@ -108,16 +110,17 @@ def score_ways(model_dir: Path, pairs: list, precisions: list[str], device: str,
     from pipeline.engines.hf_common import load_model
     from pipeline.engines.hf_decode import decode_logprobs
     from pipeline.engines.hf_replay import ReplayKnobs, score_batches
+    from pipeline.numerics.emulate import set_attention
 
     scored: dict[tuple[str, str], np.ndarray] = {}
     timing = {}
     decoded = decode_rows(len(pairs))
     lengths = [len(c) for _, c in pairs]
     for name in precisions:
-        dtype = "float32" if name == TF32 else name
+        dtype, tf32, numerics = split_precision(name)
         started = time.perf_counter()
-        model = load_model(model_dir, dtype, device=device)
-        devices.set_tf32(device, name == TF32)
+        model = load_model(model_dir, dtype, device=device, numerics=numerics)
+        devices.set_tf32(device, tf32)
         settings = ReplayKnobs(dtype=dtype, device=device)
         prefill, eager = MICRO_BATCHES
         values = score_batches(model, _batched(pairs, prefill), settings, progress=False)
@@ -128,7 +131,7 @@ def score_ways(model_dir: Path, pairs: list, precisions: list[str], device: str,
         )
         # another attention kernel and another batching on the same weights: what a different
         # engine's kernels and batch shapes move
-        model.set_attn_implementation("eager")
+        set_attention(model, "eager")
         settings = replace(settings, attn_implementation="eager", micro_batch_size=eager)
         values = score_batches(model, _batched(pairs, eager), settings, progress=False)
         scored[name, "eager"] = np.concatenate([s.completion for s in values])
@@ -261,7 +264,9 @@ def _measured_lengths(measured: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def precisions_for(dtypes: list[str], device: str) -> list[str]:
-    """What a calibration measures: fp32 (the reference), the given dtypes, TF32 on CUDA."""
+    """What a calibration measures: fp32 (the reference), the given precisions (dtypes, and
+    dtypes with reduced-precision numerics: ``bfloat16+fp8_e4m3:w=tensor,a=tensor``), TF32
+    on CUDA."""
     return sorted({"float32", *dtypes} | ({TF32} if devices.is_cuda(device) else set()))
 
 
@@ -324,7 +329,10 @@ def _pair_samples(scored: dict, a: str, b: str, surprisal, positions) -> dict[st
         samples["float32 engines erring independently"] = np.abs(
             decode_error - _shuffled_within_buckets(eager_error, surprisal, positions)
         )
-    elif ("float32", "prefill") in scored:
+    elif ("float32", "prefill") in scored and not split_precision(a)[2]:
+        # (not for reduced-precision numerics: their gap to fp32 is what they add, not what
+        # two engines computing them alike differ by; their own variants quantize their own
+        # activations, and so carry the rounding flips another engine's kernels give)
         samples[f"{a}:decode vs float32"] = gap((a, "decode"), ("float32", "prefill"))
         samples[f"{a}:eager vs float32"] = gap((a, "eager"), ("float32", "prefill"))
     return samples

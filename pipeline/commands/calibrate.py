@@ -32,7 +32,9 @@ from pipeline.commands.options import COUNT, OUTPUT_FILE, db_option, device_opti
     "--dtype",
     "dtypes",
     multiple=True,
-    help="A precision the comparisons will meet, repeatable [default: the fixture's dtype and "
+    help="A precision the comparisons will meet, repeatable: a dtype, or a dtype with "
+    "reduced-precision numerics (bf16+fp8, bf16+fp8-block+kv=fp8_e4m3; "
+    "docs/reduced-precision.md) [default: the fixture's precision, its numerics included, and "
     "bf16]; fp32 is always measured, and TF32 on CUDA. An fp16 from the fixture is left out "
     "on a CPU without fp16 arithmetic; name it here to measure it anyway.",
 )
@@ -69,7 +71,8 @@ def calibrate(
     """Measure the model's own precision noise floor on the fixture's tokens.
 
     The reference engine re-scores a sample of the fixture's sequences in fp32 and in each
-    given dtype (TF32 too on CUDA) three ways: prefill with SDPA attention, prefill with eager
+    given precision (TF32 too on CUDA; a reduced-precision rollout's FP8/INT8 weights and KV
+    cache emulated exactly) three ways: prefill with SDPA attention, prefill with eager
     attention in other micro-batches, and teacher-forced decoding with a KV cache of up to 16
     of those sequences. How far those correct scorings differ, per bucket of token
     surprisal and position, is the floor `lpx compare` judges drift against (it finds
@@ -78,16 +81,18 @@ def calibrate(
     \b
     Example:
       lpx calibrate run/fixture.parquet --dtype bf16 --sequences 32
+      lpx calibrate run/fp8-fixture.parquet   # the rollout's FP8 numerics against bf16
       lpx compare run/fixture.parquet run/replay-bf16.parquet --out run/cmp   # uses it
     """
     from pipeline.belonging import check_model
     from pipeline.calibrate.run import CALIBRATION_FILE
     from pipeline.calibrate.run import calibrate as run_calibration
+    from pipeline.compare.calibrated import side_precision
     from pipeline.contracts.calibration import Calibration, calibration_text
+    from pipeline.contracts.numerics import canonical_precision, without_tf32
     from pipeline.engines.model_dir import check_model_dir
     from pipeline.errors import BadInput
     from pipeline.fixture.io import read_table, validate_table
-    from pipeline.names import canonical_dtype
     from pipeline.paths import check_output, check_replaceable, write_text_atomic
 
     out_path = out_path or Path(fixture_path).parent / CALIBRATION_FILE
@@ -111,12 +116,13 @@ def calibrate(
     )
     validate_table(fixture, fixture_path, (fixture.metadata.get("model") or {}).get("vocab_size"))
     try:
-        wanted = [canonical_dtype(d) for d in dtypes] or [
-            canonical_dtype(str(fixture.metadata.get("dtype") or "float32")),
+        wanted = [canonical_precision(d) for d in dtypes] or [
+            without_tf32(side_precision(fixture.metadata)),
             "bfloat16",
         ]
     except ValueError as error:
         raise BadInput(f"--dtype: {error}") from None
+    wanted = list(dict.fromkeys(wanted))
     wanted = _without_emulated_fp16(wanted, asked=bool(dtypes), device=device)
     history = _history(db)
     result = None
@@ -174,9 +180,10 @@ def _without_emulated_fp16(wanted: list[str], asked: bool, device: str) -> list[
     """fp16 taken from the fixture is not measured where the CPU emulates it (823 s against
     fp32's 122 s at 16 x 1024 on an AMD EPYC); named with --dtype, it is,
     with a warning."""
+    from pipeline.contracts.numerics import base_dtype
     from pipeline.devices import fp16_emulated, resolve_device
 
-    why = "float16" in wanted and fp16_emulated(resolve_device(device))
+    why = any(base_dtype(d) == "float16" for d in wanted) and fp16_emulated(resolve_device(device))
     if not why:
         return wanted
     if asked:
@@ -187,4 +194,4 @@ def _without_emulated_fp16(wanted: list[str], asked: bool, device: str) -> list[
         "limits until it is measured; pass --dtype fp16 to measure it anyway.",
         err=True,
     )
-    return [d for d in wanted if d != "float16"]
+    return [d for d in wanted if base_dtype(d) != "float16"]

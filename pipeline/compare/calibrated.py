@@ -27,6 +27,7 @@ from pipeline.compare.calibration_file import (
 from pipeline.compare.floor import expect
 from pipeline.compare.noise_test import ALPHA, noise_limits, precision_gate
 from pipeline.contracts.files import CALIBRATION as CALIBRATION_FILE
+from pipeline.contracts.numerics import numerics_of, precision_text
 
 __all__ = [
     "CALIBRATION_FILE",
@@ -68,12 +69,13 @@ class Calibrated:
 
 
 def side_precision(meta: dict) -> str:
-    """float32, float16, bfloat16, or float32+tf32 when that side's fp32 used TF32."""
+    """float32, float16, bfloat16, or float32+tf32 when that side's fp32 used TF32; then the
+    reduced-precision numerics it declares (``bfloat16+fp8_e4m3:w=tensor,a=tensor``)."""
     dtype = str(meta.get("dtype") or "float32")
     tf32 = bool((meta.get("hardware") or {}).get("allow_tf32")) or bool(
         (meta.get("knobs") or {}).get("allow_tf32") is True
     )
-    return TF32 if tf32 and dtype == "float32" else dtype
+    return precision_text(dtype, numerics_of(meta), tf32 and dtype == "float32")
 
 
 # How close a side's precision comes to the calibration's fp32 reference (bf16, fp16: 0).

@@ -15,6 +15,7 @@ import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     Field,
     StringConstraints,
     ValidatorFunctionWrapHandler,
@@ -23,8 +24,11 @@ from pydantic import (
 )
 
 from pipeline.contracts.base import Open
+from pipeline.contracts.numerics import check_precision
 
 CALIBRATION_FORMAT = 2  # 1 predates the precision gate (no design, no variant levels)
+# the plain ones; a precision with numerics (bfloat16+fp8_e4m3:w=tensor,a=tensor) is one of
+# these dtypes and what contracts/numerics.py writes after it
 PRECISIONS = ("float32", "bfloat16", "float16", "float32+tf32")
 # Rounding puts a mean of equal samples, or an interpolated quantile, a few ulps past its
 # neighbour; anything further is not rounding.
@@ -47,6 +51,7 @@ Signed = Annotated[float, Field(allow_inf_nan=False), AsWritten]
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False), AsWritten]
 AtLeastOne = Annotated[float, Field(ge=1, allow_inf_nan=False), AsWritten]
 Name = Annotated[str, StringConstraints(min_length=1)]
+Precision = Annotated[str, AfterValidator(check_precision)]
 PairKey = Annotated[str, StringConstraints(pattern=r"^[^|]+\|[^|]+$")]
 
 
@@ -171,7 +176,7 @@ class Calibration(Open):
     sequences: Count
     tokens: Count
     micro_batches: Annotated[list[Count], Field(min_length=1)]
-    precisions: Annotated[list[Literal[PRECISIONS]], Field(min_length=1)]
+    precisions: Annotated[list[Precision], Field(min_length=1)]
     timing_s: dict[str, Magnitude] = {}
     pairs: Annotated[dict[PairKey, Floor], Field(min_length=1)]
 

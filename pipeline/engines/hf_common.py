@@ -6,6 +6,7 @@ import json
 import platform
 from pathlib import Path
 
+from pipeline.contracts.numerics import Numerics
 from pipeline.engines.model_dir import check_model_dir
 from pipeline.errors import BadInput
 from pipeline.fingerprint import tokenizer_fingerprint, weights_fingerprint
@@ -29,9 +30,11 @@ def load_model(
     dtype: str = "float32",
     attn_implementation: str = "sdpa",
     device: str = "cpu",
+    numerics: Numerics | None = None,
 ):
     """Load a causal LM for inference from a local directory (never from a hub), on
-    ``device`` (a resolved device: cpu or cuda:N)."""
+    ``device`` (a resolved device: cpu or cuda:N), computing with reduced-precision
+    ``numerics`` where given (pipeline/numerics/emulate.py)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -62,7 +65,51 @@ def load_model(
         ) from None
     model.eval()
     model.requires_grad_(False)  # scoring never needs gradients
-    return model.to(device) if device != "cpu" else model
+    model = model.to(device) if device != "cpu" else model
+    if numerics:
+        from pipeline.numerics.emulate import apply_numerics
+
+        try:
+            apply_numerics(model, numerics)
+        except ValueError as error:
+            raise BadInput(f"{model_dir}: cannot compute in {numerics.label}: {error}") from None
+    return model
+
+
+def numerics_from_knobs(engine: str, quantization: str, kv_cache_dtype: str, kv_scales: str):
+    """The numerics an HF-built engine's knobs ask for (presets and texts:
+    pipeline/contracts/numerics.py); BadInput naming the knob."""
+    from pipeline.contracts.numerics import Numerics, parse_kv_cache, parse_quantization
+
+    try:
+        linear = parse_quantization(quantization)
+    except ValueError as error:
+        raise BadInput(f"{engine} knob quantization: {error}") from None
+    k_scale = v_scale = 1.0
+    if str(kv_scales or "").strip():
+        k_text, _, v_text = str(kv_scales).partition("/")
+        try:
+            k_scale, v_scale = float(k_text), float(v_text or k_text)
+        except ValueError:
+            raise BadInput(
+                f"{engine} knob kv_scales={kv_scales!r}: give K/V scales (0.5/0.25) or one for both."
+            ) from None
+    try:
+        kv_cache = parse_kv_cache(kv_cache_dtype, k_scale, v_scale)
+    except ValueError as error:
+        raise BadInput(f"{engine} knob kv_cache_dtype/kv_scales: {error}") from None
+    if kv_cache is None and str(kv_scales or "").strip():
+        raise BadInput(f"{engine} knob kv_scales needs an FP8 kv_cache_dtype (fp8_e4m3, fp8_e5m2).")
+    return Numerics(linear, kv_cache)
+
+
+def numerics_metadata(model) -> dict:
+    """What a side records of the numerics its model computed with (``metadata.numerics``),
+    read from the model itself; empty for plain dtype arithmetic."""
+    numerics = getattr(model, "lpx_numerics", None)
+    if not numerics:
+        return {}
+    return {"numerics": {**numerics.as_dict(), "computed_by": "lpx emulation (pipeline/numerics)"}}
 
 
 def model_device(model):

@@ -15,6 +15,8 @@ from pipeline.engines.hf_common import (
     load_model,
     model_device,
     model_metadata,
+    numerics_from_knobs,
+    numerics_metadata,
     process_logits,
     software_versions,
 )
@@ -69,6 +71,12 @@ class ReplayKnobs:
     score_top_ids: bool = True
     # MoE: route every position to the fixture's routed_experts (router replay, R3)
     router_replay: bool = False
+    # reduced-precision numerics, emulated exactly (docs/reduced-precision.md): a preset
+    # (fp8, fp8-block, mxfp8, int8, ...) or ELEMENT:w=..,a=..; the KV cache's dtype (auto,
+    # fp8, fp8_e4m3, fp8_e5m2) and its K/V scales ("0.5/0.25"; 1.0 when empty)
+    quantization: str = ""
+    kv_cache_dtype: str = "auto"
+    kv_scales: str = ""
 
     @classmethod
     def from_dict(cls, knobs: dict) -> ReplayKnobs:
@@ -80,7 +88,13 @@ class ReplayKnobs:
             raise BadInput("micro_batch_size must be at least 1.")
         if knobs_obj.temperature <= 0:
             raise BadInput("temperature must be > 0 for teacher-forced scoring.")
+        knobs_obj.numerics()  # refused here, naming the knob, before any model loads
         return knobs_obj
+
+    def numerics(self):
+        return numerics_from_knobs(
+            "hf replay", self.quantization, self.kv_cache_dtype, self.kv_scales
+        )
 
 
 class HFScoringEngine:
@@ -92,7 +106,9 @@ class HFScoringEngine:
         device = devices.resolve_device(settings.device, "--device")
         settings = replace(settings, device=device)
         started = time.perf_counter()
-        model = load_model(model_dir, settings.dtype, settings.attn_implementation, device)
+        model = load_model(
+            model_dir, settings.dtype, settings.attn_implementation, device, settings.numerics()
+        )
         tf32 = devices.set_tf32(device, settings.allow_tf32)
         loaded = time.perf_counter()
         size = settings.micro_batch_size
@@ -529,4 +545,5 @@ def replay_metadata(model, model_dir: Path, settings: ReplayKnobs, tf32: dict) -
         },
         "model": model_metadata(model_dir),
         "position_id_rule": "arange",
+        **numerics_metadata(model),
     }

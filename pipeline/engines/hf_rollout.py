@@ -12,6 +12,8 @@ from pipeline.engines.base import SamplingParams, trajectories
 from pipeline.engines.hf_common import (
     load_model,
     model_metadata,
+    numerics_from_knobs,
+    numerics_metadata,
     process_logits,
     software_versions,
 )
@@ -28,6 +30,10 @@ DEFAULT_KNOBS = {
     "attn_implementation": "sdpa",
     "device": "auto",
     "allow_tf32": False,
+    # reduced-precision numerics, emulated exactly (as hf replay's knobs of the same names)
+    "quantization": "",
+    "kv_cache_dtype": "auto",
+    "kv_scales": "",
 }
 
 
@@ -56,8 +62,16 @@ class HFRolloutEngine:
             raise BadInput(f"hf rollout knobs: {error}") from None
         if sampling.logprobs_mode not in ("raw", "processed"):
             raise BadInput("logprobs_mode must be 'raw' or 'processed'.")
+        numerics = numerics_from_knobs(
+            "hf rollout",
+            settings["quantization"],
+            settings["kv_cache_dtype"],
+            settings["kv_scales"],
+        )
         device = devices.resolve_device(str(settings["device"]), "--device")
-        model = load_model(model_dir, settings["dtype"], settings["attn_implementation"], device)
+        model = load_model(
+            model_dir, settings["dtype"], settings["attn_implementation"], device, numerics
+        )
         tf32 = devices.set_tf32(device, settings["allow_tf32"])
         # Sampling draws on the model's device: a GPU rollout samples on the GPU.
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
@@ -119,6 +133,7 @@ class HFRolloutEngine:
                 },
                 "model": model_metadata(model_dir),
                 "position_id_rule": "arange",
+                **numerics_metadata(model),
             },
         )
         # The most likely token of the raw distribution at each step (top-1 flip analysis).

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from pipeline.compare.calibrated import side_precision
+from pipeline.contracts.numerics import without_tf32
 from pipeline.verify.families import family_of, is_data
 from pipeline.verify.hypothesis import (
     DATA_DRIFT,
@@ -128,7 +129,7 @@ def _judge_model(ref, family, candidate, rows, rollout, replay, positions, searc
     side = _moved_side(ref, rollout, replay, clean, positions)
     observed = rollout if side == "rollout" else replay
     meta = ref.fixture.metadata if side == "rollout" else ref.replay.metadata
-    if candidate.params.get("computed_in") == side_precision(meta).removesuffix("+tf32"):
+    if candidate.params.get("computed_in") == without_tf32(side_precision(meta)):
         return None  # that side declares this precision: the precision test's case
     if search:
         candidate = family.search(ref, candidate, rows, observed, clean, side)

@@ -11,11 +11,16 @@ import numpy as np
 from pipeline.compare.calibrated import as_calibration, expected_mean_abs, pair_key
 from pipeline.compare.hypotheses.batch import NUMERIC_CEILING
 from pipeline.contracts.calibration import Calibration
+from pipeline.contracts.numerics import base_dtype, split_precision
 from pipeline.contracts.report import Finding
 from pipeline.faults import FaultSettings, rescore
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
 from pipeline.verify.families import family_of
 from pipeline.verify.hypothesis import Candidate
+
+# How many times bf16's gap reduced-precision numerics give where no calibration measured
+# them (docs/reduced-precision.md: FP8 and INT8 rollouts at three scales)
+UNCALIBRATED_NUMERICS_FACTOR = 10.0
 
 
 class Reference:
@@ -119,9 +124,14 @@ class Reference:
                 self.calibration, pair, np.concatenate(reference), np.concatenate(positions)
             )
             return np.split(means, offsets[1:-1])
-        dtypes = [p.removesuffix("+tf32") for p in precisions]
+        dtypes = [base_dtype(p) for p in precisions]
         least = max(dtypes, key=("float32", "float16", "bfloat16").index)
         constant = NUMERIC_CEILING.get(least, NUMERIC_CEILING["float32"]) / 3
+        if any(split_precision(p)[2] for p in precisions):
+            # uncalibrated reduced-precision numerics: their gap is measured per model (lpx
+            # calibrate); without it, the bf16 constant times what FP8 added to bf16's gap
+            # at every scale measured (docs/reduced-precision.md)
+            constant = NUMERIC_CEILING["bfloat16"] / 3 * UNCALIBRATED_NUMERICS_FACTOR
         return [np.full(n, constant) for n in lengths]
 
     def micro_batch(self) -> int:

@@ -14,6 +14,7 @@ from pipeline.compare.calibrated import TAU_MARGIN, pair_key, side_precision, su
 from pipeline.compare.floor import expect
 from pipeline.compare.noise_test import bucket_level_tests, precision_gate, rules_out_faults
 from pipeline.contracts.causes import Cause, Severity
+from pipeline.contracts.numerics import without_tf32
 from pipeline.contracts.report import Finding
 from pipeline.verify.hypothesis import Candidate, Family, Outcome
 
@@ -69,7 +70,7 @@ class Precision(Family):
 
         started = time.perf_counter()
         rollout, replay, positions = observed
-        declared = [p.removesuffix("+tf32") for p in candidate.params.values()]
+        declared = [without_tf32(p) for p in candidate.params.values()]
         ref.say(
             f"verify: re-scoring {len(rows)} sequences in {' and '.join(sorted(set(declared)))}"
         )

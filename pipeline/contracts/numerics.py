@@ -1,0 +1,330 @@
+"""Reduced-precision numerics as a fixture, a calibration and a history key write them: the
+quantization of the linear layers (FP8, MXFP8, INT8 at a granularity) and the KV cache's
+precision, parsed from what users and engines call them and named one canonical way.
+
+A side's *precision* is its dtype, then what it adds: ``bfloat16``, ``float32+tf32``,
+``bfloat16+fp8_e4m3:w=block128,a=group128+kv=fp8_e4m3``. Calibration pairs, floors and
+case keys use that text, so two sides compare as "the same numerics" exactly when their
+texts are equal. The formats' arithmetic is `pipeline/numerics/`.
+
+Granularities (how many values share one scale):
+- weights [out, in]: ``tensor`` (one), ``channel`` (one per output row), ``block128`` (one
+  per 128 x 128 tile), ``mx32`` (one per 32 along the input, a power of two: OCP MX);
+- activations [tokens, in], computed at run time: ``tensor`` (one per matmul call),
+  ``token`` (one per row), ``group128`` (one per 128 of a row), ``mx32``, or ``none``
+  (weight-only: the matmul takes the activations as they are, W8A16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "int8")
+KV_ELEMENTS = ("fp8_e4m3", "fp8_e5m2")
+WEIGHT_GRANULARITIES = ("tensor", "channel", "block128", "mx32")
+ACTIVATION_GRANULARITIES = ("none", "tensor", "token", "group128", "mx32")
+# float: a float32 scale = amax / the element's largest value; ue8m0: that scale rounded up
+# to a power of two (DeepGEMM's scale_fmt ue8m0); mx32 always uses the OCP MX rule
+SCALE_RULES = ("float", "ue8m0")
+# layers that stay in the model's dtype unless a spec names them: what every engine keeps
+OPTIONAL_LAYERS = ("lm_head", "embeddings", "router")
+
+# What users and engines call a quantization, and what it computes. vLLM's online `fp8`:
+# per-tensor E4M3 weights and dynamic per-tensor activations; verl's `fp8`, slime's and
+# DeepSeek's: 128 x 128 weight blocks, 1 x 128 activation groups; `mxfp8`: E4M3 with one
+# power-of-two scale per 32; `int8`: SGLang's w8a8_int8 (per-channel weights, per-token
+# activations).
+PRESETS = {
+    "fp8": "fp8_e4m3:w=tensor,a=tensor",
+    "fp8-w8a16": "fp8_e4m3:w=tensor,a=none",
+    "fp8-channel": "fp8_e4m3:w=channel,a=token",
+    "fp8-block": "fp8_e4m3:w=block128,a=group128",
+    "fp8-block-ue8m0": "fp8_e4m3:w=block128,a=group128,scales=ue8m0",
+    "mxfp8": "fp8_e4m3:w=mx32,a=mx32",
+    "int8": "int8:w=channel,a=token",
+    "int8-w8a16": "int8:w=channel,a=none",
+}
+KV_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+NO_KV = ("", "auto", "none", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
+NO_QUANTIZATION = ("", "none", "null")
+
+
+@dataclass(frozen=True)
+class LinearQuantization:
+    """How the linear layers compute: ``element`` values at ``weights`` and ``activations``
+    granularity, under a scale rule; the decoder layers ``keep_first``/``keep_last`` and the
+    layers not in ``quantized_too`` stay in the model's dtype (norms always do)."""
+
+    element: str = "fp8_e4m3"
+    weights: str = "tensor"
+    activations: str = "tensor"
+    scales: str = "float"
+    keep_first: int = 0
+    keep_last: int = 0
+    quantized_too: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _one_of("element", self.element, ELEMENTS)
+        _one_of("weight granularity w", self.weights, WEIGHT_GRANULARITIES)
+        _one_of("activation granularity a", self.activations, ACTIVATION_GRANULARITIES)
+        _one_of("scales", self.scales, SCALE_RULES)
+        for name in self.quantized_too:
+            _one_of("layer", name, OPTIONAL_LAYERS)
+        if self.keep_first < 0 or self.keep_last < 0:
+            raise ValueError("keep_first and keep_last count layers: give 0 or more")
+        if self.element == "int8" and "mx32" in (self.weights, self.activations):
+            raise ValueError("mx32 scales a floating-point element; int8 takes tensor, channel, "
+                             "token or block granularity")  # fmt: skip
+
+    @property
+    def text(self) -> str:
+        parts = [f"w={self.weights}", f"a={self.activations}"]
+        if self.scales != "float":
+            parts.append(f"scales={self.scales}")
+        if self.keep_first:
+            parts.append(f"keep_first={self.keep_first}")
+        if self.keep_last:
+            parts.append(f"keep_last={self.keep_last}")
+        parts += sorted(self.quantized_too)
+        return f"{self.element}:{','.join(parts)}"
+
+    @property
+    def label(self) -> str:
+        """The preset's name where one computes this (with what it keeps or adds: ``mxfp8
+        (keep_first=2, lm_head)``), else the canonical text."""
+        base = replace(self, keep_first=0, keep_last=0, quantized_too=())
+        for name, text in PRESETS.items():
+            if text == base.text:
+                extras = self.text[len(text) :].lstrip(",")
+                return f"{name} ({extras.replace(',', ', ')})" if extras else name
+        return self.text
+
+
+@dataclass(frozen=True)
+class KVCacheQuantization:
+    """The KV cache stored as ``element`` values of K / k_scale and V / v_scale (keys after
+    the rotary embedding, as engines store them); attention reads them back multiplied by
+    the scales."""
+
+    element: str = "fp8_e4m3"
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def __post_init__(self):
+        _one_of("kv cache element", self.element, KV_ELEMENTS)
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value > 0 and value < float("inf")):
+                raise ValueError(f"kv cache {name} must be a positive number, not {value!r}")
+
+    @property
+    def text(self) -> str:
+        scales = (self.k_scale, self.v_scale)
+        if scales == (1.0, 1.0):
+            return f"kv={self.element}"
+        return f"kv={self.element}@{self.k_scale:.9g}/{self.v_scale:.9g}"
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """What a side computes beyond its dtype. Empty (both None): the dtype alone."""
+
+    linear: LinearQuantization | None = None
+    kv_cache: KVCacheQuantization | None = None
+    extra: tuple[str, ...] = field(default=())  # parts of a precision lpx does not know
+
+    def __bool__(self) -> bool:
+        return self.linear is not None or self.kv_cache is not None
+
+    @property
+    def text(self) -> str:
+        """Canonical: ``fp8_e4m3:w=tensor,a=tensor+kv=fp8_e4m3`` ('' when empty)."""
+        parts = [self.linear.text] if self.linear else []
+        parts += [self.kv_cache.text] if self.kv_cache else []
+        return "+".join([*parts, *self.extra])
+
+    @property
+    def label(self) -> str:
+        """What a person reads: ``fp8-block + kv fp8_e4m3``."""
+        parts = [self.linear.label] if self.linear else []
+        if self.kv_cache:
+            parts.append(self.kv_cache.text.replace("kv=", "kv ", 1))
+        return " + ".join(parts) or "none"
+
+    def as_dict(self) -> dict:
+        """What the fixture's metadata records (``metadata.numerics``)."""
+        out: dict = {"text": self.text, "label": self.label}
+        if self.linear:
+            out["quantization"] = {
+                "element": self.linear.element,
+                "weights": self.linear.weights,
+                "activations": self.linear.activations,
+                "scales": self.linear.scales,
+                "keep_first": self.linear.keep_first,
+                "keep_last": self.linear.keep_last,
+                "quantized_too": list(self.linear.quantized_too),
+            }
+        if self.kv_cache:
+            out["kv_cache"] = {
+                "element": self.kv_cache.element,
+                "k_scale": self.kv_cache.k_scale,
+                "v_scale": self.kv_cache.v_scale,
+            }
+        return out
+
+
+NONE = Numerics()
+
+
+def parse_quantization(text: str) -> LinearQuantization | None:
+    """A preset (``fp8``, ``fp8-block``, ``mxfp8``, ``int8``, ...), optionally with options
+    (``fp8-block:keep_first=2,keep_last=2,lm_head``), or the canonical text
+    (``fp8_e4m3:w=channel,a=token``); None for none."""
+    text = str(text or "").strip().lower()
+    if text in NO_QUANTIZATION:
+        return None
+    head, _, options = text.partition(":")
+    if head in PRESETS:
+        base_element, _, base_options = PRESETS[head].partition(":")
+        options = ",".join(part for part in (base_options, options) if part)
+        head = base_element
+    if head not in ELEMENTS:
+        raise ValueError(
+            f"unknown quantization {text!r}; use one of {', '.join(PRESETS)} or "
+            "ELEMENT:w=GRANULARITY,a=GRANULARITY (elements: " + ", ".join(ELEMENTS) + ")"
+        )
+    fields: dict = {"element": head}
+    too: list[str] = []
+    names = {"w": "weights", "a": "activations", "scales": "scales",
+             "keep_first": "keep_first", "keep_last": "keep_last"}  # fmt: skip
+    for option in filter(None, (o.strip() for o in options.split(","))):
+        key, eq, value = option.partition("=")
+        if not eq:
+            too.append(key)
+            continue
+        if key not in names:
+            raise ValueError(
+                f"quantization {text!r}: unknown option {key!r}; options are "
+                f"{', '.join(names)} and the layers to quantize too ({', '.join(OPTIONAL_LAYERS)})"
+            )
+        if key.startswith("keep_"):
+            try:
+                fields[names[key]] = int(value)
+            except ValueError:
+                raise ValueError(f"quantization {text!r}: {key} takes a number of layers") from None
+        else:
+            fields[names[key]] = value  # a later option overrides a preset's
+    return LinearQuantization(**fields, quantized_too=tuple(sorted(set(too))))
+
+
+def parse_kv_cache(text: str, k_scale: float = 1.0, v_scale: float = 1.0):
+    """An engine's kv_cache_dtype (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``; ``auto`` and the
+    model's dtypes: none), or the canonical ``kv=fp8_e4m3@0.5/0.25`` with its scales."""
+    text = str(text or "").strip().lower().removeprefix("kv=")
+    if text in NO_KV:
+        return None
+    element, _, scales = text.partition("@")
+    if element not in KV_ALIASES:
+        raise ValueError(
+            f"unknown kv cache dtype {text!r}; use auto, fp8 (E4M3), fp8_e4m3 or fp8_e5m2"
+        )
+    if scales:
+        k_text, _, v_text = scales.partition("/")
+        try:
+            k_scale, v_scale = float(k_text), float(v_text or k_text)
+        except ValueError:
+            raise ValueError(
+                f"kv cache {text!r}: scales are K/V numbers (fp8_e4m3@0.5/0.5)"
+            ) from None
+    return KVCacheQuantization(KV_ALIASES[element], float(k_scale), float(v_scale))
+
+
+def parse_numerics(text: str) -> Numerics:
+    """The canonical text (``Numerics.text``) read back; parts it does not know are kept
+    apart, never dropped (they still tell two precisions apart)."""
+    linear, kv_cache, extra = None, None, []
+    for part in filter(None, str(text or "").split("+")):
+        if part.startswith("kv="):
+            kv_cache = parse_kv_cache(part)
+        elif part.split(":", 1)[0] in ELEMENTS or part.split(":", 1)[0] in PRESETS:
+            linear = parse_quantization(part)
+        else:
+            extra.append(part)
+    return Numerics(linear, kv_cache, tuple(extra))
+
+
+# --- precisions: a dtype and its numerics as one text -----------------------------------------
+
+TF32_PART = "tf32"
+
+
+def precision_text(dtype: str, numerics: Numerics | None = None, tf32: bool = False) -> str:
+    """``bfloat16``, ``float32+tf32``, ``bfloat16+fp8_e4m3:w=tensor,a=tensor``."""
+    parts = [dtype, *([TF32_PART] if tf32 else []), *([numerics.text] if numerics else [])]
+    return "+".join(parts)
+
+
+def split_precision(precision: str) -> tuple[str, bool, Numerics]:
+    """(dtype, TF32, numerics) of a precision text."""
+    dtype, _, rest = str(precision).partition("+")
+    tf32 = rest == TF32_PART or rest.startswith(TF32_PART + "+")
+    if tf32:
+        rest = rest[len(TF32_PART) :].removeprefix("+")
+    return dtype, tf32, parse_numerics(rest)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def canonical_precision(text: str) -> str:
+    """A precision as a user writes it (``bf16+fp8-block+kv=fp8``, ``fp32+tf32``) in its
+    canonical text; ValueError naming what is wrong."""
+    dtype, _, rest = str(text).strip().partition("+")
+    dtype = DTYPE_NAMES.get(dtype.lower(), dtype.lower())
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {text.partition('+')[0]!r} in {text!r}; use fp32, bf16 "
+                         "or fp16, then +NUMERICS (bf16+fp8-block+kv=fp8_e4m3)")  # fmt: skip
+    tf32, linear, kv_cache = False, None, None
+    for part in filter(None, (p.strip() for p in rest.split("+"))):
+        if part.lower() == TF32_PART:
+            tf32 = True
+        elif part.lower().startswith("kv="):
+            kv_cache = parse_kv_cache(part)
+        else:
+            linear = parse_quantization(part)
+    return precision_text(dtype, Numerics(linear, kv_cache), tf32)
+
+
+def check_precision(text: str) -> str:
+    """A precision text as a file holds it: canonical, or ValueError."""
+    if not isinstance(text, str) or canonical_precision(text) != text:
+        raise ValueError(f"{text!r} is not a precision lpx writes (dtype[+tf32][+numerics])")
+    return text
+
+
+def without_tf32(precision: str) -> str:
+    """The precision as measured where TF32 cannot be (a CPU): its dtype and numerics."""
+    dtype, _, numerics = split_precision(precision)
+    return precision_text(dtype, numerics)
+
+
+def base_dtype(precision: str) -> str:
+    """The dtype a precision computes in (``bfloat16`` of ``bfloat16+fp8...``)."""
+    return str(precision).partition("+")[0]
+
+
+def numerics_of(meta: dict) -> Numerics:
+    """A side's numerics as its metadata records them (``numerics.text``); none when it
+    records none (every fixture before numerics were recorded)."""
+    recorded = (meta or {}).get("numerics") or {}
+    return parse_numerics(recorded.get("text", "") if isinstance(recorded, dict) else "")
+
+
+def with_numerics(numerics: Numerics, **changes) -> Numerics:
+    return replace(numerics, **changes)
+
+
+def _one_of(what: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; use one of {', '.join(allowed)}")

@@ -1,0 +1,116 @@
+"""The formats' arithmetic: a tensor rounded to FP8 (E4M3, E5M2) or INT8 values under a
+scale shared by a tensor, a row, a 128 x 128 block, a group of 128 or an OCP MX block of 32,
+and given back dequantized (what a kernel multiplies with).
+
+Each rule as its definition states it (references in docs/reduced-precision.md):
+- FP8 values: round to nearest, ties to even (torch's casts), after a clamp to the largest
+  finite value (+-448 E4M3, +-57344 E5M2): engines saturate rather than overflow, and
+  torch's E5M2 cast gives inf past the largest value;
+- INT8: round half to even of x / scale, clamped to [-128, 127];
+- a float scale is amax / the element's largest value (amax floored at MIN_AMAX, so an
+  all-zero group keeps its zeros); a UE8M0 scale is that scale rounded up to a power of
+  two (no value then saturates);
+- OCP MX (v1.0, section 6.3): one UE8M0 scale per 32 values, 2^(floor(log2(amax)) -
+  emax) with emax = 8 for E4M3 and 15 for E5M2; values above the largest finite element
+  saturate.
+
+Everything is computed in float32 and given back in float32: callers cast where the engine
+would. Pure torch, no model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+LARGEST = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
+# the largest normal value's exponent (OCP MX's emax_elem)
+EMAX = {"fp8_e4m3": 8, "fp8_e5m2": 15}
+MIN_AMAX = 1e-12  # an all-zero group's amax: its scale stays finite and its zeros zero
+BLOCK = 128
+GROUP = 128
+MX_BLOCK = 32
+
+
+def round_to_element(values: torch.Tensor, element: str) -> torch.Tensor:
+    """``values`` (already divided by their scale) rounded to the element's grid, float32."""
+    values = values.float()
+    if element == "int8":
+        return torch.round(values).clamp_(-128.0, 127.0)
+    largest = LARGEST[element]
+    return values.clamp(-largest, largest).to(FP8_DTYPES[element]).float()
+
+
+def float_scale(amax: torch.Tensor, element: str, rule: str = "float") -> torch.Tensor:
+    """The scale that maps ``amax`` to the element's largest value: float32, or rounded up to
+    a power of two (``ue8m0``)."""
+    scale = amax.float().clamp(min=MIN_AMAX) / LARGEST[element]
+    if rule == "ue8m0":
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    return scale
+
+
+def mx_scale(amax: torch.Tensor, element: str) -> torch.Tensor:
+    """OCP MX's shared scale: 2^(floor(log2(amax)) - emax_elem), as float32."""
+    exponent = torch.floor(torch.log2(amax.float().clamp(min=MIN_AMAX))) - EMAX[element]
+    return torch.exp2(exponent.clamp(-127, 127))
+
+
+def quantize_dequantize(
+    values: torch.Tensor, element: str, granularity: str, rule: str = "float"
+) -> torch.Tensor:
+    """``values`` as the kernel sees them after quantization: rounded under scales shared
+    per ``granularity`` along the last dimension (the matmul's reduction dimension) and
+    multiplied back, float32. ``tensor``: one scale; ``channel``/``token``: one per row;
+    ``block128``: one per 128 x 128 tile of a 2-D weight (or of each expert's); ``group128``
+    and ``mx32``: one per 128 or 32 consecutive values of a row."""
+    x = values.float()
+    if granularity == "none":
+        return x
+    if granularity == "tensor":
+        scale = _scale(x.abs().amax(), element, rule)
+        return round_to_element(x / scale, element) * scale
+    if granularity in ("channel", "token"):
+        scale = _scale(x.abs().amax(dim=-1, keepdim=True), element, rule)
+        return round_to_element(x / scale, element) * scale
+    if granularity == "group128":
+        return _grouped(x, GROUP, element, rule)
+    if granularity == "mx32":
+        return _grouped(x, MX_BLOCK, element, "mx")
+    if granularity == "block128":
+        return _blocked(x, element, rule)
+    raise ValueError(f"unknown granularity {granularity!r}")
+
+
+def _scale(amax: torch.Tensor, element: str, rule: str) -> torch.Tensor:
+    return mx_scale(amax, element) if rule == "mx" else float_scale(amax, element, rule)
+
+
+def _grouped(x: torch.Tensor, size: int, element: str, rule: str) -> torch.Tensor:
+    """One scale per ``size`` consecutive values of the last dimension (a last group shorter
+    than ``size`` gets its own scale, as the kernels pad it with zeros)."""
+    width = x.shape[-1]
+    padded = math.ceil(width / size) * size
+    if padded != width:
+        x = torch.nn.functional.pad(x, (0, padded - width))
+    groups = x.reshape(*x.shape[:-1], padded // size, size)
+    scale = _scale(groups.abs().amax(dim=-1, keepdim=True), element, rule)
+    out = (round_to_element(groups / scale, element) * scale).reshape(*x.shape[:-1], padded)
+    return out[..., :width]
+
+
+def _blocked(x: torch.Tensor, element: str, rule: str) -> torch.Tensor:
+    """One scale per 128 x 128 tile of the last two dimensions (edge tiles smaller)."""
+    *lead, rows, columns = x.shape
+    padded_rows = math.ceil(rows / BLOCK) * BLOCK
+    padded_columns = math.ceil(columns / BLOCK) * BLOCK
+    padded = torch.nn.functional.pad(x, (0, padded_columns - columns, 0, padded_rows - rows))
+    tiles = padded.reshape(*lead, padded_rows // BLOCK, BLOCK, padded_columns // BLOCK, BLOCK)
+    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
+    scale = _scale(amax, element, rule)
+    out = (round_to_element(tiles / scale, element) * scale).reshape(
+        *lead, padded_rows, padded_columns
+    )
+    return out[..., :rows, :columns]
