@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from pipeline.compare.correction import HEALTH_CHECKS, CorrectionSettings, health_violations
 from pipeline.compare.noise_test import failed_tests
 from pipeline.contracts.causes import KNOWN_CAUSES, Severity
 from pipeline.contracts.metrics import LIMITED_METRICS
@@ -26,6 +27,10 @@ class Policy:
     source: str
     profiles: dict[str, dict]
     fail_on_findings: list[str] = field(default_factory=list)
+    # the importance-sampling correction the report shows (compare/correction.py), and the
+    # bounds its metrics must stay in: verl's health check unless the policy says otherwise
+    correction: CorrectionSettings = field(default_factory=CorrectionSettings)
+    correction_checks: dict = field(default_factory=lambda: dict(HEALTH_CHECKS))
 
     def profile(self, name: str) -> dict:
         if name not in self.profiles:
@@ -68,7 +73,21 @@ def load_policy(path: Path | None = None) -> Policy:
         name: {"tau": profile.tau, "limits": dict(profile.limits)}
         for name, profile in parsed.profiles.items()
     }
-    return Policy(source, profiles, list(parsed.fail_on_findings))
+    policy = Policy(source, profiles, list(parsed.fail_on_findings))
+    if parsed.correction is not None:
+        given = parsed.correction
+        try:
+            policy.correction = CorrectionSettings(
+                given.rollout_is, str(given.rollout_is_threshold), given.rollout_rs,
+                str(given.rollout_rs_threshold),
+            )  # fmt: skip
+        except ValueError as error:
+            raise BadInput(f"{source}: correction: {error} (see docs/policy.md).") from None
+        if given.checks is not None:
+            policy.correction_checks = {
+                name: tuple(bounds) for name, bounds in given.checks.items()
+            }
+    return policy
 
 
 def _reason(error: dict) -> str:
@@ -105,11 +124,27 @@ class ProfileSchema(BaseModel):
     limits: dict[LimitedMetric, Threshold] = {}
 
 
+Bound = Annotated[float, BeforeValidator(_plain_number), Field(allow_inf_nan=False)] | None
+
+
+class CorrectionSchema(BaseModel):
+    """The correction view (compare/correction.py) in verl's config words, and the bounds
+    [low, high] (null: none) on its `rollout_corr/*` and `training/*` metrics."""
+
+    model_config = ConfigDict(extra="forbid")
+    rollout_is: Literal["token", "sequence"] = "token"
+    rollout_is_threshold: float | str = 2.0
+    rollout_rs: str = ""
+    rollout_rs_threshold: float | str = ""
+    checks: dict[str, tuple[Bound, Bound]] | None = None
+
+
 class PolicyFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: Annotated[Literal[1], BeforeValidator(_whole_number)]
     profiles: dict[str, ProfileSchema] = Field(min_length=1)
     fail_on_findings: list[CauseName] = []
+    correction: CorrectionSchema | None = None
 
 
 def profile_for(dtypes: list[str]) -> str:
@@ -147,6 +182,7 @@ def judge(
         if not metrics[metric] <= limit:  # NaN fails too
             violations.append({"metric": metric, "value": metrics[metric], "limit": limit})
     violations += failed_tests(gate)
+    violations += health_violations(metrics, policy.correction_checks)
     if exact and metrics["bitwise_mismatches"] != 0:
         violations.append(
             {"metric": "bitwise_mismatches", "value": metrics["bitwise_mismatches"], "limit": 0}

@@ -19,6 +19,7 @@ from pipeline.compare.calibrated import (
     usable,
 )
 from pipeline.compare.contradicted import evidence_on_file, rule_out_contradicted
+from pipeline.compare.correction import correction_view, flat_metrics
 from pipeline.compare.diagnosis import Context, diagnose_region
 from pipeline.compare.drift_map import drift_map
 from pipeline.compare.metrics import (
@@ -130,6 +131,11 @@ def compare_tables(
             "every token masked); comparing nothing is never a pass."
         )
     measured = measure(fixture, replay, aligned, tau)
+    completion = aligned.completion
+    correction = correction_view(
+        completion.train, completion.rollout, completion.offsets, policy.correction
+    )
+    measured.metrics.update(flat_metrics(correction))
     judging = judged_against(fixture, replay, aligned, policy, profile, tau, options)
     findings = diagnose(fixture, replay, aligned, measured, judging, dtypes)
     judgement = judge(
@@ -144,6 +150,7 @@ def compare_tables(
         fixture, replay, (fixture_path, replay_path), aligned, tau, measured, findings,
         judgement, judging, options,
     )  # fmt: skip
+    report.correction = correction
     return Comparison(report, aligned, tau)
 
 

@@ -24,25 +24,38 @@ KV_ELEMENTS = ("fp8_e4m3", "fp8_e5m2")
 WEIGHT_GRANULARITIES = ("tensor", "channel", "block128", "mx32")
 ACTIVATION_GRANULARITIES = ("none", "tensor", "token", "group128", "mx32")
 # float: a float32 scale = amax / the element's largest value; ue8m0: that scale rounded up
-# to a power of two (DeepGEMM's scale_fmt ue8m0); mx32 always uses the OCP MX rule
-SCALE_RULES = ("float", "ue8m0")
+# to a power of two (DeepGEMM's scale_fmt ue8m0; what vLLM, SGLang and torchao's RCEIL give
+# MX blocks); ocp: OCP MX v1.0's rule, 2^(floor(log2 amax) - emax), the largest values
+# saturating (torchao's FLOOR). mx32 takes a power of two: ue8m0 unless ocp is named.
+SCALE_RULES = ("float", "ue8m0", "ocp")
 # layers that stay in the model's dtype unless a spec names them: what every engine keeps
 OPTIONAL_LAYERS = ("lm_head", "embeddings", "router")
 
 # What users and engines call a quantization, and what it computes. vLLM's online `fp8`:
-# per-tensor E4M3 weights and dynamic per-tensor activations; verl's `fp8`, slime's and
-# DeepSeek's: 128 x 128 weight blocks, 1 x 128 activation groups; `mxfp8`: E4M3 with one
-# power-of-two scale per 32; `int8`: SGLang's w8a8_int8 (per-channel weights, per-token
-# activations).
+# one E4M3 scale per (fused) weight matrix, dynamic per-token activations where CUTLASS FP8
+# runs (sm89+), per-tensor elsewhere (`fp8-tensor`), weight-only on GPUs without FP8 and on
+# AMX CPUs (`fp8-w8a16`); verl's `fp8`, slime's, NeMo-RL's and DeepSeek's: 128 x 128 weight
+# blocks, 1 x 128 activation groups; `mxfp8`: E4M3 with one power-of-two scale per 32;
+# `int8`: w8a8 (per-channel weights, per-token activations).
 PRESETS = {
-    "fp8": "fp8_e4m3:w=tensor,a=tensor",
+    "fp8": "fp8_e4m3:w=tensor,a=token",
+    "fp8-tensor": "fp8_e4m3:w=tensor,a=tensor",
     "fp8-w8a16": "fp8_e4m3:w=tensor,a=none",
     "fp8-channel": "fp8_e4m3:w=channel,a=token",
     "fp8-block": "fp8_e4m3:w=block128,a=group128",
     "fp8-block-ue8m0": "fp8_e4m3:w=block128,a=group128,scales=ue8m0",
-    "mxfp8": "fp8_e4m3:w=mx32,a=mx32",
+    "mxfp8": "fp8_e4m3:w=mx32,a=mx32,scales=ue8m0",
+    "mxfp8-w8a16": "fp8_e4m3:w=mx32,a=none,scales=ue8m0",
     "int8": "int8:w=channel,a=token",
     "int8-w8a16": "int8:w=channel,a=none",
+}
+# vLLM 0.33's names for its online quantizations
+PRESET_ALIASES = {
+    "fp8_per_tensor": "fp8",
+    "fp8_per_block": "fp8-block",
+    "fp8_per_channel": "fp8-channel",
+    "w8a8_int8": "int8",
+    "w8a8_fp8": "fp8",
 }
 KV_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 NO_KV = ("", "auto", "none", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
@@ -75,6 +88,10 @@ class LinearQuantization:
         if self.element == "int8" and "mx32" in (self.weights, self.activations):
             raise ValueError("mx32 scales a floating-point element; int8 takes tensor, channel, "
                              "token or block granularity")  # fmt: skip
+        if self.element == "int8" and self.scales != "float":
+            raise ValueError("int8 takes float scales (amax / 127)")
+        if "mx32" in (self.weights, self.activations) and self.scales == "float":
+            object.__setattr__(self, "scales", "ue8m0")  # MX scales are powers of two
 
     @property
     def text(self) -> str:
@@ -184,6 +201,7 @@ def parse_quantization(text: str) -> LinearQuantization | None:
     if text in NO_QUANTIZATION:
         return None
     head, _, options = text.partition(":")
+    head = PRESET_ALIASES.get(head, head)
     if head in PRESETS:
         base_element, _, base_options = PRESETS[head].partition(":")
         options = ",".join(part for part in (base_options, options) if part)
@@ -246,7 +264,7 @@ def parse_numerics(text: str) -> Numerics:
     for part in filter(None, str(text or "").split("+")):
         if part.startswith("kv="):
             kv_cache = parse_kv_cache(part)
-        elif part.split(":", 1)[0] in ELEMENTS or part.split(":", 1)[0] in PRESETS:
+        elif part.split(":", 1)[0] in (*ELEMENTS, *PRESETS, *PRESET_ALIASES):
             linear = parse_quantization(part)
         else:
             extra.append(part)

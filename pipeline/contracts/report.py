@@ -380,6 +380,9 @@ class Report(Open):
     verification: dict | None = None
     # the prompt set and a digest of the compared tokens (compare/run.py workload_of)
     workload: dict | None = None
+    # what an importance-sampling correction would do (compare/correction.py): verl's
+    # rollout_corr metrics per view, the configured one among the flat metrics too
+    correction: dict | None = None
     metadata: Metadata
 
     def as_dict(self) -> dict:

@@ -8,11 +8,13 @@ Each rule as its definition states it (references in docs/reduced-precision.md):
   torch's E5M2 cast gives inf past the largest value;
 - INT8: round half to even of x / scale, clamped to [-128, 127];
 - a float scale is amax / the element's largest value (amax floored at MIN_AMAX, so an
-  all-zero group keeps its zeros); a UE8M0 scale is that scale rounded up to a power of
-  two (no value then saturates);
-- OCP MX (v1.0, section 6.3): one UE8M0 scale per 32 values, 2^(floor(log2(amax)) -
-  emax) with emax = 8 for E4M3 and 15 for E5M2; values above the largest finite element
-  saturate.
+  all-zero group keeps its zeros; a per-token or per-tensor FP8 activation scale at least
+  1 / (448 x 512), vLLM's floor); a UE8M0 scale is that scale rounded up to a power of
+  two, 2^ceil(log2(amax / largest)) (DeepGEMM's, and what vLLM, SGLang and torchao's RCEIL
+  give MX blocks: no value then saturates);
+- OCP MX (v1.0, section 6.3) as written: 2^(floor(log2(amax)) - emax) with emax = 8 for
+  E4M3 and 15 for E5M2, the values above the largest finite element saturating
+  (torchao's FLOOR); one scale per 32 values either way.
 
 Everything is computed in float32 and given back in float32: callers cast where the engine
 would. Pure torch, no model.
@@ -28,7 +30,9 @@ FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 LARGEST = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
 # the largest normal value's exponent (OCP MX's emax_elem)
 EMAX = {"fp8_e4m3": 8, "fp8_e5m2": 15}
-MIN_AMAX = 1e-12  # an all-zero group's amax: its scale stays finite and its zeros zero
+MIN_AMAX = 1e-10  # an all-zero group's amax (verl's, SGLang's): its scale stays finite
+# vLLM's floor on a dynamic per-token or per-tensor FP8 activation scale, 1 / (448 x 512)
+MIN_ACTIVATION_SCALE = 1.0 / (448.0 * 512.0)
 BLOCK = 128
 GROUP = 128
 MX_BLOCK = 32
@@ -52,8 +56,8 @@ def float_scale(amax: torch.Tensor, element: str, rule: str = "float") -> torch.
     return scale
 
 
-def mx_scale(amax: torch.Tensor, element: str) -> torch.Tensor:
-    """OCP MX's shared scale: 2^(floor(log2(amax)) - emax_elem), as float32."""
+def ocp_scale(amax: torch.Tensor, element: str) -> torch.Tensor:
+    """OCP MX's shared scale as the spec writes it: 2^(floor(log2(amax)) - emax_elem)."""
     exponent = torch.floor(torch.log2(amax.float().clamp(min=MIN_AMAX))) - EMAX[element]
     return torch.exp2(exponent.clamp(-127, 127))
 
@@ -69,23 +73,23 @@ def quantize_dequantize(
     x = values.float()
     if granularity == "none":
         return x
-    if granularity == "tensor":
-        scale = _scale(x.abs().amax(), element, rule)
-        return round_to_element(x / scale, element) * scale
-    if granularity in ("channel", "token"):
-        scale = _scale(x.abs().amax(dim=-1, keepdim=True), element, rule)
+    if granularity in ("tensor", "channel", "token"):
+        amax = x.abs().amax() if granularity == "tensor" else x.abs().amax(dim=-1, keepdim=True)
+        scale = _scale(amax, element, rule)
+        if granularity != "channel" and element != "int8":  # a dynamic activation scale
+            scale = scale.clamp(min=MIN_ACTIVATION_SCALE)
         return round_to_element(x / scale, element) * scale
     if granularity == "group128":
         return _grouped(x, GROUP, element, rule)
     if granularity == "mx32":
-        return _grouped(x, MX_BLOCK, element, "mx")
+        return _grouped(x, MX_BLOCK, element, rule if rule == "ocp" else "ue8m0")
     if granularity == "block128":
         return _blocked(x, element, rule)
     raise ValueError(f"unknown granularity {granularity!r}")
 
 
 def _scale(amax: torch.Tensor, element: str, rule: str) -> torch.Tensor:
-    return mx_scale(amax, element) if rule == "mx" else float_scale(amax, element, rule)
+    return ocp_scale(amax, element) if rule == "ocp" else float_scale(amax, element, rule)
 
 
 def _grouped(x: torch.Tensor, size: int, element: str, rule: str) -> torch.Tensor:
