@@ -101,6 +101,32 @@ def calibrate(
     }
 
 
+def same_precision_floor(
+    fixture: TokenTable,
+    rows: list[int],
+    model_dir: Path,
+    precision: str,
+    surprisal: np.ndarray,
+    device: str = "auto",
+) -> tuple[dict, np.ndarray]:
+    """How far correct scorings of the rows' compared tokens in one ``precision`` lie apart
+    (its decode, eager and SDPA prefill against each other, as `calibrate` pairs a
+    precision with itself; no fp32 run: ``surprisal``, one per compared token, buckets
+    them), and that precision's SDPA prefill of those tokens. Verification judges a
+    reproduction in that precision by it."""
+    device = devices.resolve_device(device)
+    pairs = [(fixture.prompt_of(r), fixture.completion_of(r)) for r in rows]
+    masks = [_mask(fixture, r) for r in rows]
+    active = np.concatenate(masks) if masks else np.zeros(0, dtype=bool)
+    positions = np.concatenate([np.arange(len(c)) for _, c in pairs])[active]
+    lengths = np.array([int(m.sum()) for m in masks], dtype=np.int64)
+    scored, _ = score_ways(Path(model_dir), pairs, [precision], device, say=lambda line: None)
+    scored = {key: values[active] for key, values in scored.items()}
+    samples = _pair_samples(scored, precision, precision, surprisal, positions)
+    floor = fit_pair(samples, surprisal, positions, lengths)
+    return floor, scored[precision, "prefill"].astype(np.float64)
+
+
 def score_ways(model_dir: Path, pairs: list, precisions: list[str], device: str, say):
     """Each pair's completion logprobs in every precision, three correct ways: ``prefill``
     (SDPA, micro-batches of 8), ``eager`` (eager attention, micro-batches of 3) and

@@ -29,6 +29,10 @@ class Cause(StrEnum):
     MISSING_VERSION = "missing_version"
     ROUTING_FLIP = "routing_flip"
     DTYPE = "dtype"  # precision: the drift the declared dtypes give
+    # a side computed with reduced-precision numerics it does not declare: its linear layers
+    # quantized (FP8, MXFP8, INT8), or its KV cache stored in FP8 (the format in details)
+    QUANTIZATION = "quantization"
+    KV_CACHE_PRECISION = "kv_cache_precision"
     UNEXPLAINED = "unexplained"  # beyond precision, and no signature names it
 
 

@@ -106,6 +106,25 @@ class LinearQuantization:
         return f"{self.element}:{','.join(parts)}"
 
     @property
+    def description(self) -> str:
+        """In words: ``E4M3 weights per 128 x 128 block, activations per 1 x 128 group``."""
+        element = {"fp8_e4m3": "E4M3", "fp8_e5m2": "E5M2", "int8": "INT8"}[self.element]
+        weights = {"tensor": "one scale per weight matrix", "channel": "per output channel",
+                   "block128": "per 128 x 128 block", "mx32": "per 32 (MX)"}[self.weights]  # fmt: skip
+        activations = {"none": "activations unquantized (weight-only)",
+                       "tensor": "activations per tensor (dynamic)",
+                       "token": "activations per token (dynamic)",
+                       "group128": "activations per 1 x 128 group",
+                       "mx32": "activations per 32 (MX)"}[self.activations]  # fmt: skip
+        scales = {"float": "", "ue8m0": ", power-of-two scales", "ocp": ", OCP MX scales"}
+        kept = []
+        if self.keep_first or self.keep_last:
+            kept.append(f"first {self.keep_first} and last {self.keep_last} layers kept")
+        kept += [f"{name} quantized too" for name in self.quantized_too]
+        extra = f" ({'; '.join(kept)})" if kept else ""
+        return f"{element} weights {weights}, {activations}{scales[self.scales]}{extra}"
+
+    @property
     def label(self) -> str:
         """The preset's name where one computes this (with what it keeps or adds: ``mxfp8
         (keep_first=2, lm_head)``), else the canonical text."""
@@ -159,6 +178,15 @@ class Numerics:
         parts = [self.linear.text] if self.linear else []
         parts += [self.kv_cache.text] if self.kv_cache else []
         return "+".join([*parts, *self.extra])
+
+    @property
+    def description(self) -> str:
+        parts = [f"{self.linear.label}: {self.linear.description}"] if self.linear else []
+        if self.kv_cache:
+            element = "E4M3" if self.kv_cache.element == "fp8_e4m3" else "E5M2"
+            scales = (self.kv_cache.k_scale, self.kv_cache.v_scale)
+            parts.append(f"an {element} KV cache (K/V scales {scales[0]:g}/{scales[1]:g})")
+        return "; ".join(parts) or "no reduced-precision numerics"
 
     @property
     def label(self) -> str:

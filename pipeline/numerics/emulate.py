@@ -48,6 +48,25 @@ def apply_numerics(model, numerics: Numerics | None):
     return model
 
 
+def remove_numerics(model):
+    """``model`` computing in its plain dtype again (what `apply_numerics` patched, undone)."""
+    numerics = getattr(model, "lpx_numerics", None)
+    if not numerics:
+        return model
+    for module in model.modules():
+        if isinstance(module.__dict__.get("forward"), _QuantizedLinear | _QuantizedEmbedding
+                      | _QuantizedExperts):  # fmt: skip
+            del module.forward
+        if "lpx_kv_cache" in module.__dict__:
+            del module.lpx_kv_cache
+    current = model.config._attn_implementation
+    base = next((b for b, name in KV_ATTENTION.items() if name == current), current)
+    if base != current:
+        model.set_attn_implementation(base)
+    del model.lpx_numerics
+    return model
+
+
 def set_attention(model, base: str) -> None:
     """Switch ``model`` to attention ``base`` (sdpa, eager), keeping its FP8 KV cache."""
     quantized = getattr(getattr(model, "lpx_numerics", None), "kv_cache", None) is not None

@@ -52,7 +52,7 @@ def judge(ref, candidate: Candidate, sequence_ids: list[str]) -> Outcome | None:
     if is_data(candidate.kind):
         judged = _judge_data(ref, family, candidate, *observed)
     else:
-        screen = _screen_rows(rows, *observed) if family.screened else rows
+        screen = screen_rows(rows, *observed) if family.screened else rows
         judged = None
         if len(screen) < len(rows):
             first = _judge_model(ref, family, candidate, screen, *ref.observed(screen))
@@ -87,7 +87,7 @@ def _far(judged) -> bool:
     return not explained and after > SCREEN_SLACK * VERIFY_MARGIN * floor
 
 
-def _screen_rows(rows: list[int], rollout, replay, positions) -> list[int]:
+def screen_rows(rows: list[int], rollout, replay, positions) -> list[int]:
     """The most drifting row and the one at the median drift (mean |d| of each row), in
     their order among ``rows``; every row where there are no more than SCREEN_SEQUENCES."""
     if len(rows) <= SCREEN_SEQUENCES:
@@ -126,7 +126,7 @@ def _judge_model(ref, family, candidate, rows, rollout, replay, positions, searc
     and the verdict are about reproducing that side."""
     before = mean_abs(rollout, replay)
     clean = ref.clean(rows)
-    side = _moved_side(ref, rollout, replay, clean, positions)
+    side = moved_side(ref, rollout, replay, clean, positions)
     observed = rollout if side == "rollout" else replay
     meta = ref.fixture.metadata if side == "rollout" else ref.replay.metadata
     if candidate.params.get("computed_in") == without_tf32(side_precision(meta)):
@@ -151,7 +151,7 @@ def _judge_model(ref, family, candidate, rows, rollout, replay, positions, searc
     return candidate, side, before, after, float(np.mean(floors)), explained
 
 
-def _moved_side(ref, rollout, replay, clean, positions) -> str:
+def moved_side(ref, rollout, replay, clean, positions) -> str:
     """The side farther from the clean reference, each side's distance in units of the
     noise its own precision gives against fp32: a bf16 side's noise must not outweigh a
     bug on an fp32 side (over a long completion, a BOS fault in the first tokens moves its

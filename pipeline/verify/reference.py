@@ -60,6 +60,9 @@ class Reference:
         # what a family found searching earlier findings, by family name: one bug seen in
         # several findings is reproduced with the same parameters (and searched once)
         self.found: dict[str, list] = {}
+        # the model cast to a side's declared dtype, made once, for families that re-score
+        # in it (numerics)
+        self.in_dtype: dict[str, object] = {}
 
     # --- re-scoring ------------------------------------------------------------------------
 

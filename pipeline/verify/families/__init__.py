@@ -1,7 +1,9 @@
 """The hypothesis families, in the order their alternatives are tried on drift no signature
 explained: the sampler's (truncation, temperature, the rollout's whole processing) and
-routing first, then what edits the input, what moves positions, labels or padding, and
-other weights last (they explain any drift, so every cheaper reading goes first). Data bugs
+routing first, then what edits the input, what moves positions, labels or padding, then
+precisions and numerics other than declared (a plain dtype first: its finding is never taken
+away by a format), and other weights last (they explain any drift, so every cheaper reading
+goes first). Data bugs
 (no model) are tried before all of them by the flow.
 
 The sampler's families re-process one forward's head logits; the input and position
@@ -13,6 +15,7 @@ searches ahead of it)."""
 from __future__ import annotations
 
 from pipeline.verify.families.inflight import InFlight
+from pipeline.verify.families.numerics import NumericsFamily
 from pipeline.verify.families.padding import Padding
 from pipeline.verify.families.positions import Positions
 from pipeline.verify.families.precision import Precision
@@ -35,6 +38,7 @@ FAMILIES: tuple[Family, ...] = (
     Shifts(),
     Padding(),
     Precision(),
+    NumericsFamily(),
     Weights(),
     InFlight(),
 )

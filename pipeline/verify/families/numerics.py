@@ -1,0 +1,232 @@
+"""Numerics: a side computed with reduced-precision numerics it does not declare (its linear
+layers in FP8, MXFP8 or INT8, its KV cache in FP8), or other numerics than it declares (an
+engine that fell back to a bf16 KV cache, per-tensor activations where per-token were set).
+
+The search re-scores the most drifting sequences in the side's declared dtype under each
+format of `FORMATS` and each KV cache of `KV_CACHES` (pipeline/numerics/emulate.py computes
+them exactly), and keeps the one whose logprobs lie nearest the side's. Formats are far
+apart: re-scored under the wrong one, a rollout stays 4 to 20 times further than under its
+own (docs/reduced-precision.md), except where the mathematics makes two alike (power-of-two
+scales round every value alike whatever the block, so `fp8-block-ue8m0` and `mxfp8` differ
+only in their smallest values): those are named together. The best is then judged on every
+sequence the way precision is: the rows re-scored three correct ways in those numerics
+(`lpx calibrate` on exactly these rows) give how far two implementations of them lie apart,
+and the side's distance from the reproduction must pass the precision gate against it.
+
+Per-tensor dynamic activation scales are taken over whatever batch the engine ran: a
+re-score cannot give the same batch, so such a rollout is reproduced only as far as its
+batch-to-batch noise allows (and said so).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from pipeline.compare.calibrated import TAU_MARGIN, side_precision
+from pipeline.compare.floor import expect
+from pipeline.compare.noise_test import precision_gate
+from pipeline.contracts.causes import Cause, Severity
+from pipeline.contracts.numerics import (
+    Numerics,
+    parse_kv_cache,
+    parse_quantization,
+    precision_text,
+    split_precision,
+)
+from pipeline.contracts.report import Finding
+from pipeline.verify.hypothesis import Candidate, Family, Outcome
+
+FORMATS = ("fp8", "fp8-tensor", "fp8-w8a16", "fp8-channel", "fp8-block", "fp8-block-ue8m0",
+           "mxfp8", "mxfp8-w8a16", "int8", "int8-w8a16")  # fmt: skip
+KV_CACHES = ("fp8_e4m3", "fp8_e5m2")
+# where the best format was found, which layers an engine may also have quantized or kept
+REFINEMENTS = ("lm_head", "keep_first=1,keep_last=1", "router")
+BROAD = 0.5  # undeclared numerics move every sequence: the finding holds this share of them
+# formats whose screen residual lies within this factor of the best one's are named with it
+INDISTINGUISHABLE = 1.25
+TRIED_WITH_EACH_KV = 3  # the formats nearest the side, each tried with every KV cache
+
+
+class NumericsFamily(Family):
+    name = "numerics"
+    causes = (Cause.QUANTIZATION, Cause.KV_CACHE_PRECISION)
+    kinds = ("numerics",)
+    own_judgement = ("numerics",)
+
+    def any_shape(self, ref, finding: Finding) -> list[Candidate]:
+        """Offered for drift that covers the batch (numerics move every sequence)."""
+        comparable = ref.comparable(ref.fixture.sequence_ids)
+        if len(ref.comparable(finding.sequences)) < BROAD * max(len(comparable), 1):
+            return []
+        return [Candidate(Cause.QUANTIZATION, "numerics", ref.base, {})]
+
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
+        return [Candidate(finding.cause, "numerics", ref.base, {})]
+
+    def judge(self, ref, candidate: Candidate, rows, observed) -> Outcome:
+        from pipeline.verify.judge import moved_side, screen_rows
+
+        started = time.perf_counter()
+        rollout, replay, positions = observed
+        side = moved_side(ref, rollout, replay, ref.clean(rows), positions)
+        meta = ref.fixture.metadata if side == "rollout" else ref.replay.metadata
+        seen = rollout if side == "rollout" else replay
+        dtype, _, declared = split_precision(side_precision(meta))
+        before = _mean_abs(rollout, replay)
+        screen = screen_rows(rows, rollout, replay, positions)
+        screened = [seen[rows.index(r)] for r in screen]
+        residuals = _search(ref, dtype, declared, screen, screened)
+        best_text = min(residuals, key=residuals.get)
+        best = _parsed(best_text)
+        alike = sorted(t for t, v in residuals.items()
+                       if t != best_text and v <= INDISTINGUISHABLE * residuals[best_text])  # fmt: skip
+        params = {
+            "side": side,
+            "declared": declared.text or "none",
+            "found": best.text or "none",
+            "label": best.label,
+            "description": best.description,
+            "screen": {
+                _label(t): round(v, 6) for t, v in sorted(residuals.items(), key=lambda i: i[1])
+            },
+            **({"indistinguishable": [_label(t) for t in alike]} if alike else {}),
+        }
+        cause = Cause.QUANTIZATION if best.linear != declared.linear else Cause.KV_CACHE_PRECISION
+        candidate = replace(candidate, cause=cause, params=params)
+        if best == declared or INDISTINGUISHABLE * residuals[best_text] > residuals[declared.text]:
+            # nothing clearly closer than what the side declares
+            seconds = time.perf_counter() - started
+            return Outcome(candidate, side, before, residuals[best_text], 0.0, False, seconds)
+        precision = precision_text(dtype, best)
+        ref.say(f"verify: re-scoring {len(rows)} sequences in {precision}, three ways")
+        surprisal = -np.concatenate(ref.clean(rows))
+        from pipeline.calibrate.run import same_precision_floor
+
+        floor, reproduced = same_precision_floor(
+            ref.fixture, rows, ref.model_dir, precision, surprisal, ref.device
+        )
+        where = np.concatenate(positions)
+        residual = np.abs(np.concatenate(seen) - reproduced)
+        offsets = np.concatenate([[0], np.cumsum([len(r) for r in seen])])
+        tau = TAU_MARGIN * np.maximum(expect(floor, surprisal, where)["q999"], 1e-12)
+        gate = precision_gate(floor, residual, surprisal, where, offsets, tau)
+        level = next(t for t in gate["tests"] if t["name"] == "mean_abs_diff")
+        after = float(residual.mean()) if len(residual) else 0.0
+        failed = [t["name"] for t in gate["tests"] if not t["passed"]]
+        # within what two implementations of the numerics differ by, and nearer the side
+        # than the declared numerics are (the gate alone would pass a reproduction of a
+        # drift as small as that noise)
+        verified = not failed and INDISTINGUISHABLE * after <= before
+        candidate.params.update(
+            precision=precision,
+            critical_mean_abs=round(level["critical"], 6),
+            **({"failed": failed} if failed else {}),
+        )
+        seconds = time.perf_counter() - started
+        return Outcome(candidate, side, before, after, level["expected"], verified, seconds)
+
+    def words(self, outcome: Outcome, how: str) -> tuple[str, str]:
+        params = outcome.candidate.params
+        declared = params["declared"]
+        said = (
+            "it does not declare"
+            if declared == "none"
+            else f"not the {_label(declared)} it declares"
+        )
+        alike = params.get("indistinguishable")
+        return (
+            f"the {params['side']} side computed with numerics {said}: {params['description']} "
+            f"({params['found']}). Re-scored so, three correct ways, its logprobs lie within "
+            f"what two implementations of them differ by (mean |d| {outcome.after:.3g}, "
+            f"expected {outcome.floor:.3g}, critical {params['critical_mean_abs']:.3g}; the "
+            f"drift was {outcome.before:.3g})"
+            + (f"; these tokens cannot tell it from {', '.join(alike)}" if alike else ""),
+            Severity.FAULT,
+        )
+
+    def tried_words(self, tried: dict) -> str | None:
+        params = tried["params"]
+        if not params.get("found"):
+            return None
+        nearest = ", ".join(f"{k} {v:.3g}" for k, v in list(params["screen"].items())[:3])
+        return (
+            f"numerics: re-scored in every format ({len(params['screen'])}), the "
+            f"{params['side']} side lies nearest {params['label']}, at mean |d| "
+            f"{tried['residual_after']:.3g} against a drift of {tried['residual_before']:.3g} "
+            f"({nearest}): not reproduced"
+        )
+
+
+def _search(ref, dtype: str, declared: Numerics, rows, observed) -> dict[str, float]:
+    """Each numerics tried (canonical text -> mean |d| between the side and its re-score):
+    the declared ones, each format with the declared KV cache, the nearest formats with
+    every KV cache, then the layers an engine may add or keep around the best format."""
+    model = _model_in(ref, dtype)
+    tried: dict[str, float] = {}
+
+    def score(numerics: Numerics) -> None:
+        if numerics.text in tried:
+            return
+        tried[numerics.text] = _residual(ref, model, numerics, rows, observed)
+
+    score(declared)
+    for name in (None, *FORMATS):
+        score(replace(declared, linear=parse_quantization(name) if name else None))
+    # a quantization and a KV cache each leave the other's drift: alone, neither comes near
+    # a side that has both, so the nearest formats are tried with every KV cache
+    nearest = sorted({_parsed(t).linear for t in tried}, key=lambda linear: min(
+        tried[t] for t in tried if _parsed(t).linear == linear))[:TRIED_WITH_EACH_KV]  # fmt: skip
+    for linear in nearest:
+        for name in (None, *KV_CACHES):
+            score(Numerics(linear, parse_kv_cache(name) if name else None))
+    best = _parsed(min(tried, key=tried.get))
+    if best.linear is not None:
+        moe = any(hasattr(m, "experts") for m in model.modules())
+        for extra in REFINEMENTS:
+            if extra == "router" and not moe:
+                continue
+            score(replace(best, linear=parse_quantization(f"{best.linear.text},{extra}")))
+    return tried
+
+
+def _residual(ref, model, numerics: Numerics, rows, observed) -> float:
+    from pipeline.faults import rescore
+    from pipeline.numerics.emulate import apply_numerics, remove_numerics
+
+    apply_numerics(model, numerics)
+    try:
+        values = rescore(model, ref.pairs(rows), "clean", ref.base)
+    finally:
+        remove_numerics(model)
+    return _mean_abs(observed, ref.compared(values, rows))
+
+
+def _model_in(ref, dtype: str):
+    """The reference model in ``dtype``, loaded once per dtype as an engine loads it (a cast
+    copy of the fp32 model would hold its rotary tables in that dtype too)."""
+    if dtype == "float32":
+        return ref.model
+    if dtype not in ref.in_dtype:
+        from pipeline.engines.hf_common import load_model
+
+        ref.in_dtype[dtype] = load_model(ref.model_dir, dtype, device=ref.device)
+    return ref.in_dtype[dtype]
+
+
+def _parsed(text: str) -> Numerics:
+    from pipeline.contracts.numerics import parse_numerics
+
+    return parse_numerics(text)
+
+
+def _label(text: str) -> str:
+    return _parsed(text).label if text and text != "none" else "none"
+
+
+def _mean_abs(a, b) -> float:
+    left, right = np.concatenate(a), np.concatenate(b)
+    keep = np.isfinite(left) & np.isfinite(right)
+    return float(np.mean(np.abs(left[keep] - right[keep]))) if keep.any() else 0.0
