@@ -105,6 +105,9 @@ class Case(Base):
     channel: Mapped[str] = mapped_column(String(32))
     rollout_dtype: Mapped[str] = mapped_column(String(16))
     replay_dtype: Mapped[str] = mapped_column(String(16))
+    # reduced-precision numerics a side declares (contracts/numerics.py), None for none
+    rollout_numerics: Mapped[str | None] = mapped_column(String(256))
+    replay_numerics: Mapped[str | None] = mapped_column(String(256))
     knobs: Mapped[dict] = mapped_column(Json, default=dict)  # {rollout, replay, sampling}
     layout: Mapped[dict] = mapped_column(Json, default=dict)
 

@@ -304,9 +304,10 @@ def health_violations(metrics: dict, checks: dict) -> list[dict]:
         if name not in metrics:
             continue
         value = metrics[name]
-        inside = (low is None or value >= low) and (high is None or value <= high)
-        if not inside:
-            failed.append({"metric": name, "value": value, "limit": [low, high],
+        below = low is not None and not value >= low  # NaN is below and above
+        if below or (high is not None and not value <= high):
+            failed.append({"metric": name, "value": value, "limit": low if below else high,
+                           "bound": "lower" if below else "upper",
                            "source": "correction health check"})  # fmt: skip
     return failed
 

@@ -98,6 +98,7 @@ def render_summary(report: Report) -> str:
             f"{_fmt(row.get('k3'))} |"
             for name, row in by_version.items()
         ]
+    lines += correction_lines(report.correction)
     if policy.get("not_measured"):
         lines += [
             "",
@@ -108,8 +109,8 @@ def render_summary(report: Report) -> str:
     if policy["violations"]:
         lines += ["", "## Violations", ""]
         lines += [
-            f"- {v['metric']} = {_fmt(v['value'])} > {_fmt(v['limit'])}"
-            + (f" ({v['source']})" if v.get("source") else "")
+            f"- {v['metric']} = {_fmt(v['value'])} {'<' if v.get('bound') == 'lower' else '>'} "
+            f"{_fmt(v['limit'])}" + (f" ({v['source']})" if v.get("source") else "")
             for v in policy["violations"]
         ]
     lines += _routing_lines(report.routing)
@@ -223,6 +224,53 @@ def _engine(side: dict) -> str:
     versions = engine.get("versions") or {}
     version = versions.get(engine.get("name", ""), versions.get("transformers", "?"))
     return f"{engine.get('name', '?')} {version} {side.get('dtype', '?')}"
+
+
+def correction_lines(correction: dict | None) -> list[str]:
+    """summary.md's correction section: what token TIS, sequence IS, IcePop and the
+    rejection modes would do (verl's rollout_corr names, compare/correction.py)."""
+    if not correction:
+        return []
+    settings, views = correction["settings"], correction["views"]
+    probs = correction["probs_diff"]["rollout_probs_diff_mean"]
+    faq = (
+        "normal"
+        if probs < 0.005
+        else "an inference-precision problem"
+        if probs > 0.01
+        else "between"
+    )
+    lines = [
+        "",
+        "## Correction",
+        "",
+        f"What an importance-sampling correction would do (verl's definitions; the policy "
+        f"gates rollout_is={settings['rollout_is']}, threshold "
+        f"{settings['rollout_is_threshold']}). training/rollout_probs_diff_mean "
+        f"{_fmt(probs)}: {faq} by verl's FAQ (< 0.005 normal, > 0.01 a precision problem).",
+        "",
+        "| view | IS mean | IS std | IS min | IS max | ESS | tokens | sequences |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, label in (("token_tis", "token TIS"), ("sequence_is", "sequence IS"),
+                        ("icepop", "IcePop")):  # fmt: skip
+        view = views[name]
+        acted = "masked" if "masked_tokens_fraction" in view else "truncated"
+        lines.append(
+            f"| {label} | {_fmt(view['rollout_is_mean'])} | {_fmt(view['rollout_is_std'])} | "
+            f"{_fmt(view['rollout_is_min'])} | {_fmt(view['rollout_is_max'])} | "
+            f"{_fmt(view['rollout_is_eff_sample_size'])} | "
+            f"{100 * view[f'{acted}_tokens_fraction']:.2f} % {acted} | "
+            f"{100 * view[f'{acted}_sequences_fraction']:.2f} % {acted} |"
+        )
+    masked = [
+        f"{mode} ({view['threshold']}) {100 * view['masked_fraction']:.1f} % of tokens, "
+        f"{100 * view['seq_masked_fraction']:.1f} % of sequences"
+        for mode, view in views["rejection"].items()
+        if view["masked_fraction"] > 0
+    ]
+    lines += ["", "Rejection (rollout_rs) would mask: " + ("; ".join(masked) or "nothing") + "."]
+    return lines
 
 
 def _fmt(value) -> str:

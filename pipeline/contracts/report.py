@@ -305,6 +305,7 @@ class Violation(TypedDict, total=False):
     value: Any
     limit: Any
     source: NotRequired[str]  # "precision gate ..." for a failed noise test
+    bound: NotRequired[str]  # "lower" where the value fell below its limit (else upper)
 
 
 @with_config(OPEN)

@@ -56,6 +56,14 @@ def comparison_details(report: Report, tokens_path: Path | None, tokenizers: dic
             if name != "completion" and isinstance(values, dict)
         },
         "routing": report.routing,
+        # what an IS correction would do (compare/correction.py), and the numerics each side
+        # declares: an FP8 rollout's run page says so beside its verdict
+        "correction": correction_rows(report.correction),
+        "numerics": {
+            role: (side.get("numerics") or {}).get("label")
+            for role, side in (("rollout", fixture), ("replay", replay))
+            if (side.get("numerics") or {}).get("label")
+        },
         "kl_input_drift": _scalars(report.metrics.get("kl_input_drift") or {}),
         "decoded": tokenizer is not None,
         "reproduce": {
@@ -63,6 +71,47 @@ def comparison_details(report: Report, tokens_path: Path | None, tokenizers: dic
             "fixture": _side(fixture),
             "replay": _side(replay),
         },
+    }
+
+
+CORRECTION_COLUMNS = ("rollout_is_mean", "rollout_is_std", "rollout_is_min", "rollout_is_max",
+                      "rollout_is_eff_sample_size")  # fmt: skip
+VIEW_NAMES = {"token_tis": "token TIS", "sequence_is": "sequence IS", "icepop": "IcePop"}
+
+
+def correction_rows(correction: dict | None) -> dict | None:
+    """The run page's correction table: per view (token TIS at its cap, sequence IS, IcePop's
+    band, each rejection mode) verl's IS statistics and the fractions of tokens and sequences
+    it truncated or masked; None for a report before the view existed."""
+    if not correction:
+        return None
+    views = correction.get("views") or {}
+    settings = correction.get("settings") or {}
+    rows = []
+    for name, label in VIEW_NAMES.items():
+        view = views.get(name) or {}
+        if not view:
+            continue
+        acted = "masked" if "masked_tokens_fraction" in view else "truncated"
+        rows.append({
+            "view": label,
+            **{column: view.get(column) for column in CORRECTION_COLUMNS},
+            "acted": acted,
+            "tokens": view.get(f"{acted}_tokens_fraction"),
+            "sequences": view.get(f"{acted}_sequences_fraction"),
+        })  # fmt: skip
+    rejection = [
+        {
+            "mode": mode,
+            **{k: view.get(k) for k in ("threshold", "masked_fraction", "seq_masked_fraction")},
+        }  # fmt: skip
+        for mode, view in (views.get("rejection") or {}).items()
+    ]
+    return {
+        "settings": settings,
+        "views": rows,
+        "rejection": rejection,
+        "probs_diff": correction.get("probs_diff") or {},
     }
 
 

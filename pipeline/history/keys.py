@@ -193,6 +193,9 @@ def describe_case(metadata: Metadata, label: str | None = None, run_dir: str | N
         "channel": str(fixture.get("channel") or "rollout"),
         "rollout_dtype": str(fixture.get("dtype") or "unknown"),
         "replay_dtype": str(replay.get("dtype") or "unknown"),
+        # reduced-precision numerics: an FP8 rollout is another case than a bf16 one
+        "rollout_numerics": _numerics(fixture),
+        "replay_numerics": _numerics(replay),
         "knobs": {
             "rollout": case_knobs(fixture.get("knobs") or {}, run_dir),
             "replay": case_knobs(replay.get("knobs") or {}, run_dir),
@@ -202,12 +205,22 @@ def describe_case(metadata: Metadata, label: str | None = None, run_dir: str | N
     }
 
 
+def _numerics(side: Side) -> str | None:
+    recorded = side.get("numerics") or {}
+    text = recorded.get("text") if isinstance(recorded, dict) else None
+    return str(text) if text else None
+
+
+# keyed only where a side declares numerics: every case recorded before keeps its key
+NUMERICS_KEYS = ("rollout_numerics", "replay_numerics")
+
+
 def case_key(case: dict) -> str:
     """The digest of a case (``describe_case``) less its model path (the weights' and the
     tokenizer's fingerprints stand for the model) and, for a labelled case, its knobs. The
     run-specific knobs are dropped here too, so a case stored before they were is keyed as
     a new one is (the history migration re-keys with this)."""
-    keyed = {k: v for k, v in case.items() if k not in ("model",)}
+    keyed = {k: v for k, v in case.items() if k != "model" and not (k in NUMERICS_KEYS and not v)}
     keyed["knobs"] = case_knobs(keyed.get("knobs") or {})
     keyed["layout"] = case_knobs(keyed.get("layout") or {})
     if case.get("label"):
@@ -236,6 +249,15 @@ def series_key(case_key_: str, rollout_engine: str, replay_engine: str, testbed_
     return digest([case_key_, rollout_engine, replay_engine, testbed_key_])
 
 
+def numerics_label(text: str | None) -> str:
+    """``fp8-block + kv fp8_e4m3`` for a side's numerics text ("" for none)."""
+    if not text:
+        return ""
+    from pipeline.contracts.numerics import parse_numerics
+
+    return parse_numerics(text).label
+
+
 def series_label(case: dict, rollout_engine: str, replay_engine: str, testbed: str) -> str:
     """What a person reads: 'hf float32 vs hf bfloat16 · tiny-llama · cpu: ...'."""
     layout = case.get("layout") or {}
@@ -245,7 +267,13 @@ def series_label(case: dict, rollout_engine: str, replay_engine: str, testbed: s
     if (layout.get("world_size") or 1) > 1:
         where.append(f"x{layout['world_size']}")
     name = case.get("label") or case["model"].rstrip("/").split("/")[-1]
-    pair = f"{rollout_engine} {case['rollout_dtype']} vs {replay_engine} {case['replay_dtype']}" + (
+    rollout = " ".join(
+        filter(None, [case["rollout_dtype"], numerics_label(case.get("rollout_numerics"))])
+    )
+    replay = " ".join(
+        filter(None, [case["replay_dtype"], numerics_label(case.get("replay_numerics"))])
+    )
+    pair = f"{rollout_engine} {rollout} vs {replay_engine} {replay}" + (
         f" {' '.join(where)}" if where else ""
     )
     return f"{pair} · {name} · {testbed}"

@@ -96,6 +96,8 @@ def _case_description(case: Case) -> dict:
         "channel": case.channel,
         "rollout_dtype": case.rollout_dtype,
         "replay_dtype": case.replay_dtype,
+        "rollout_numerics": case.rollout_numerics,
+        "replay_numerics": case.replay_numerics,
         "knobs": case.knobs or {},
         "layout": case.layout or {},
     }

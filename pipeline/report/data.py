@@ -120,6 +120,8 @@ def _load_series(session) -> dict[int, SeriesData]:
                 "channel": case.channel,
                 "knobs": case.knobs,
                 "layout": case.layout,
+                "rollout_numerics": case.rollout_numerics,
+                "replay_numerics": case.replay_numerics,
             },
             case_key=case.key,
         )

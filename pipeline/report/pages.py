@@ -16,6 +16,7 @@ from pipeline.history.attribution import stack_difference, summary
 from pipeline.history.changepoints import change_points
 from pipeline.history.claims import claim_of
 from pipeline.history.detection import KEY_METRICS, factor, metric_spec
+from pipeline.history.keys import numerics_label
 from pipeline.report.data import HistoryData, SeriesData
 from pipeline.report.localized import run_localize, series_localize
 
@@ -208,6 +209,8 @@ def run_page(
                 "findings": finding_rows(details.get("diagnosis")),
                 "verification": verification_line(details.get("verification")),
                 "routing": details.get("routing"),
+                "correction": details.get("correction"),
+                "numerics": details.get("numerics") or {},
                 "localize": run_localize(comparison, (localize_rows or {}).get(comparison.id, [])),
             }
         )
@@ -311,7 +314,8 @@ def status_changes(data: HistoryData) -> list[dict]:
 
 
 def version_matrices(data: HistoryData) -> list[dict]:
-    """Per key metric and dtype profile: engine (and role) x version -> the worst pair.
+    """Per key metric and dtype profile: engine (and role, and the reduced-precision
+    numerics it declares: an FP8 rollout is a row of its own) x version -> the worst pair.
 
     A cell is the largest per-series median of the metric among the series that ran that
     engine build: one drifting pair shows even when other pairs on the same build are flat.
@@ -322,22 +326,23 @@ def version_matrices(data: HistoryData) -> list[dict]:
         for p in series.points:
             for role, build_id in (("rollout", p.rollout_build), ("replay", p.replay_build)):
                 build = data.builds[build_id]
+                numerics = numerics_label(series.case.get(f"{role}_numerics"))
                 for metric in KEY_METRICS:
                     value, status = (p.metrics.get(metric) or (None, None))[:2]
                     if value is None:
                         continue
-                    key = (metric, p.profile, role, build["engine"], build["version"])
+                    key = (metric, p.profile, role, build["engine"], numerics, build["version"])
                     cells[key][series.id].append(value)
                     if p.verdict != "pass" or status in ("suspicious", "regression"):
                         flagged.add(key)
     matrices = defaultdict(lambda: defaultdict(dict))
     for key, by_series in cells.items():
-        metric, profile, role, engine, version = key
+        metric, profile, role, engine, numerics, version = key
         worst_series, worst = max(
             ((sid, statistics.median(values)) for sid, values in by_series.items()),
             key=lambda item: item[1],
         )
-        matrices[(metric, profile)][(role, engine)][version] = {
+        matrices[(metric, profile)][(role, engine, numerics)][version] = {
             "median": worst,
             "series": data.series[worst_series],
             "n": sum(len(values) for values in by_series.values()),
@@ -349,8 +354,13 @@ def version_matrices(data: HistoryData) -> list[dict]:
             "metric": metric,
             "profile": profile,
             "rows": [
-                {"role": role, "engine": engine, "versions": list(versions.items())}
-                for (role, engine), versions in sorted(rows.items())
+                {
+                    "role": role,
+                    "engine": engine,
+                    "numerics": numerics,
+                    "versions": list(versions.items()),
+                }
+                for (role, engine, numerics), versions in sorted(rows.items())
             ],
         }
         for (metric, profile), rows in sorted(matrices.items())
