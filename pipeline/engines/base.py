@@ -129,3 +129,25 @@ def trajectories(
         for p, prompt in enumerate(prompts)
         for s in range(n)
     ]
+
+
+# Knobs that set a side's reduced-precision numerics: one an engine dropped makes the side
+# compute other numerics than asked, so the stage fails loudly (exit 2) after writing what ran
+NUMERICS_KNOBS = ("quantization", "kv_cache_dtype", "calculate_kv_scales")
+
+
+def dropped_numerics(metadata: dict, engine: str) -> str | None:
+    """What an engine did not apply of the numerics it was asked for, in words; None when it
+    applied them all (metadata.knobs_not_applied, as the engine read itself back)."""
+    missed = {
+        knob: values
+        for knob, values in (metadata.get("knobs_not_applied") or {}).items()
+        if knob in NUMERICS_KNOBS
+    }
+    if not missed:
+        return None
+    said = "; ".join(
+        f"{knob}={values['requested']} (it runs {values['applied']})"
+        for knob, values in missed.items()
+    )
+    return f"{engine} did not apply {said}"

@@ -8,7 +8,7 @@ import json
 import shlex
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from pipeline.engines import sglang_api
@@ -55,6 +55,11 @@ class SGLangKnobs:
     resume_aborted: bool = True
     max_resumes: int = 4
     record_routing: bool = True  # MoE: the experts SGLang's routers chose
+    # reduced-precision numerics, in SGLang's own words (docs/reduced-precision.md): its
+    # --quantization (fp8, w8a8_fp8, w8a8_int8, mxfp8, ...) and --kv-cache-dtype (auto,
+    # fp8_e4m3, fp8_e5m2; fp8 is taken as fp8_e4m3); read back from the server's arguments
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     # a server lpx did not start: does it run with SGLANG_RETURN_ORIGINAL_LOGPROB=1?
     # None: lpx asks it (one probe request)
     original_logprobs: bool | None = None
@@ -62,6 +67,8 @@ class SGLangKnobs:
     @classmethod
     def from_dict(cls, knobs: dict) -> SGLangKnobs:
         settings = knobs_from_dict(cls, knobs, "sglang")
+        if settings.kv_cache_dtype == "fp8":  # SGLang names E4M3 only in full
+            settings = replace(settings, kv_cache_dtype="fp8_e4m3")
         if settings.url and not settings.url.startswith(("http://", "https://")):
             raise BadInput(f"sglang url {settings.url!r}: give http://HOST:PORT.")
         try:
@@ -97,9 +104,11 @@ APPLIED = {
     "mem_fraction_static": ("mem_fraction_static", float),
     "weight_version": ("weight_version", str),
     "sleep_on_idle": ("sleep_on_idle", bool),
+    "quantization": ("quantization", str),
+    "kv_cache_dtype": ("kv_cache_dtype", str),
 }
 # read back and recorded, never set by a knob of lpx's
-ALSO_RECORDED = ("kv_cache_dtype", "page_size", "schedule_policy", "disable_overlap_schedule",
+ALSO_RECORDED = ("page_size", "schedule_policy", "disable_overlap_schedule",
                  "random_seed", "sampling_defaults", "enable_return_routed_experts",
                  "skip_tokenizer_init", "context_length", "enable_mixed_chunk",
                  "max_prefill_tokens", "prefill_only_disable_kv_cache")  # fmt: skip
@@ -123,6 +132,8 @@ def server_arguments(
         "--sampling-backend": settings.sampling_backend,
         "--mem-fraction-static": settings.mem_fraction_static,
         "--weight-version": settings.weight_version or None,
+        "--quantization": settings.quantization,
+        "--kv-cache-dtype": None if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype,
     }
     argv += [str(part) for flag, value in optional.items() if value is not None
              for part in (flag, value)]  # fmt: skip
@@ -229,9 +240,41 @@ def not_applied(settings: SGLangKnobs, applied: dict) -> dict:
             continue
         if knob == "dtype" and applied[knob] in ("auto", None):
             continue
+        if knob == "kv_cache_dtype" and requested == "auto":
+            continue
         if applied[knob] != requested:
             missed[knob] = {"requested": requested, "applied": applied[knob]}
     return missed
+
+
+# SGLang's --quantization names and what lpx reads them as where it computes them online
+# (pipeline/contracts/numerics.py presets); a checkpoint's own scheme is read from its config
+SGLANG_QUANTIZATIONS = {"fp8": "fp8", "w8a8_fp8": "fp8-channel", "w8a8_int8": "int8",
+                        "mxfp8": "mxfp8", "modelopt_fp8": "fp8"}  # fmt: skip
+
+
+def numerics_metadata(found: Session) -> dict:
+    """``metadata.numerics`` of what the server runs, from its resolved arguments: its
+    quantization and KV cache (SGLang stores the cache by torch's cast, rounding to nearest;
+    measured bit for bit against lpx's emulation on the torch_native backend)."""
+    from pipeline.contracts.numerics import Numerics, parse_kv_cache, parse_quantization
+
+    args = found.server_args()
+    name = args.get("quantization")
+    if name and name not in SGLANG_QUANTIZATIONS:
+        raise BadInput(
+            f"SGLang runs --quantization {name}, which lpx cannot name; "
+            f"docs/reduced-precision.md lists what it reads ({', '.join(SGLANG_QUANTIZATIONS)})."
+        )
+    kv = args.get("kv_cache_dtype")
+    numerics = Numerics(
+        parse_quantization(SGLANG_QUANTIZATIONS[name]) if name else None,
+        parse_kv_cache(kv) if kv and str(kv).startswith("fp8") else None,
+    )
+    if not numerics:
+        return {}
+    return {"numerics": {**numerics.as_dict(), "computed_by": f"sglang {found.version}",
+                         "read_back": {"quantization": name, "kv_cache_dtype": kv}}}  # fmt: skip
 
 
 def engine_metadata(role: str, found: Session) -> dict:

@@ -31,6 +31,7 @@ from pipeline.engines.sglang_common import (
     applied_knobs,
     engine_metadata,
     not_applied,
+    numerics_metadata,
     session,
 )
 from pipeline.errors import BadInput
@@ -136,6 +137,7 @@ def _rollout_on(
             "model": model_metadata(model_dir),
             "errors": dict(failed),
             "position_id_rule": "arange",
+            **numerics_metadata(found),
         },
     )
     if asked.routed_experts:
@@ -297,6 +299,7 @@ class SGLangScoringEngine:
             metadata = {
                 "engine": engine_metadata("replay", found),
                 "knobs_not_applied": not_applied(settings, applied),
+                **numerics_metadata(found),
             }
         completions = [s[len(fixture.prompt_of(i)) :] for i, s in zip(indices, scored, strict=True)]
         prompts_lp = [s[: len(fixture.prompt_of(i))] for i, s in zip(indices, scored, strict=True)]

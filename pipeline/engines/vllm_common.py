@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,13 @@ class VLLMKnobs:
     per_request_seed: bool = True
     # MoE models: record the experts vLLM's routers chose per position (pipeline.routing).
     record_routing: bool = True
+    # reduced-precision numerics, in vLLM's own words (docs/reduced-precision.md): its
+    # quantization (fp8_per_block, fp8_per_channel, fp8, mxfp8, ...), its KV cache dtype
+    # (auto, fp8, fp8_e4m3, fp8_e5m2), and calculate_kv_scales where the release has it.
+    # What ran is read back from the worker's layers and recorded as the side's numerics.
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool | None = None
 
     @classmethod
     def from_dict(cls, knobs: dict) -> VLLMKnobs:
@@ -83,7 +91,29 @@ def create_llm(model_dir: Path, knobs: VLLMKnobs, seed: int = 0):
         "max_num_batched_tokens": knobs.max_num_batched_tokens,
         "max_num_seqs": knobs.max_num_seqs,
         "async_scheduling": knobs.async_scheduling,
+        "quantization": knobs.quantization,
+        "calculate_kv_scales": knobs.calculate_kv_scales,
     }
+    numerics = {k: v for k, v in optional.items() if k in NUMERICS_KNOBS and v is not None}
+    if knobs.kv_cache_dtype != "auto":
+        numerics["kv_cache_dtype"] = knobs.kv_cache_dtype
+    if "calculate_kv_scales" in numerics:
+        _check_release_has("calculate_kv_scales")
+    try:
+        return _llm(LLM, model_dir, knobs, seed, in_process, optional)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
+        if not numerics:
+            raise
+        said = ", ".join(f"{k}={v}" for k, v in numerics.items())
+        first = _reason(error)
+        raise BadInput(
+            f"vLLM {_release()} could not start with {said}: {first}. What this build runs: "
+            "docs/reduced-precision.md (on this CPU build: quantization=fp8_per_block, "
+            "fp8_per_channel; kv_cache_dtype fp8, fp8_e4m3, fp8_e5m2)."
+        ) from None
+
+
+def _llm(LLM, model_dir: Path, knobs: VLLMKnobs, seed: int, in_process: bool, optional: dict):
     return LLM(
         model=str(model_dir),
         skip_tokenizer_init=True,
@@ -99,8 +129,70 @@ def create_llm(model_dir: Path, knobs: VLLMKnobs, seed: int = 0):
         # lpx's calls into the worker (routed experts), reached by name through
         # collective_rpc in this process or in the engine core's
         worker_extension_cls=EXTENSION,
+        kv_cache_dtype=knobs.kv_cache_dtype,
         **{name: value for name, value in optional.items() if value is not None},
     )
+
+
+NUMERICS_KNOBS = ("quantization", "kv_cache_dtype", "calculate_kv_scales")
+_VALIDATION_HEADER = re.compile(r"^\d+ validation errors? for ")
+
+
+def _reason(error: Exception) -> str:
+    """The sentence of an engine's error that says what is wrong: a pydantic config error's
+    first message, not its header; else the first line (300 characters at most)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and _VALIDATION_HEADER.match(lines[0]):
+        lines = lines[1:]
+    first = lines[0] if lines else type(error).__name__
+    first = re.sub(r"^Value error, ", "", first)
+    return re.sub(r" \[type=.*$", "", first)[:300]
+
+
+def _release() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def _check_release_has(argument: str) -> None:
+    """A knob this vLLM release has no argument for is refused naming the release (vLLM
+    0.33 removed calculate_kv_scales; 0.32's EngineArgs has none)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    if argument not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        raise BadInput(
+            f"vllm knob {argument}: vLLM {_release()} has no such engine argument; give KV "
+            "scales in the checkpoint instead, or use a release that has it."
+        )
+
+
+def read_back_numerics(llm, knobs: VLLMKnobs) -> tuple[dict, dict]:
+    """(``metadata.numerics`` of what the worker runs, the numerics knobs it did not apply:
+    {knob: {requested, applied}})."""
+    from pipeline.engines.vllm_numerics import numerics_of, read_numerics
+
+    read = llm.collective_rpc(read_numerics)[0]
+    config = llm.llm_engine.vllm_config
+    dtype = str(config.model_config.dtype).removeprefix("torch.")
+    device = str(config.device_config.device_type)
+    try:
+        numerics = numerics_of(read, dtype, device)
+    except ValueError as error:
+        raise BadInput(f"{error}; docs/reduced-precision.md lists what lpx names.") from None
+    dropped = {}
+    if knobs.quantization and numerics.linear is None:
+        dropped["quantization"] = {"requested": knobs.quantization, "applied": "none"}
+    if knobs.kv_cache_dtype != "auto" and numerics.kv_cache is None:
+        tensors = sorted({c["tensor"] for c in read["kv_cache"]})
+        dropped["kv_cache_dtype"] = {
+            "requested": knobs.kv_cache_dtype,
+            "applied": f"auto (its KV cache holds {', '.join(tensors) or 'nothing'})",
+        }
+    recorded = {**numerics.as_dict(), "computed_by": f"vllm {_release()}", "read_back": read}
+    return ({"numerics": recorded} if numerics else {}), dropped
 
 
 def release_llm(llm) -> None:
@@ -141,6 +233,9 @@ def applied_knobs(llm, knobs: VLLMKnobs) -> dict:
         "seed": model.seed,
         "device": str(config.device_config.device_type),
         "in_process_engine": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
+        "quantization": model.quantization,
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "calculate_kv_scales": getattr(cache, "calculate_kv_scales", None),
         "batch_size": knobs.batch_size,
         "top_logprobs": knobs.top_logprobs,
         "per_request_seed": knobs.per_request_seed,

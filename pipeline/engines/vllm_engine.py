@@ -18,6 +18,7 @@ from pipeline.engines.vllm_common import (
     applied_knobs,
     chunks,
     create_llm,
+    read_back_numerics,
     release_llm,
     stop_token_ids,
     vllm_versions,
@@ -98,6 +99,7 @@ def rollout_with(
             ]
             routed += routing.sequences(outputs, sequences)
     channel = f"{settings.logprobs_mode} logprob of the sampled token"
+    numerics, dropped = read_back_numerics(llm, settings)
     metadata = {
         "engine": {"name": "vllm", "role": "rollout", "versions": vllm_versions()},
         "dtype": applied_knobs(llm, settings)["dtype"],
@@ -106,6 +108,8 @@ def rollout_with(
         "logprob_channels": {"rollout": channel},
         "model": model_metadata(model_dir),
         "position_id_rule": "arange",
+        **numerics,
+        **({"knobs_not_applied": dropped} if dropped else {}),
     }
     table = table_from_sequences(
         "fixture",
@@ -232,6 +236,7 @@ def score_with(
             completions.append(np.asarray(scored[split:], dtype=np.float32))
             prompts_lp.append(np.asarray(scored[:split], dtype=np.float32))
     applied = applied_knobs(llm, settings)
+    numerics, dropped = read_back_numerics(llm, settings)
     table = table_from_sequences(
         "replay",
         fixture.sequence_ids,
@@ -255,6 +260,8 @@ def score_with(
             },
             "model": model_metadata(model_dir),
             "position_id_rule": "arange",
+            **numerics,
+            **({"knobs_not_applied": dropped} if dropped else {}),
         },
     )
     return _with_routing(table, routing, routed)

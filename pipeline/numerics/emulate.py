@@ -27,7 +27,12 @@ import torch
 from torch import nn
 
 from pipeline.contracts.numerics import KVCacheQuantization, LinearQuantization, Numerics
-from pipeline.numerics.formats import float_scale, quantize_dequantize, round_to_element
+from pipeline.numerics.formats import (
+    float_scale,
+    quantize_dequantize,
+    round_to_element,
+    truncate_to_element,
+)
 
 # Linear layers an engine fuses into one matrix (one per-tensor scale for the group)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -243,18 +248,21 @@ def _quantize_kv_cache(model, spec: KVCacheQuantization) -> None:
     model.set_attn_implementation(KV_ATTENTION.get(base, KV_ATTENTION["sdpa"]))
 
 
-def kv_rounded(states: torch.Tensor, element: str, scale: float) -> torch.Tensor:
+def kv_rounded(
+    states: torch.Tensor, element: str, scale: float, rounding: str = "nearest"
+) -> torch.Tensor:
     """Keys or values as attention reads them from an FP8 cache: states / scale rounded to
-    the element, times the scale, in the states' dtype."""
-    return (round_to_element(states.float() / scale, element) * scale).to(states.dtype)
+    the element (to nearest, or toward zero), times the scale, in the states' dtype."""
+    rounded = truncate_to_element if rounding == "toward_zero" else round_to_element
+    return (rounded(states.float() / scale, element) * scale).to(states.dtype)
 
 
 def _kv_attention(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         spec = getattr(module, "lpx_kv_cache", None)
         if spec is not None:
-            key = kv_rounded(key, spec.element, spec.k_scale)
-            value = kv_rounded(value, spec.element, spec.v_scale)
+            key = kv_rounded(key, spec.element, spec.k_scale, spec.rounding)
+            value = kv_rounded(value, spec.element, spec.v_scale, spec.rounding)
         return _base_attention(module, base)(module, query, key, value, attention_mask, **kwargs)
 
     return attention

@@ -5,7 +5,8 @@ and given back dequantized (what a kernel multiplies with).
 Each rule as its definition states it (references in docs/reduced-precision.md):
 - FP8 values: round to nearest, ties to even (torch's casts), after a clamp to the largest
   finite value (+-448 E4M3, +-57344 E5M2): engines saturate rather than overflow, and
-  torch's E5M2 cast gives inf past the largest value;
+  torch's E5M2 cast gives inf past the largest value; or toward zero, where an engine cuts
+  the mantissa (vLLM-CPU's KV cache);
 - INT8: round half to even of x / scale, clamped to [-128, 127];
 - a float scale is amax / the element's largest value (amax floored at MIN_AMAX, so an
   all-zero group keeps its zeros; a per-token or per-tensor FP8 activation scale at least
@@ -45,6 +46,23 @@ def round_to_element(values: torch.Tensor, element: str) -> torch.Tensor:
         return torch.round(values).clamp_(-128.0, 127.0)
     largest = LARGEST[element]
     return values.clamp(-largest, largest).to(FP8_DTYPES[element]).float()
+
+
+MANTISSA_BITS = {"fp8_e4m3": 3, "fp8_e5m2": 2}
+SMALLEST_NORMAL = {"fp8_e4m3": 2.0**-6, "fp8_e5m2": 2.0**-14}
+
+
+def truncate_to_element(values: torch.Tensor, element: str) -> torch.Tensor:
+    """``values`` rounded toward zero to an FP8 element's grid (after the same clamp), float32:
+    what vLLM-CPU's KV-cache store does (csrc/cpu/cpu_attn_fp8.hpp cuts the mantissa; every
+    stored byte read back agrees, docs/reduced-precision.md)."""
+    largest = LARGEST[element]
+    x = values.float().clamp(-largest, largest)
+    cut = (1 << (23 - MANTISSA_BITS[element])) - 1
+    normal = (x.contiguous().view(torch.int32) & ~cut).view(torch.float32)
+    step = SMALLEST_NORMAL[element] / (1 << MANTISSA_BITS[element])  # the subnormal spacing
+    subnormal = torch.trunc(x / step) * step
+    return torch.where(x.abs() < SMALLEST_NORMAL[element], subnormal, normal)
 
 
 def float_scale(amax: torch.Tensor, element: str, rule: str = "float") -> torch.Tensor:

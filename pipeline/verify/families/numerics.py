@@ -41,7 +41,8 @@ from pipeline.verify.hypothesis import Candidate, Family, Outcome
 
 FORMATS = ("fp8", "fp8-tensor", "fp8-w8a16", "fp8-channel", "fp8-block", "fp8-block-ue8m0",
            "mxfp8", "mxfp8-w8a16", "int8", "int8-w8a16")  # fmt: skip
-KV_CACHES = ("fp8_e4m3", "fp8_e5m2")
+# to nearest (SGLang, vLLM on CUDA) and toward zero (vLLM-CPU's store)
+KV_CACHES = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3:toward_zero", "fp8_e5m2:toward_zero")
 # where the best format was found, which layers an engine may also have quantized or kept
 REFINEMENTS = ("lm_head", "keep_first=1,keep_last=1", "router")
 BROAD = 0.5  # undeclared numerics move every sequence: the finding holds this share of them
