@@ -39,7 +39,7 @@ from pipeline.compare.calibrated import (
 )
 from pipeline.compare.floor import bucket_of, expect, fit_floor
 from pipeline.compare.noise_test import design_of
-from pipeline.contracts.numerics import split_precision
+from pipeline.contracts.numerics import canonical_precision, split_precision
 from pipeline.fixture.table import TokenTable
 
 __all__ = ["CALIBRATION_FILE", "calibrate", "calibration_key", "precisions_for"]
@@ -293,7 +293,8 @@ def precisions_for(dtypes: list[str], device: str) -> list[str]:
     """What a calibration measures: fp32 (the reference), the given precisions (dtypes, and
     dtypes with reduced-precision numerics: ``bfloat16+fp8_e4m3:w=tensor,a=tensor``), TF32
     on CUDA."""
-    return sorted({"float32", *dtypes} | ({TF32} if devices.is_cuda(device) else set()))
+    named = {canonical_precision(d) for d in dtypes}
+    return sorted({"float32", *named} | ({TF32} if devices.is_cuda(device) else set()))
 
 
 def calibration_key(model: dict, device: str) -> dict:
