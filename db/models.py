@@ -105,9 +105,11 @@ class Case(Base):
     channel: Mapped[str] = mapped_column(String(32))
     rollout_dtype: Mapped[str] = mapped_column(String(16))
     replay_dtype: Mapped[str] = mapped_column(String(16))
-    # reduced-precision numerics a side declares (contracts/numerics.py), None for none
-    rollout_numerics: Mapped[str | None] = mapped_column(String(256))
-    replay_numerics: Mapped[str | None] = mapped_column(String(256))
+    # reduced-precision numerics a side declares (contracts/numerics.py), None for none.
+    # Deferred: the data migrations before 0009 read cases through this model, from a table
+    # that has no such columns yet (pipeline/history/rekey.py reads them where they exist)
+    rollout_numerics: Mapped[str | None] = mapped_column(String(256), deferred=True)
+    replay_numerics: Mapped[str | None] = mapped_column(String(256), deferred=True)
     knobs: Mapped[dict] = mapped_column(Json, default=dict)  # {rollout, replay, sampling}
     layout: Mapped[dict] = mapped_column(Json, default=dict)
 

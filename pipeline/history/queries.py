@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from sqlalchemy import Result, Select, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, undefer
 
 from pipeline.db.models import (
     Alert,
@@ -127,6 +127,7 @@ def _series_with_case_and_testbed(*columns) -> Select:
         select(Series, Case, Testbed, *columns)
         .join(Case, Case.id == Series.case_id)
         .join(Testbed, Testbed.id == Series.testbed_id)
+        .options(undefer(Case.rollout_numerics), undefer(Case.replay_numerics))
     )
 
 

@@ -71,7 +71,8 @@ def _rekey_builds(session: Session) -> int:
 
 def _rekey_cases(session: Session) -> tuple[dict[str, str], int]:
     cases = session.scalars(select(Case).order_by(Case.id)).all()
-    wanted = {case.id: keys.case_key(_case_description(case)) for case in cases}
+    numerics = _numerics_of_cases(session)
+    wanted = {case.id: keys.case_key(_case_description(case, numerics)) for case in cases}
     renamed = {case.key: wanted[case.id] for case in cases if case.key != wanted[case.id]}
     changed = 0
     for survivor, losers in _groups(cases, lambda c: wanted[c.id]):
@@ -83,7 +84,19 @@ def _rekey_cases(session: Session) -> tuple[dict[str, str], int]:
     return renamed, changed
 
 
-def _case_description(case: Case) -> dict:
+def _numerics_of_cases(session: Session) -> dict[int, tuple]:
+    """Case id -> (rollout numerics, replay numerics), where the table has the columns
+    (migration 0009); empty before it (the re-keys of 0007 and 0008 run before it)."""
+    from sqlalchemy import inspect
+
+    columns = {c["name"] for c in inspect(session.connection()).get_columns("cases")}
+    if "rollout_numerics" not in columns:
+        return {}
+    rows = session.execute(select(Case.id, Case.rollout_numerics, Case.replay_numerics))
+    return {row[0]: (row[1], row[2]) for row in rows}
+
+
+def _case_description(case: Case, numerics: dict | None = None) -> dict:
     """The case a row was keyed from (keys.describe_case). A row's label is the plan's name,
     or the model's directory name where the comparison had none."""
     unnamed = case.label == str(case.model).rstrip("/").split("/")[-1]
@@ -96,8 +109,8 @@ def _case_description(case: Case) -> dict:
         "channel": case.channel,
         "rollout_dtype": case.rollout_dtype,
         "replay_dtype": case.replay_dtype,
-        "rollout_numerics": case.rollout_numerics,
-        "replay_numerics": case.replay_numerics,
+        "rollout_numerics": (numerics or {}).get(case.id, (None, None))[0],
+        "replay_numerics": (numerics or {}).get(case.id, (None, None))[1],
         "knobs": case.knobs or {},
         "layout": case.layout or {},
     }

@@ -3,7 +3,7 @@
 An FP8 rollout and a bf16 rollout of one model are different cases: each side's numerics
 (FP8/MXFP8/INT8 linear layers, an FP8 KV cache; pipeline/contracts/numerics.py) join its
 dtype in the case and its key. A case without numerics keeps the key it had, so nothing is
-re-keyed.
+re-keyed. Idempotent.
 
 Revision ID: 0009
 Revises: 0008
@@ -20,12 +20,16 @@ depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("cases") as batch:
-        batch.add_column(sa.Column("rollout_numerics", sa.String(256), nullable=True))
-        batch.add_column(sa.Column("replay_numerics", sa.String(256), nullable=True))
+    # idempotent, as 0007 and 0008 are: a history stamped older than it holds runs in (a
+    # re-run of the re-keys) may have the columns already
+    present = {c["name"] for c in sa.inspect(op.get_bind()).get_columns("cases")}
+    for name in ("rollout_numerics", "replay_numerics"):
+        if name not in present:
+            op.add_column("cases", sa.Column(name, sa.String(256), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("cases") as batch:
-        batch.drop_column("replay_numerics")
-        batch.drop_column("rollout_numerics")
+    # plain ALTER TABLE ... DROP COLUMN (SQLite 3.35+): a batch copy of the table would drop
+    # it under the series' foreign keys
+    op.drop_column("cases", "replay_numerics")
+    op.drop_column("cases", "rollout_numerics")
