@@ -114,6 +114,15 @@ def test_identical_sides_are_healthy_and_a_large_gap_is_not():
     assert failed["rollout_corr/kl"]["bound"] == "upper"
 
 
+def test_the_bundled_policy_gates_verls_health_check_and_a_file_without_it_none(tmp_path):
+    from pipeline.compare.correction import HEALTH_CHECKS
+
+    assert load_policy().correction_checks == HEALTH_CHECKS
+    path = tmp_path / "policy.yaml"
+    path.write_text("version: 1\nprofiles: {float32: {tau: 1.0}}\n")
+    assert load_policy(path).correction_checks == {}
+
+
 def test_the_policy_configures_and_gates_the_correction(tmp_path):
     path = tmp_path / "policy.yaml"
     path.write_text(

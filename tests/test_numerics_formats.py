@@ -286,3 +286,22 @@ def test_a_prefill_reads_the_cache_as_decoding_does(model):
     gap = np.abs(np.concatenate(prefill) - np.concatenate(decoded))
     moved = np.abs(np.concatenate(prefill) - np.concatenate(plain))
     assert gap.max() < 1e-4 and moved.mean() > 100 * gap.mean()
+
+
+def test_a_moe_computes_with_its_experts_and_router_quantized(family_model):
+    """Qwen3-MoE's experts are 3-D tensors and its router a module of its own: both
+    quantized (the router as vLLM does for Qwen3-MoE), then put back exactly."""
+    from pipeline.engines.hf_common import load_model
+    from pipeline.numerics.emulate import apply_numerics, remove_numerics
+
+    moe = load_model(family_model("qwen3_moe"), "float32")
+    ids = torch.arange(3, 35)[None]
+    plain = _logprobs(moe, ids)
+    router = next(m for m in moe.modules() if "Router" in type(m).__name__)
+    before = router.weight.detach().clone()
+    apply_numerics(moe, Numerics(parse_quantization("fp8-block:router"), None))
+    assert not torch.equal(router.weight, before)
+    quantized = _logprobs(moe, ids)
+    remove_numerics(moe)
+    assert torch.equal(router.weight, before) and torch.equal(_logprobs(moe, ids), plain)
+    assert float((quantized - plain).abs().mean()) > 1e-3

@@ -212,6 +212,7 @@ def test_the_example_smoke_plan_runs_locally(tmp_path):
         "smoke-http.yaml",
         "nightly-gpu.yaml",
         "nightly-sglang.yaml",
+        "nightly-fp8.yaml",
     ],
 )
 def test_the_example_plans_are_valid(name):

@@ -34,8 +34,9 @@ from pipeline.commands.options import COUNT, OUTPUT_FILE, db_option, device_opti
     multiple=True,
     help="A precision the comparisons will meet, repeatable: a dtype, or a dtype with "
     "reduced-precision numerics (bf16+fp8, bf16+fp8-block+kv=fp8_e4m3; "
-    "docs/reduced-precision.md) [default: the fixture's precision, its numerics included, and "
-    "bf16]; fp32 is always measured, and TF32 on CUDA. An fp16 from the fixture is left out "
+    "docs/reduced-precision.md) [default: the fixture's precision and bf16]; fp32 is always "
+    "measured, TF32 on CUDA, and the fixture's own reduced-precision numerics where it "
+    "declares any. An fp16 from the fixture is left out "
     "on a CPU without fp16 arithmetic; name it here to measure it anyway.",
 )
 @click.option("--sequences", type=COUNT, default=32, show_default=True,
@@ -115,13 +116,13 @@ def calibrate(
         fixture.metadata, fixture_path, Path(model_dir), allow_model_mismatch, option
     )
     validate_table(fixture, fixture_path, (fixture.metadata.get("model") or {}).get("vocab_size"))
+    own = without_tf32(side_precision(fixture.metadata))
     try:
-        wanted = [canonical_precision(d) for d in dtypes] or [
-            without_tf32(side_precision(fixture.metadata)),
-            "bfloat16",
-        ]
+        wanted = [canonical_precision(d) for d in dtypes] or [own, "bfloat16"]
     except ValueError as error:
         raise BadInput(f"--dtype: {error}") from None
+    if "+" in own:  # the rollout's own numerics: the pair every comparison of it meets
+        wanted.append(own)
     wanted = list(dict.fromkeys(wanted))
     wanted = _without_emulated_fp16(wanted, asked=bool(dtypes), device=device)
     history = _history(db)

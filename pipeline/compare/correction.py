@@ -272,7 +272,8 @@ FLAT = ("rollout_is_mean", "rollout_is_std", "rollout_is_min", "rollout_is_max",
         "rollout_is_ratio_fraction_low", "rollout_rs_masked_fraction",
         "rollout_rs_seq_masked_fraction", "kl", "k3_kl", "chi2_token", "chi2_seq",
         "log_ppl_diff", "log_ppl_abs_diff", "ppl_ratio")  # fmt: skip
-# verl's docs/algo/rollout_corr.md health check: a correction outside these bounds is unhealthy
+# verl's docs/algo/rollout_corr.md health check: a correction outside these bounds is
+# unhealthy (the bundled policy's correction checks; tests hold them equal)
 HEALTH_CHECKS = {
     "rollout_corr/rollout_is_mean": (0.5, 2.0),
     "rollout_corr/rollout_is_eff_sample_size": (0.3, None),

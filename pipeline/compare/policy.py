@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from pipeline.compare.correction import HEALTH_CHECKS, CorrectionSettings, health_violations
+from pipeline.compare.correction import CorrectionSettings, health_violations
 from pipeline.compare.noise_test import failed_tests
 from pipeline.contracts.causes import KNOWN_CAUSES, Severity
 from pipeline.contracts.metrics import LIMITED_METRICS
@@ -28,9 +28,10 @@ class Policy:
     profiles: dict[str, dict]
     fail_on_findings: list[str] = field(default_factory=list)
     # the importance-sampling correction the report shows (compare/correction.py), and the
-    # bounds its metrics must stay in: verl's health check unless the policy says otherwise
+    # bounds its metrics must stay in: the bundled policy holds verl's health check; a
+    # policy without a correction section gates none (its limits are the whole gate)
     correction: CorrectionSettings = field(default_factory=CorrectionSettings)
-    correction_checks: dict = field(default_factory=lambda: dict(HEALTH_CHECKS))
+    correction_checks: dict = field(default_factory=dict)
 
     def profile(self, name: str) -> dict:
         if name not in self.profiles:

@@ -10,13 +10,15 @@ scale is shared by the fused layers, as quantizing the fused matrix gives.
 
 Which layers: every linear layer of the decoder layers outside ``keep_first``/``keep_last``
 (attention, MLP, MoE experts, shared experts), and the LM head, the embeddings and the MoE
-routers only where the spec names them (engines keep them). Norms are never quantized.
+routers only where the spec names them (engines keep them; vLLM quantizes Qwen3-MoE's router
+unless told not to). A router module of its own (transformers' TopKRouter) has its weight
+quantized only: its input stays as it is. Norms are never quantized.
 
 The KV cache: keys (after the rotary embedding) and values are rounded to FP8 under their
 scales where attention reads them; every key and value a token attends to has been through
 the cache, so a teacher-forced prefill computes what decoding from the cache does. The
-parameters are never changed: the quantized forward holds its own dequantized copy (a tied
-LM head and embedding stay tied).
+parameters are not changed (but a router's weight, which `remove_numerics` puts back): the
+quantized forward holds its own dequantized copy (a tied LM head and embedding stay tied).
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def remove_numerics(model):
             del module.forward
         if "lpx_kv_cache" in module.__dict__:
             del module.lpx_kv_cache
+        if "lpx_original_weight" in module.__dict__:
+            module.weight.data = module.lpx_original_weight
+            del module.lpx_original_weight
     current = model.config._attn_implementation
     base = next((b for b, name in KV_ATTENTION.items() if name == current), current)
     if base != current:
@@ -118,10 +123,20 @@ def _quantize_children(parent: nn.Module, spec: LinearQuantization, routers: boo
         router = name in ROUTER_NAMES and _is_router(parent, child)
         if router and not routers:
             continue
-        if isinstance(child, nn.Linear) or (router and _has_matrix(child)):
+        if isinstance(child, nn.Linear):
             child.forward = _QuantizedLinear(child, spec, shared.get(id(child)))
+        elif router and _has_matrix(child):
+            _quantize_router_weight(child, spec)
         elif _is_fused_experts(child):
             child.forward = _QuantizedExperts(child, spec)
+
+
+def _quantize_router_weight(router: nn.Module, spec: LinearQuantization) -> None:
+    """A router module of its own (transformers' TopKRouter computes its logits, softmax
+    and top-k in one forward): its weight quantized where it is held, weight-only, the
+    original kept to be put back (`remove_numerics`)."""
+    router.lpx_original_weight = router.weight.data
+    router.weight.data = _quantized_weight(router.weight.detach(), spec).to(router.weight.dtype)
 
 
 def _is_router(parent: nn.Module, child: nn.Module) -> bool:
