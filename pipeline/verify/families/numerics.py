@@ -55,6 +55,8 @@ class NumericsFamily(Family):
     causes = (Cause.QUANTIZATION, Cause.KV_CACHE_PRECISION)
     kinds = ("numerics",)
     own_judgement = ("numerics",)
+    # what one finding's search saw, not the bug's shape: findings one format verified merge
+    per_sequence = ("screen", "indistinguishable", "critical_mean_abs", "failed")
 
     def any_shape(self, ref, finding: Finding) -> list[Candidate]:
         """Offered for drift of any shape: numerics move every token a little, and only the
@@ -77,7 +79,15 @@ class NumericsFamily(Family):
         before = _mean_abs(rollout, replay)
         screen = screen_rows(rows, rollout, replay, positions)
         screened = [seen[rows.index(r)] for r in screen]
-        residuals = _search(ref, dtype, declared, screen, screened)
+        found = candidate.params.get("found")
+        if found is not None and candidate.params.get("side") == side:
+            # verified on another finding: that format against the declared ones, no search
+            residuals = {
+                numerics.text: _residual(ref, _model_in(ref, dtype), numerics, screen, screened)
+                for numerics in (declared, _parsed("" if found == "none" else found))
+            }
+        else:
+            residuals = _search(ref, dtype, declared, screen, screened)
         best_text = min(residuals, key=residuals.get)
         best = _parsed(best_text)
         alike = sorted(t for t, v in residuals.items()
