@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from pipeline.compare.outputs import write_outputs
+from pipeline.compare.outputs import engine_label, write_outputs
 from pipeline.compare.run import Comparison
 from pipeline.contracts.causes import Cause, Status
 from pipeline.contracts.files import REPORT, SUMMARY
@@ -43,8 +43,8 @@ def write_matrix(comparisons: list[Comparison], out_dir: Path) -> dict:
         rows.append(
             {
                 "pair": label,
-                "rollout": _engine(fixture),
-                "replay": _engine(replay),
+                "rollout": engine_label(fixture),
+                "replay": engine_label(replay),
                 "layout": replay.get("layout"),
                 "verdict": report.verdict,
                 "profile": report.policy["profile"],
@@ -87,14 +87,6 @@ def render_matrix(matrix: dict) -> str:
             f"{row['verdict'].upper()} | {numbers} | {_md(', '.join(row.get('claims') or row['findings'])) or '-'} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def _engine(side: dict) -> str:
-    engine = side.get("engine") or {}
-    versions = engine.get("versions") or {}
-    name = engine.get("name", "?")
-    version = versions.get(name) or (versions.get("transformers") if name == "hf" else "")
-    return " ".join(part for part in (name, version, side.get("dtype", "")) if part)
 
 
 def _fmt(value) -> str:

@@ -57,9 +57,9 @@ def render_summary(report: Report) -> str:
     lines = [
         f"# lpx compare: {report.verdict.upper()}",
         "",
-        f"- rollout: {_md(_engine(fixture))} ({_md(fixture['path'])}, channel "
+        f"- rollout: {_md(engine_label(fixture))} ({_md(fixture['path'])}, channel "
         f"{_md(fixture['channel'])})",
-        f"- replay: {_md(_engine(replay))} ({_md(replay['path'])})",
+        f"- replay: {_md(engine_label(replay))} ({_md(replay['path'])})",
         f"- policy: {policy['source']}, profile `{policy['profile']}`, tau {policy['tau']:g}",
         f"- sign: {report.sign_convention}",
         f"- noise floor: {_calibration_line(report.calibration or {})}",
@@ -219,11 +219,15 @@ def _write_tokens(comparison: Comparison, path: Path) -> None:
         )
 
 
-def _engine(side: dict) -> str:
+def engine_label(side: dict) -> str:
+    """``vllm 0.32.0 bfloat16 fp8-block + kv fp8_e4m3``: a side's engine, release, dtype and
+    the reduced-precision numerics it declares."""
     engine = side.get("engine") or {}
     versions = engine.get("versions") or {}
-    version = versions.get(engine.get("name", ""), versions.get("transformers", "?"))
-    return f"{engine.get('name', '?')} {version} {side.get('dtype', '?')}"
+    name = engine.get("name", "?")
+    version = versions.get(name) or (versions.get("transformers") if name == "hf" else "")
+    numerics = (side.get("numerics") or {}).get("label", "")
+    return " ".join(part for part in (name, version, side.get("dtype", ""), numerics) if part)
 
 
 def correction_lines(correction: dict | None) -> list[str]:
