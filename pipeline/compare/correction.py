@@ -348,13 +348,18 @@ def _rs_keep(d, lengths, mode: str, threshold: str) -> np.ndarray:
     return np.repeat(~_any_per_sequence(~keep, lengths), lengths)
 
 
-def _sequence_sums(values, lengths) -> np.ndarray:
+def _per_sequence(reduce: np.ufunc, values, lengths) -> np.ndarray:
+    """``reduce`` (np.add, np.maximum) over each sequence's tokens; 0 for an empty one."""
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    sums = np.zeros(len(lengths))
+    out = np.zeros(len(lengths))
     nonempty = lengths > 0
     if len(values):
-        sums[nonempty] = np.add.reduceat(values, starts[nonempty])
-    return sums
+        out[nonempty] = reduce.reduceat(values, starts[nonempty])
+    return out
+
+
+def _sequence_sums(values, lengths) -> np.ndarray:
+    return _per_sequence(np.add, values, lengths)
 
 
 def _sequence_means(values, lengths) -> np.ndarray:
@@ -362,12 +367,7 @@ def _sequence_means(values, lengths) -> np.ndarray:
 
 
 def _sequence_maxima(values, lengths) -> np.ndarray:
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    maxima = np.zeros(len(lengths))
-    nonempty = lengths > 0
-    if len(values):
-        maxima[nonempty] = np.maximum.reduceat(values, starts[nonempty])
-    return maxima
+    return _per_sequence(np.maximum, values, lengths)
 
 
 def _any_per_sequence(flags, lengths) -> np.ndarray:

@@ -17,7 +17,7 @@ Granularities (how many values share one scale):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "int8")
 KV_ELEMENTS = ("fp8_e4m3", "fp8_e5m2")
@@ -215,21 +215,11 @@ class Numerics:
         out: dict = {"text": self.text, "label": self.label}
         if self.linear:
             out["quantization"] = {
-                "element": self.linear.element,
-                "weights": self.linear.weights,
-                "activations": self.linear.activations,
-                "scales": self.linear.scales,
-                "keep_first": self.linear.keep_first,
-                "keep_last": self.linear.keep_last,
+                **asdict(self.linear),
                 "quantized_too": list(self.linear.quantized_too),
             }
         if self.kv_cache:
-            out["kv_cache"] = {
-                "element": self.kv_cache.element,
-                "k_scale": self.kv_cache.k_scale,
-                "v_scale": self.kv_cache.v_scale,
-                "rounding": self.kv_cache.rounding,
-            }
+            out["kv_cache"] = asdict(self.kv_cache)
         return out
 
 
@@ -295,14 +285,17 @@ def parse_kv_cache(
             f"unknown kv cache dtype {text!r}; use auto, fp8 (E4M3), fp8_e4m3 or fp8_e5m2"
         )
     if scales:
-        k_text, _, v_text = scales.partition("/")
-        try:
-            k_scale, v_scale = float(k_text), float(v_text or k_text)
-        except ValueError:
-            raise ValueError(
-                f"kv cache {text!r}: scales are K/V numbers (fp8_e4m3@0.5/0.5)"
-            ) from None
+        k_scale, v_scale = parse_kv_scales(scales, f"kv cache {text!r}")
     return KVCacheQuantization(KV_ALIASES[element], float(k_scale), float(v_scale), rounding)
+
+
+def parse_kv_scales(text: str, what: str) -> tuple[float, float]:
+    """``0.5/0.25`` (K and V) or one number for both; ValueError naming ``what``."""
+    k_text, _, v_text = str(text).strip().partition("/")
+    try:
+        return float(k_text), float(v_text or k_text)
+    except ValueError:
+        raise ValueError(f"{what}: scales are K/V numbers (0.5/0.25) or one for both") from None
 
 
 def parse_numerics(text: str) -> Numerics:

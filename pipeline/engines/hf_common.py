@@ -79,21 +79,25 @@ def load_model(
 def numerics_from_knobs(engine: str, quantization: str, kv_cache_dtype: str, kv_scales: str):
     """The numerics an HF-built engine's knobs ask for (presets and texts:
     pipeline/contracts/numerics.py); BadInput naming the knob."""
-    from pipeline.contracts.numerics import Numerics, parse_kv_cache, parse_quantization
+    from pipeline.contracts.numerics import (
+        Numerics,
+        parse_kv_cache,
+        parse_kv_scales,
+        parse_quantization,
+    )
 
     try:
         linear = parse_quantization(quantization)
     except ValueError as error:
         raise BadInput(f"{engine} knob quantization: {error}") from None
-    k_scale = v_scale = 1.0
-    if str(kv_scales or "").strip():
-        k_text, _, v_text = str(kv_scales).partition("/")
-        try:
-            k_scale, v_scale = float(k_text), float(v_text or k_text)
-        except ValueError:
-            raise BadInput(
-                f"{engine} knob kv_scales={kv_scales!r}: give K/V scales (0.5/0.25) or one for both."
-            ) from None
+    try:
+        k_scale, v_scale = (
+            parse_kv_scales(kv_scales, f"{engine} knob kv_scales={kv_scales!r}")
+            if str(kv_scales or "").strip()
+            else (1.0, 1.0)
+        )
+    except ValueError as error:
+        raise BadInput(str(error)) from None
     try:
         kv_cache = parse_kv_cache(kv_cache_dtype, k_scale, v_scale)
     except ValueError as error:
