@@ -157,7 +157,8 @@ def is_view(d: np.ndarray, lengths: np.ndarray, level: str, threshold: str) -> d
     clipped = np.clip(applied, 0.0, upper)
     std = float(np.sqrt(max(0.0, _mean(clipped**2) - _mean(clipped) ** 2))) if n > 1 else 0.0
     normalised = clipped / (_mean(clipped) + EPS)
-    ess = 1.0 / _mean(normalised**2) if n and _mean(normalised**2) > 0 else 0.0
+    # at most 1: verl's epsilons put equal weights a hair past it (1 + 2e-8)
+    ess = min(1.0 / _mean(normalised**2), 1.0) if n and _mean(normalised**2) > 0 else 0.0
     if level == "sequence":
         sums = _sequence_sums(d, lengths)
         high_fraction = float(np.mean(sums > np.log(upper))) if len(sums) else 0.0

@@ -69,6 +69,34 @@ METRICS: tuple[Metric, ...] = (
     # KL over the renormalised top-k ids both sides returned (compare/topk.py)
     Metric("topk_kl_forward_mean"),
     Metric("topk_kl_reverse_mean"),
+    # the configured IS correction, under verl's names (compare/correction.py)
+    *_nonnegative(
+        "rollout_corr/rollout_is_mean",
+        "rollout_corr/rollout_is_std",
+        "rollout_corr/rollout_is_min",
+        "rollout_corr/rollout_is_max",
+        "rollout_corr/k3_kl",
+        "rollout_corr/log_ppl_abs_diff",
+        "rollout_corr/ppl_ratio",
+    ),
+    Metric("rollout_corr/kl"),  # signed: KL(rollout || train) estimated on the sampled tokens
+    Metric("rollout_corr/log_ppl_diff"),
+    Metric("rollout_corr/chi2_token", -1.0),
+    Metric("rollout_corr/chi2_seq", -1.0),
+    *_fractions(
+        "rollout_corr/rollout_is_eff_sample_size",
+        "rollout_corr/rollout_is_ratio_fraction_high",
+        "rollout_corr/rollout_is_ratio_fraction_low",
+        "rollout_corr/rollout_rs_masked_fraction",
+        "rollout_corr/rollout_rs_seq_masked_fraction",
+        "training/rollout_probs_diff_mean",
+        "training/rollout_probs_diff_max",
+        "training/rollout_probs_diff_std",
+        "lpx_corr/truncated_tokens_fraction",
+        "lpx_corr/truncated_sequences_fraction",
+        "lpx_corr/masked_tokens_fraction",
+        "lpx_corr/masked_sequences_fraction",
+    ),
 )
 BY_NAME = {metric.name: metric for metric in METRICS}
 METRIC_NAMES = tuple(BY_NAME)

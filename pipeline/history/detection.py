@@ -122,6 +122,41 @@ CATALOG: dict[str, MetricSpec] = {
     "max_rel_diff": MetricSpec(RATIO, "lower", 0.0, _diff_tail, detect=False),
     "mean_rel_diff": MetricSpec(RATIO, "lower", 0.0, _diff_tail, detect=False),
 }
+# The correction view's flat metrics (compare/correction.py), under verl's names: judged as
+# the drift metrics they follow (an IS weight's spread is a drift's, a masked share a
+# fraction of tokens)
+CATALOG.update(
+    {
+        "rollout_corr/rollout_is_mean": MetricSpec(RATIO, "none", 1.0, _diff_mean),
+        "rollout_corr/rollout_is_std": MetricSpec(RATIO, "lower", 0.0, _diff_mean),
+        "rollout_corr/rollout_is_min": MetricSpec(RATIO, "higher", 1.0, _diff_tail),
+        "rollout_corr/rollout_is_max": MetricSpec(RATIO, "lower", 1.0, _diff_tail),
+        "rollout_corr/rollout_is_eff_sample_size": CATALOG["ess"],
+        "rollout_corr/kl": CATALOG["k1"],
+        "rollout_corr/k3_kl": CATALOG["k3"],
+        "rollout_corr/chi2_token": CATALOG["chi2_token"],
+        "rollout_corr/chi2_seq": MetricSpec(RATIO, "lower", 0.0, _diff_tail),
+        "rollout_corr/log_ppl_diff": CATALOG["mean_diff"],
+        "rollout_corr/log_ppl_abs_diff": CATALOG["mean_abs_diff"],
+        "rollout_corr/ppl_ratio": MetricSpec(RATIO, "none", 1.0, _diff_mean),
+        "training/rollout_probs_diff_mean": CATALOG["mean_prob_diff"],
+        "training/rollout_probs_diff_max": CATALOG["max_prob_diff"],
+        "training/rollout_probs_diff_std": MetricSpec(PROB, "lower", 0.0, _diff_mean),
+    }
+    | {
+        f"{prefix}/{name}": CATALOG["frac_over_tau"]
+        for prefix, name in (
+            ("rollout_corr", "rollout_is_ratio_fraction_high"),
+            ("rollout_corr", "rollout_is_ratio_fraction_low"),
+            ("rollout_corr", "rollout_rs_masked_fraction"),
+            ("rollout_corr", "rollout_rs_seq_masked_fraction"),
+            ("lpx_corr", "truncated_tokens_fraction"),
+            ("lpx_corr", "truncated_sequences_fraction"),
+            ("lpx_corr", "masked_tokens_fraction"),
+            ("lpx_corr", "masked_sequences_fraction"),
+        )
+    }
+)
 KEY_METRICS = ("max_abs_diff", "mean_abs_diff", "k3", "top1_flip_rate")
 
 
