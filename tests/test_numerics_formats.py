@@ -305,3 +305,46 @@ def test_a_moe_computes_with_its_experts_and_router_quantized(family_model):
     remove_numerics(moe)
     assert torch.equal(router.weight, before) and torch.equal(_logprobs(moe, ids), plain)
     assert float((quantized - plain).abs().mean()) > 1e-3
+
+
+# --- what an engine reads back, named -------------------------------------------------------
+
+
+def _read(linear=None, layers=None, caches=(), **more):
+    return {"linear": linear, "layers": layers or {"0": True, "1": True}, "lm_head": False,
+            "embeddings": False, "router": False, "kv_cache": list(caches), **more}  # fmt: skip
+
+
+def test_vllm_layers_read_back_name_the_numerics_that_ran():
+    from pipeline.engines.vllm_numerics import numerics_of
+
+    block_w8a16 = {"method": "Fp8PerBlockOnlineLinearMethod", "kernel": "CPUFp8BlockScaledMMKernel",
+                   "weight_dtype": "float8_e4m3fn", "weights": [128, 128],
+                   "activations": [1, 128], "quantizes_input": False}  # fmt: skip
+    cache = {"layer": "l0", "dtype": "fp8_e4m3", "tensor": "uint8", "k_scale": 1.0, "v_scale": 1.0}
+    numerics = numerics_of(_read(block_w8a16, caches=[cache]), "bfloat16", "cpu")
+    assert numerics.text == "fp8_e4m3:w=block128,a=none+kv=fp8_e4m3:toward_zero"
+    assert numerics.label == "fp8-block-w8a16 + kv fp8_e4m3:toward_zero"
+    per_channel = {**block_w8a16, "weights": [-1, 1], "activations": [1, -1],
+                   "quantizes_input": True}  # fmt: skip
+    kept = _read(per_channel, layers={"0": False, "1": True, "2": True, "3": False}, lm_head=True)
+    assert numerics_of(kept, "bfloat16", "cuda").text == (
+        "fp8_e4m3:w=channel,a=token,keep_first=1,keep_last=1,lm_head"
+    )
+    # a cache that says fp8 but holds the model's dtype ran as auto: no FP8 cache to name
+    fallen_back = {**cache, "tensor": "bfloat16"}
+    assert not numerics_of(_read(caches=[fallen_back]), "bfloat16", "cpu")
+    with pytest.raises(ValueError, match="lpx cannot name"):
+        numerics_of(_read({**per_channel, "weights": [64, 64]}), "bfloat16", "cuda")
+
+
+def test_a_numerics_knob_an_engine_dropped_is_said_and_others_are_not():
+    from pipeline.engines.base import dropped_numerics
+
+    metadata = {"knobs_not_applied": {
+        "kv_cache_dtype": {"requested": "fp8", "applied": "auto (its KV cache holds bfloat16)"},
+        "sleep_on_idle": {"requested": True, "applied": False}}}  # fmt: skip
+    assert dropped_numerics(metadata, "vllm") == (
+        "vllm did not apply kv_cache_dtype=fp8 (it runs auto (its KV cache holds bfloat16))"
+    )
+    assert dropped_numerics({"knobs_not_applied": {"sleep_on_idle": {}}}, "sglang") is None

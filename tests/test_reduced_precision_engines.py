@@ -12,8 +12,6 @@ KV cache's whole effect. Where vLLM or SGLang is missing these skip, except unde
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -110,20 +108,20 @@ def test_vllm_fp8_weights_are_read_back_and_pass_with_their_calibration(vllm_fp8
 
 @pytest.mark.vllm
 def test_what_vllm_cpu_cannot_run_is_refused_in_one_line(tiny_model, tmp_path):
+    from tests.helpers import run_lpx
+
     _vllm()
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hello world\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline", "rollout", "--engine", "vllm", "--model",
-         str(tiny_model), "--prompts", str(prompts), "--dtype", "bf16", "--max-tokens", "4",
-         "--set", "quantization=fp8", "--out", str(tmp_path / "f.parquet")],
-        capture_output=True, text=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-    )  # fmt: skip
-    assert done.returncode == 2, done.stderr[-2000:]
-    error = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
-    assert len(error) == 1 and "Traceback" not in done.stderr
-    assert "could not start with quantization=fp8" in error[0]
-    assert "docs/reduced-precision.md" in error[0]
+    result = run_lpx("rollout", "--engine", "vllm", "--model", tiny_model, "--prompts", prompts,
+                     "--dtype", "bf16", "--max-tokens", "4", "--set", "quantization=fp8",
+                     "--out", tmp_path / "f.parquet")  # fmt: skip
+    assert result.exit_code == 2, result.output
+    (error,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert "Traceback" not in result.output
+    assert "vLLM 0.32.0 could not start with quantization=fp8" in error
+    assert "static_scaled_fp8_quant" in error and "docs/reduced-precision.md" in error
+    assert not (tmp_path / "f.parquet").exists()
 
 
 @pytest.mark.sglang
