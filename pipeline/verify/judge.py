@@ -131,9 +131,16 @@ def _judge_model(ref, family, candidate, rows, rollout, replay, positions, searc
     meta = ref.fixture.metadata if side == "rollout" else ref.replay.metadata
     if candidate.params.get("computed_in") == without_tf32(side_precision(meta)):
         return None  # that side declares this precision: the precision test's case
-    if search:
-        candidate = family.search(ref, candidate, rows, observed, clean, side)
-    reproduced = ref.rescore(candidate, rows)
+    computed = candidate.params.get("computed_in") or side_precision(meta)
+    # a side that declares reduced-precision numerics is reproduced computing with them, and
+    # judged against how far two implementations of them lie apart
+    in_numerics = bool(ref.numerics.get(side)) and not candidate.params.get("computed_in")
+    with ref.computing_as(side if in_numerics else None):
+        if in_numerics:
+            clean = ref.clean(rows, side)
+        if search:
+            candidate = family.search(ref, candidate, rows, observed, clean, side)
+        reproduced = ref.rescore(candidate, rows)
     tokens = family.judged(ref, rows)
     if tokens is not None:  # the bug moves only these tokens: judged on them
         rollout, replay, observed, clean, reproduced, positions = (
@@ -144,8 +151,8 @@ def _judge_model(ref, family, candidate, rows, rollout, replay, positions, searc
     # the precision the reproduction computed in: the side's declared one, or the lower one
     # an undeclared-precision candidate tries; bucketed by the bug's own logprobs (a bug
     # that scores unlikely tokens meets the larger noise of unlikely tokens)
-    computed = candidate.params.get("computed_in") or side_precision(meta)
-    floors = np.concatenate(ref.token_floors((computed, "float32"), reproduced, positions))
+    pair = (computed, computed) if in_numerics else (computed, "float32")
+    floors = np.concatenate(ref.token_floors(pair, reproduced, positions))
     after = mean_abs(observed, reproduced)
     explained = _explains(ref, rollout, replay, observed, clean, reproduced, positions, floors)
     return candidate, side, before, after, float(np.mean(floors)), explained

@@ -4,14 +4,20 @@ a bug needs batches, other weights or forced routing; `faults.rescore` otherwise
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from pipeline.compare.calibrated import as_calibration, expected_mean_abs, pair_key
+from pipeline.compare.calibrated import (
+    as_calibration,
+    expected_mean_abs,
+    pair_key,
+    side_precision,
+)
 from pipeline.compare.hypotheses.batch import NUMERIC_CEILING
 from pipeline.contracts.calibration import Calibration
-from pipeline.contracts.numerics import base_dtype, split_precision
+from pipeline.contracts.numerics import base_dtype, numerics_of, split_precision
 from pipeline.contracts.report import Finding
 from pipeline.faults import FaultSettings, rescore
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
@@ -48,6 +54,7 @@ class Reference:
         self.calibration = as_calibration(calibration)  # verify_report's callers give dicts
         self.device = resolve_device(device)
         self.model = model or load_model(Path(model_dir), "float32", device=self.device)
+        self.fp32_model = self.model  # `model` is another while `computing_as` a side
         set_tf32(self.device, False)
         self.rows = fixture.index_of()
         self.replay_rows = replay.index_of()
@@ -55,7 +62,11 @@ class Reference:
         self.base = FaultSettings(bos_id=int(bos) if bos is not None else 1)
         self.weights_store = Path(weights_store) if weights_store else None
         self.drifting: set[str] = set()  # every sequence some fault finding names
-        self._clean_scores: dict[int, np.ndarray] = {}
+        self._clean_scores: dict[tuple[str, int], np.ndarray] = {}
+        # what each side declares it computes with beyond its dtype (FP8 weights, an FP8 KV
+        # cache): re-scoring for a bug on that side computes with it
+        self.numerics = {"rollout": numerics_of(fixture.metadata),
+                         "replay": numerics_of(replay.metadata)}  # fmt: skip
         self.version_model = (None, None)  # (name, model): one store version held at a time
         # what a family found searching earlier findings, by family name: one bug seen in
         # several findings is reproduced with the same parameters (and searched once)
@@ -74,13 +85,56 @@ class Reference:
         values = rescore(self.model, self.pairs(rows), candidate.kind, candidate.settings)
         return self.compared(values, rows)
 
-    def clean(self, rows: list[int]) -> list[np.ndarray]:
-        """The reference's own scores of the rows (fp32, no bug), computed once per row."""
-        missing = [r for r in rows if r not in self._clean_scores]
+    def clean(self, rows: list[int], side: str | None = None) -> list[np.ndarray]:
+        """The reference's own scores of the rows (fp32, no bug), computed once per row; with
+        a ``side``, in that side's declared numerics (`computing_as`)."""
+        numerics = self.numerics.get(side) if side else None
+        key = self._side_precision(side) if numerics else ""
+        missing = [r for r in rows if (key, r) not in self._clean_scores]
         if missing:
-            values = rescore(self.model, self.pairs(missing), "clean", self.base)
-            self._clean_scores.update(zip(missing, self.compared(values, missing), strict=True))
-        return [self._clean_scores[r] for r in rows]
+            with self.computing_as(side if numerics else None):
+                values = rescore(self.model, self.pairs(missing), "clean", self.base)
+            self._clean_scores.update(
+                ((key, r), v) for r, v in zip(missing, self.compared(values, missing), strict=True)
+            )
+        return [self._clean_scores[key, r] for r in rows]
+
+    @contextmanager
+    def computing_as(self, side: str | None):
+        """The reference computing as ``side`` declares it does, where it declares
+        reduced-precision numerics: its dtype and its formats (`model` is that model meanwhile),
+        while a bug on that side is re-scored. The bug is then judged against what two
+        implementations of those numerics differ by, not against the whole gap they add (an
+        FP8 rollout's temperature bug at 32 x 512 hid under it). Nothing to do for a side that
+        declares none, or while another side's numerics are applied."""
+        numerics = self.numerics.get(side) if side else None
+        if not numerics or self.model is not self.fp32_model:
+            yield
+            return
+        from pipeline.numerics.emulate import apply_numerics, remove_numerics
+
+        model = self.in_precision(base_dtype(self._side_precision(side)))
+        apply_numerics(model, numerics)
+        self.model = model
+        try:
+            yield
+        finally:
+            self.model = self.fp32_model
+            remove_numerics(model)
+
+    def in_precision(self, dtype: str):
+        """The reference model in ``dtype``, loaded once per dtype as an engine loads it (a
+        cast copy of the fp32 model would hold its rotary tables in that dtype too)."""
+        if dtype == "float32":
+            return self.fp32_model
+        if dtype not in self.in_dtype:
+            from pipeline.engines.hf_common import load_model
+
+            self.in_dtype[dtype] = load_model(self.model_dir, dtype, device=self.device)
+        return self.in_dtype[dtype]
+
+    def _side_precision(self, side: str) -> str:
+        return side_precision((self.fixture if side == "rollout" else self.replay).metadata)
 
     def pairs(self, rows: list[int]) -> list[tuple]:
         return [(self.fixture.prompt_of(r), self.fixture.completion_of(r)) for r in rows]

@@ -83,7 +83,7 @@ class NumericsFamily(Family):
         if found is not None and candidate.params.get("side") == side:
             # verified on another finding: that format against the declared ones, no search
             residuals = {
-                numerics.text: _residual(ref, _model_in(ref, dtype), numerics, screen, screened)
+                numerics.text: _residual(ref, ref.in_precision(dtype), numerics, screen, screened)
                 for numerics in (declared, _parsed("" if found == "none" else found))
             }
         else:
@@ -173,7 +173,7 @@ def _search(ref, dtype: str, declared: Numerics, rows, observed) -> dict[str, fl
     """Each numerics tried (canonical text -> mean |d| between the side and its re-score):
     the declared ones, each format with the declared KV cache, the nearest formats with
     every KV cache, then the layers an engine may add or keep around the best format."""
-    model = _model_in(ref, dtype)
+    model = ref.in_precision(dtype)
     tried: dict[str, float] = {}
 
     def score(numerics: Numerics) -> None:
@@ -211,18 +211,6 @@ def _residual(ref, model, numerics: Numerics, rows, observed) -> float:
     finally:
         remove_numerics(model)
     return _mean_abs(observed, ref.compared(values, rows))
-
-
-def _model_in(ref, dtype: str):
-    """The reference model in ``dtype``, loaded once per dtype as an engine loads it (a cast
-    copy of the fp32 model would hold its rotary tables in that dtype too)."""
-    if dtype == "float32":
-        return ref.model
-    if dtype not in ref.in_dtype:
-        from pipeline.engines.hf_common import load_model
-
-        ref.in_dtype[dtype] = load_model(ref.model_dir, dtype, device=ref.device)
-    return ref.in_dtype[dtype]
 
 
 def _parsed(text: str) -> Numerics:
