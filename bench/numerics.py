@@ -174,11 +174,27 @@ def gate(model_dir: Path, fixture, replay, replay_s: float, work: Path, trials: 
         named = [f for f in report.diagnosis if str(f.cause) in ("quantization",
                                                                   "kv_cache_precision")]  # fmt: skip
         said = f"; found {named[0].details['verified_by']['params']['found']}" if named else ""
+        violated = ", ".join(v["metric"] for v in report.policy["violations"])
         print(
             f"  {name:32s} {report.verdict.upper():4s} findings: {found or 'none'}{said} "
-            f"({spent:.0f} s = {spent / replay_s:.1f} replays)",
+            f"({spent:.0f} s = {spent / replay_s:.1f} replays)"
+            + (f"; violations: {violated}" if violated else ""),
             flush=True,
         )
+        if name == "clean, declared":
+            print("    " + correction_line(report))
+
+
+def correction_line(report) -> str:
+    """What token TIS at cap 2 would do with the clean FP8 drift (verl's names)."""
+    corr = report.correction["rollout_corr"]
+    probs = report.correction["probs_diff"]["rollout_probs_diff_mean"]
+    return (
+        f"correction: IS mean {corr['rollout_is_mean']:.3f}, std {corr['rollout_is_std']:.3f},"
+        f" ESS {corr['rollout_is_eff_sample_size']:.3f}, kl {corr['kl']:.4f}, chi2_token "
+        f"{corr['chi2_token']:.4f}, truncated {corr['truncated_tokens_fraction']:.2%} of "
+        f"tokens; rollout_probs_diff_mean {probs:.4f}"
+    )
 
 
 def false_alarms(fixture, replay, floor: dict, trials: int) -> None:
