@@ -21,12 +21,8 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf_replay import HFScoringEngine
-from pipeline.engines.hf_rollout import HFRolloutEngine
 from pipeline.fixture.io import read_table, write_table
-from pipeline.prompts import smoke_prompt_texts, tokenize
-from pipeline.tinymodel.build import build_tiny_model
 from tests.helpers import read_report, run_lpx
 
 torch = pytest.importorskip("torch")
@@ -51,20 +47,6 @@ PRECISION_CAUSES = {"dtype"}
 def installed(engine: str) -> bool:
     module = {"deepspeed": "deepspeed", "megatron": "megatron.core"}.get(engine)
     return module is None or importlib.util.find_spec(module.split(".")[0]) is not None
-
-
-@pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory) -> Path:
-    """The tiny model, an fp32 HF rollout on the CPU, and the fp32 CPU replay of it."""
-    out = tmp_path_factory.mktemp("gpu-run")
-    model = build_tiny_model(out / "tiny-llama", "llama", 0)
-    prompts = tokenize(model, smoke_prompt_texts())
-    sampling = SamplingParams(max_tokens=48, seed=0, samples_per_prompt=2)
-    fixture = HFRolloutEngine().rollout(model, prompts, sampling, {"device": "cpu"})
-    write_table(fixture, out / "fixture.parquet")
-    replay = HFScoringEngine().score(fixture, model, {"device": "cpu"})
-    write_table(replay, out / "replay-cpu.parquet")
-    return out
 
 
 def replay(run: Path, engine: str, out: Path, *more) -> dict:

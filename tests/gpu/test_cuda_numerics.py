@@ -18,9 +18,8 @@ import pytest
 
 from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf_replay import HFScoringEngine
-from pipeline.engines.hf_rollout import HFRolloutEngine
+from pipeline.fixture.io import read_table
 from pipeline.prompts import smoke_prompt_texts, tokenize
-from pipeline.tinymodel.build import build_tiny_model
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -33,13 +32,13 @@ KV_CACHES = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3:toward_zero")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("gpu-numerics")
-    model = build_tiny_model(out / "tiny-llama", "llama", 0)
-    prompts = tokenize(model, smoke_prompt_texts())
-    sampling = SamplingParams(max_tokens=48, seed=0, samples_per_prompt=2)
-    fixture = HFRolloutEngine().rollout(model, prompts, sampling, {"device": "cpu"})
-    return {"model": model, "fixture": fixture, "prompts": prompts}
+def run(cpu_run) -> dict:
+    model = cpu_run / "tiny-llama"
+    return {
+        "model": model,
+        "fixture": read_table(cpu_run / "fixture.parquet"),
+        "prompts": tokenize(model, smoke_prompt_texts()),
+    }
 
 
 def _scored(run, device: str, **knobs) -> np.ndarray:
