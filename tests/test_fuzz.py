@@ -191,6 +191,7 @@ SUMMARY_HEADINGS = (
     "lpx compare: PASS",
     "lpx compare: FAIL",
     "Violations",
+    "Correction",
     "Diagnosis",
     "Worst tokens",
 )

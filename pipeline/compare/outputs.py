@@ -109,8 +109,9 @@ def render_summary(report: Report) -> str:
     if policy["violations"]:
         lines += ["", "## Violations", ""]
         lines += [
-            f"- {v['metric']} = {_fmt(v['value'])} {'<' if v.get('bound') == 'lower' else '>'} "
-            f"{_fmt(v['limit'])}" + (f" ({v['source']})" if v.get("source") else "")
+            f"- {v['metric']} = {_fmt(v['value'])} "
+            f"{'under its lower bound' if v.get('bound') == 'lower' else '>'} {_fmt(v['limit'])}"
+            + (f" ({v['source']})" if v.get("source") else "")
             for v in policy["violations"]
         ]
     lines += _routing_lines(report.routing)
@@ -251,7 +252,8 @@ def correction_lines(correction: dict | None) -> list[str]:
         f"What an importance-sampling correction would do (verl's definitions; the policy "
         f"gates rollout_is={settings['rollout_is']}, threshold "
         f"{settings['rollout_is_threshold']}). training/rollout_probs_diff_mean "
-        f"{_fmt(probs)}: {faq} by verl's FAQ (< 0.005 normal, > 0.01 a precision problem).",
+        f"{_fmt(probs)}: {faq} by verl's FAQ (normal below 0.005, a precision problem above "
+        "0.01).",
         "",
         "| view | IS mean | IS std | IS min | IS max | ESS | tokens | sequences |",
         "|---|---|---|---|---|---|---|---|",

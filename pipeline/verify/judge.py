@@ -27,13 +27,13 @@ from pipeline.verify.hypothesis import (
     FILL_EXACT,
     MAX_SEQUENCES,
     MIN_DRIFTING,
-    SCREEN_SEQUENCES,
     SCREEN_SLACK,
     VERIFY_MARGIN,
     Candidate,
     Outcome,
 )
 from pipeline.verify.search import mean_abs
+from pipeline.verify.sides import moved_side, screen_rows
 
 IMPOSSIBLE = 0.02  # tokens a reproduction may rule out that the observed side scored
 
@@ -85,17 +85,6 @@ def _far(judged) -> bool:
     drift there and leaves more than SCREEN_SLACK times the margin of its floor."""
     *_, after, floor, explained = judged
     return not explained and after > SCREEN_SLACK * VERIFY_MARGIN * floor
-
-
-def screen_rows(rows: list[int], rollout, replay, positions) -> list[int]:
-    """The most drifting row and the one at the median drift (mean |d| of each row), in
-    their order among ``rows``; every row where there are no more than SCREEN_SEQUENCES."""
-    if len(rows) <= SCREEN_SEQUENCES:
-        return rows
-    drift = np.array([mean_abs([a], [b]) for a, b in zip(rollout, replay, strict=True)])
-    order = np.argsort(-drift, kind="stable")
-    picked = {int(order[0]), int(order[len(order) // 2])}
-    return [rows[i] for i in sorted(picked)]
 
 
 def _judge_data(ref, family, candidate, rollout, replay, positions):
@@ -156,22 +145,6 @@ def _judge_model(ref, family, candidate, rows, rollout, replay, positions, searc
     after = mean_abs(observed, reproduced)
     explained = _explains(ref, rollout, replay, observed, clean, reproduced, positions, floors)
     return candidate, side, before, after, float(np.mean(floors)), explained
-
-
-def moved_side(ref, rollout, replay, clean, positions) -> str:
-    """The side farther from the clean reference, each side's distance in units of the
-    noise its own precision gives against fp32: a bf16 side's noise must not outweigh a
-    bug on an fp32 side (over a long completion, a BOS fault in the first tokens moves its
-    side's mean less than bf16 noise moves the other's; a top-p on a flat distribution
-    moves every token by less than that noise's tail)."""
-
-    def excess(values, meta) -> float:
-        noise = ref.token_floors((side_precision(meta), "float32"), clean, positions)
-        return mean_abs(values, clean) / max(float(np.mean(np.concatenate(noise))), 1e-12)
-
-    ours = excess(rollout, ref.fixture.metadata)
-    theirs = excess(replay, ref.replay.metadata)
-    return "rollout" if ours >= theirs else "replay"
 
 
 def _explains(ref, rollout, replay, observed, clean, reproduced, positions, floors) -> bool:

@@ -38,6 +38,7 @@ from pipeline.contracts.numerics import (
 )
 from pipeline.contracts.report import Finding
 from pipeline.verify.hypothesis import Candidate, Family, Outcome
+from pipeline.verify.sides import moved_side, screen_rows
 
 FORMATS = ("fp8", "fp8-tensor", "fp8-w8a16", "fp8-channel", "fp8-block", "fp8-block-ue8m0",
            "mxfp8", "mxfp8-w8a16", "int8", "int8-w8a16")  # fmt: skip
@@ -68,8 +69,6 @@ class NumericsFamily(Family):
         return [Candidate(finding.cause, "numerics", ref.base, {})]
 
     def judge(self, ref, candidate: Candidate, rows, observed) -> Outcome:
-        from pipeline.verify.judge import moved_side, screen_rows
-
         started = time.perf_counter()
         rollout, replay, positions = observed
         side = moved_side(ref, rollout, replay, ref.clean(rows), positions)
