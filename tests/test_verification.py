@@ -374,7 +374,9 @@ def test_a_wrong_hypothesis_is_ruled_out_on_the_screen_and_a_true_one_judged_on_
     true = judging.judge(ref, temperature, ids)
     assert true.verified and true.screened_on == 0
     assert abs(true.candidate.params["T"] - 0.7) < 1e-3
-    monkeypatch.setattr(judging, "SCREEN_SEQUENCES", 16)  # the screen off
+    from pipeline.verify import sides
+
+    monkeypatch.setattr(sides, "SCREEN_SEQUENCES", 16)  # the screen off
     whole = judging.judge(ref, bos, ids)
     assert whole.screened_on == 0 and not whole.verified
     assert whole.after > judging.VERIFY_MARGIN * whole.floor
