@@ -178,9 +178,28 @@ def replay(
         f"{engine} replay ({table.metadata.get('dtype')}): {table.num_sequences} sequences, "
         f"{table.num_completion_tokens} completion tokens -> {out_path}"
     )
+    config_read = config_warning(fixture.metadata, table.metadata, fixture_path)
+    if config_read:
+        click.echo(f"warning: {config_read}", err=True)
     dropped = dropped_numerics(table.metadata, engine)
     if dropped:  # written as it ran (its numerics read back), and refused as asked
         raise BadInput(
             f"{dropped}; {out_path} records the numerics it ran with. Set what this engine "
             "build runs (docs/reduced-precision.md), or drop the knob."
         )
+
+
+def config_warning(fixture_meta: dict, replay_meta: dict, fixture_path) -> str | None:
+    """One line where the replay computed with another model config than the rollout
+    recorded (a model directory with another config.json, an engine's overrides)."""
+    from pipeline.compare.config_evidence import recorded_differences
+    from pipeline.model_config import described
+
+    differences = recorded_differences(fixture_meta, replay_meta)
+    if not differences:
+        return None
+    return (
+        f"this replay read the model config differently from the rollout in {fixture_path}: "
+        f"{described(differences)}; both are recorded, and lpx compare names the difference "
+        "(model_config). Replay with the rollout's config.json if it was not on purpose."
+    )

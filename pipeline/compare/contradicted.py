@@ -60,6 +60,9 @@ def evidence_on_file(fixture, replay) -> dict:
             for t in (fixture, replay)
         ),
         "replay_packs": layout.get("packing"),
+        # a rollout reached over a server's API holds what the server holds, whatever model
+        # directory lpx was told
+        "rollout_served": _engine(fixture) in SERVED_ENGINES,
     }
 
 
@@ -71,11 +74,20 @@ def contradiction(finding: Finding, evidence: dict) -> str | None:
     versions = evidence["fixture_versions"]
     replay_version = evidence["replay_version"]
     recorded_update = bool(versions) or replay_version is not None or evidence["weights_store"]
-    if cause in WEIGHTS_CLAIMS:
-        same = (
-            evidence["fixture_weights"]
-            and evidence["fixture_weights"] == evidence["replay_weights"]
+    same = bool(evidence["fixture_weights"]) and (
+        evidence["fixture_weights"] == evidence["replay_weights"]
+    )
+    loaded_it = same and evidence["from_checkpoint"] and not evidence["rollout_served"]
+    if cause == Cause.STALE_WEIGHTS and loaded_it and not recorded_update:
+        # stale weights are an update one side missed: with none recorded, and both sides
+        # loading the one checkpoint on file, there was none to miss
+        return (
+            "both sides loaded the checkpoint whose weight fingerprint is on file "
+            f"({str(evidence['fixture_weights'])[:19]}...), the same on both, and neither "
+            "records a weight update, so neither held an older version (an engine that syncs "
+            "weights in memory should record weight versions)"
         )
+    if cause in WEIGHTS_CLAIMS:
         scored_from_it = evidence["from_checkpoint"] and evidence["held_matches_checkpoint"]
         if same and not recorded_update and scored_from_it:
             return (
@@ -86,6 +98,12 @@ def contradiction(finding: Finding, evidence: dict) -> str | None:
             )
     # with a weight store the replay scored each token under its claimed version: the claims
     # themselves are under test there (claimed_version), so they contradict nothing
+    if cause in VERSION_CLAIMS and loaded_it and not recorded_update:
+        return (
+            "neither side records a weight version or update, and both loaded the checkpoint "
+            f"whose weight fingerprint is on file ({str(evidence['fixture_weights'])[:19]}...), "
+            "the same on both"
+        )
     if cause in VERSION_CLAIMS and len(versions) == 1 and not evidence["weights_store"]:
         (only,) = versions
         if replay_version is None or str(replay_version) == only:

@@ -18,10 +18,12 @@ from pipeline.compare.calibrated import (
     surprisal_side,
     usable,
 )
+from pipeline.compare.config_evidence import with_config_evidence
 from pipeline.compare.contradicted import evidence_on_file, rule_out_contradicted
 from pipeline.compare.correction import correction_view, flat_metrics
 from pipeline.compare.diagnosis import Context, diagnose_region
 from pipeline.compare.drift_map import drift_map
+from pipeline.compare.hypotheses.batch import CALIBRATED_CEILING, NUMERIC_CEILING
 from pipeline.compare.metrics import (
     SIGN_CONVENTION,
     batch_metrics,
@@ -29,6 +31,7 @@ from pipeline.compare.metrics import (
     kl_input_drift,
     sequence_metrics,
 )
+from pipeline.compare.onset import position_onset, with_onset
 from pipeline.compare.policy import Policy, judge, load_policy, profile_for
 from pipeline.compare.topk import topk_kl
 from pipeline.contracts.calibration import Calibration
@@ -138,6 +141,8 @@ def compare_tables(
     measured.metrics.update(flat_metrics(correction))
     judging = judged_against(fixture, replay, aligned, policy, profile, tau, options)
     findings = diagnose(fixture, replay, aligned, measured, judging, dtypes)
+    onset = _position_onset(fixture, aligned, judging, dtypes)
+    findings = with_onset(findings, onset)
     judgement = judge(
         policy, profile, measured.metrics, findings, judging.limits, options.exact, judging.gate
     )
@@ -151,7 +156,27 @@ def compare_tables(
         judgement, judging, options,
     )  # fmt: skip
     report.correction = correction
+    report.onset = onset
     return Comparison(report, aligned, tau)
+
+
+def _position_onset(fixture, aligned: Aligned, judging: Judging, dtypes: list[str]):
+    """The absolute position drift starts at in many sequences (compare/onset.py), judged in
+    units of the calibrated floor where there is one, else of the profile's constant."""
+    region = aligned.completion
+    rows = fixture.index_of()
+    prompt_lengths = np.diff(fixture.prompt_offsets)
+    lengths = np.diff(region.offsets)
+    starts = np.asarray([prompt_lengths[rows[s]] for s in aligned.sequence_ids], dtype=np.int64)
+    # the position of the query that computes each completion logprob: the token before it
+    absolute = region.positions.astype(np.int64) + np.repeat(starts, lengths) - 1
+    if judging.floor is not None:
+        noise = np.asarray(judging.floor.expected_mean, dtype=np.float64)
+    else:
+        ceiling = NUMERIC_CEILING.get(profile_for(dtypes), NUMERIC_CEILING["float32"])
+        noise = ceiling / CALIBRATED_CEILING
+    diff = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
+    return position_onset(absolute, diff, region.offsets, noise, aligned.sequence_ids)
 
 
 def _check_inputs(fixture, replay, fixture_path, replay_path, allow_weight_mismatch: bool):
@@ -261,7 +286,8 @@ def diagnose(
     findings += _routing_flips(measured.routing, gate, aligned, judging.token_tau, forced)
     if gate is not None and not gate["passed"]:
         findings += _beyond_precision(gate, findings, aligned)
-    return rule_out_contradicted(findings, evidence_on_file(fixture, replay))
+    findings = rule_out_contradicted(findings, evidence_on_file(fixture, replay))
+    return with_config_evidence(findings, fixture.metadata, replay.metadata)
 
 
 def assemble(

@@ -33,6 +33,9 @@ class Cause(StrEnum):
     # quantized (FP8, MXFP8, INT8), or its KV cache stored in FP8 (the format in details)
     QUANTIZATION = "quantization"
     KV_CACHE_PRECISION = "kv_cache_precision"
+    # the two sides computed with model configs that differ (RoPE, windows, eps, soft-caps,
+    # a tied head): named from the configs they recorded, or found by re-scoring a misread
+    MODEL_CONFIG = "model_config"
     UNEXPLAINED = "unexplained"  # beyond precision, and no signature names it
 
 

@@ -384,6 +384,8 @@ class Report(Open):
     # what an importance-sampling correction would do (compare/correction.py): verl's
     # rollout_corr metrics per view, the configured one among the flat metrics too
     correction: dict | None = None
+    # where drift starts at one absolute position in many sequences (compare/onset.py)
+    onset: dict | None = None
     metadata: Metadata
 
     def as_dict(self) -> dict:

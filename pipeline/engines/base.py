@@ -136,6 +136,25 @@ def trajectories(
 NUMERICS_KNOBS = ("quantization", "kv_cache_dtype", "calculate_kv_scales")
 
 
+def json_object(text, knob: str) -> dict:
+    """A knob given as a JSON object (an engine's config overrides), parsed; BadInput naming
+    the knob and what is wrong."""
+    import json
+
+    from pipeline.errors import BadInput
+
+    if isinstance(text, dict):
+        return text
+    example = """'{"rope_theta": 500000}'"""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise BadInput(f"{knob}: not JSON ({error}); give an object such as {example}.") from None
+    if not isinstance(value, dict):
+        raise BadInput(f"{knob}: a JSON object of config.json's keys is needed, not {text!r}.")
+    return value
+
+
 def dropped_numerics(metadata: dict, engine: str) -> str | None:
     """What an engine did not apply of the numerics it was asked for, in words; None when it
     applied them all (metadata.knobs_not_applied, as the engine read itself back)."""

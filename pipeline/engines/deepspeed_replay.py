@@ -56,6 +56,7 @@ class DeepSpeedSession:
         deepspeed.init_distributed(dist_backend=dist.get_backend())
         self.model_dir = Path(model_dir)
         model = load_model(model_dir, "float32", self.settings.attn_implementation)
+        self.model_config = model.config  # the config it computes with (metadata.model.config)
         bf16 = self.settings.dtype == "bfloat16"
         # DeepSpeed holds bf16 weights when bf16 is on: fingerprint the checkpoint cast the same way.
         held_dtype = torch_dtype(self.settings.dtype)
@@ -113,7 +114,7 @@ class DeepSpeedSession:
                 "attn_implementation": module.config._attn_implementation,
                 "deepspeed_config": self.config,
             },
-            "model": model_metadata(self.model_dir),
+            "model": model_metadata(self.model_dir, self.model_config),
             "weights": {
                 "checkpoint_tensor_fingerprint": self.checkpoint_fingerprint,
                 "held_tensor_fingerprint": held,

@@ -41,6 +41,7 @@ class FSDPSession:
         device = self.settings.device  # this rank's: cpu or cuda:LOCAL_RANK
         # fp32 master weights; the mixed-precision policy casts them for compute.
         model = load_model(model_dir, "float32", self.settings.attn_implementation)
+        self.model_config = model.config  # the config it computes with (metadata.model.config)
         self.checkpoint_fingerprint = tensor_fingerprint(model.state_dict().items())
         model.to(device)
         mesh = init_device_mesh(device_kind(device), (world_size,))
@@ -88,7 +89,7 @@ class FSDPSession:
                 },
                 "sharding": "decoder layers + root (embeddings, norm, lm_head)",
             },
-            "model": model_metadata(self.model_dir),
+            "model": model_metadata(self.model_dir, self.model_config),
             "weights": {
                 "checkpoint_tensor_fingerprint": self.checkpoint_fingerprint,
                 "held_tensor_fingerprint": tensor_fingerprint(full.items()) if full else None,

@@ -10,6 +10,12 @@ from pipeline.contracts.numerics import Numerics
 from pipeline.engines.model_dir import check_model_dir
 from pipeline.errors import BadInput
 from pipeline.fingerprint import tokenizer_fingerprint, weights_fingerprint
+from pipeline.model_config import (
+    config_files,
+    numerics_config,
+    read_config_file,
+    with_overrides,
+)
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
@@ -125,8 +131,11 @@ def model_device(model):
     return torch.device("cpu")
 
 
-def model_metadata(model_dir: Path) -> dict:
-    """What identifies the model: path, architecture, vocabulary and fingerprints."""
+def model_metadata(model_dir: Path, resolved=None) -> dict:
+    """What identifies the model: path, architecture, vocabulary, fingerprints of its weight,
+    tokenizer and config files, and the config the engine computed with (``resolved``: the
+    engine's own config object or dict after its overrides and defaults; else the file's,
+    said so in ``config_read_from``)."""
     config = check_model_dir(model_dir)
     built = Path(model_dir) / "lpx-model.json"
     return {
@@ -138,7 +147,28 @@ def model_metadata(model_dir: Path) -> dict:
         "tokenizer_fingerprint": tokenizer_fingerprint(model_dir),
         # what an engine applies where the request leaves a sampling field unset
         "generation_config": generation_sampling(model_dir),
+        "config_files": config_files(model_dir),
+        "config": numerics_config(
+            file_config_resolved(model_dir) if resolved is None else resolved, config
+        ),
+        "config_read_from": "file" if resolved is None else "engine",
     }
+
+
+def file_config_resolved(model_dir: Path, overrides: dict | None = None) -> dict:
+    """config.json (with an engine's ``overrides`` merged in) as transformers resolves it:
+    its config class fills the defaults and derives what it derives (a Qwen3's layer types
+    from ``use_sliding_window`` and ``max_window_layers``, RoPE's parameters from
+    ``rope_theta``), so a side read from its file and one read from its engine compare alike.
+    The file as it is where transformers does not know the model type."""
+    raw = with_overrides(read_config_file(model_dir), overrides or {})
+    try:
+        from transformers import AutoConfig
+
+        fields = {k: v for k, v in raw.items() if k != "model_type"}
+        return AutoConfig.for_model(str(raw.get("model_type")), **fields).to_dict()
+    except Exception:  # noqa: BLE001 - an unknown or odd config: the file itself is the record
+        return raw
 
 
 # The fields of generation_config.json that change a logprob when an engine applies them

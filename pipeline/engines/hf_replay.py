@@ -543,7 +543,7 @@ def replay_metadata(model, model_dir: Path, settings: ReplayKnobs, tf32: dict) -
             "packing": settings.packing,
             "attn_implementation": applied["attn_implementation"],
         },
-        "model": model_metadata(model_dir),
+        "model": model_metadata(model_dir, model.config),
         "position_id_rule": "arange",
         **numerics_metadata(model),
     }

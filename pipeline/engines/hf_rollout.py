@@ -131,7 +131,7 @@ class HFRolloutEngine:
                     "rollout": f"{main} logprob of the sampled token",
                     f"rollout_{other}": f"{other} logprob of the sampled token",
                 },
-                "model": model_metadata(model_dir),
+                "model": model_metadata(model_dir, model.config),
                 "position_id_rule": "arange",
                 **numerics_metadata(model),
             },

@@ -512,12 +512,38 @@ def gpt_model(config: dict, shape: Shape, parallel: Parallel, dtype):
         vocab_size=shape.vocab_size,
         max_sequence_length=config.get("max_position_embeddings", 4096),
         position_embedding_type="rope",
-        rotary_base=int(
-            (config.get("rope_parameters") or {}).get("rope_theta")
-            or config.get("rope_theta", 10000)
-        ),
+        rotary_base=rotary_base(config),
         share_embeddings_and_output_weights=shape.tied,
         parallel_output=True,
+    )
+
+
+def config_as_built(model, config: dict) -> dict:
+    """The model config the built GPTModel computes with, in config.json's words (what lpx
+    records as the side's config): what megatron was given, read off its TransformerConfig
+    and rotary embedding. The converter gives it no RoPE scaling and no window, so a
+    checkpoint's YaRN or sliding window shows here as missing, as it is."""
+    transformer = model.config
+    return {
+        "model_type": config.get("model_type"),
+        "num_hidden_layers": transformer.num_layers,
+        "hidden_size": transformer.hidden_size,
+        "num_attention_heads": transformer.num_attention_heads,
+        "num_key_value_heads": transformer.num_query_groups,
+        "head_dim": transformer.kv_channels,
+        "rms_norm_eps": transformer.layernorm_epsilon,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rotary_base(config)},
+        "max_position_embeddings": model.max_sequence_length,
+        "tie_word_embeddings": bool(model.share_embeddings_and_output_weights),
+        "sliding_window": getattr(transformer, "window_size", None),
+        "quantization_config": config.get("quantization_config"),
+    }
+
+
+def rotary_base(config: dict) -> int:
+    """The RoPE base GPTModel is given: the config's theta, as an integer (megatron's type)."""
+    return int(
+        (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 10000)
     )
 
 

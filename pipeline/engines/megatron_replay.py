@@ -27,6 +27,7 @@ from pipeline.engines.megatron_convert import (
     DISPATCHER,
     Parallel,
     check_convertible,
+    config_as_built,
     cpu_moe_shims,
     gpt_model,
     hf_to_megatron,
@@ -167,6 +168,7 @@ class MegatronSession:
         self.parallel_state = parallel_state
         self.place = place_of_this_rank()
         self.model = self._build(config)
+        self.model_config = config_as_built(self.model, config)
         self.routers = MegatronRouters(self.model)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -351,7 +353,7 @@ class MegatronSession:
                 "conversion": CONVERSION,
                 **self._moe_layout(),
             },
-            "model": model_metadata(self.model_dir),
+            "model": model_metadata(self.model_dir, self.model_config),
             "weights": {
                 "checkpoint_tensor_fingerprint": self.checkpoint_fingerprint,
                 "held_tensor_fingerprint": tensor_fingerprint(held.items()),

@@ -60,6 +60,9 @@ class SGLangKnobs:
     # fp8_e4m3, fp8_e5m2; fp8 is taken as fp8_e4m3); read back from the server's arguments
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    # SGLang's --json-model-override-args: config keys changed as the server loads the model,
+    # as JSON ('{"rope_theta": 500000}'); recorded with the config the server resolved
+    json_model_override_args: str = ""
     # a server lpx did not start: does it run with SGLANG_RETURN_ORIGINAL_LOGPROB=1?
     # None: lpx asks it (one probe request)
     original_logprobs: bool | None = None
@@ -134,6 +137,7 @@ def server_arguments(
         "--weight-version": settings.weight_version or None,
         "--quantization": settings.quantization,
         "--kv-cache-dtype": None if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype,
+        "--json-model-override-args": settings.json_model_override_args or None,
     }
     argv += [str(part) for flag, value in optional.items() if value is not None
              for part in (flag, value)]  # fmt: skip
@@ -251,6 +255,21 @@ def not_applied(settings: SGLangKnobs, applied: dict) -> dict:
 # (pipeline/contracts/numerics.py presets); a checkpoint's own scheme is read from its config
 SGLANG_QUANTIZATIONS = {"fp8": "fp8", "w8a8_fp8": "fp8-channel", "w8a8_int8": "int8",
                         "mxfp8": "mxfp8", "modelopt_fp8": "fp8"}  # fmt: skip
+
+
+def resolved_config(model_dir: Path, found: Session) -> dict:
+    """The model config the server computes with: the model's config.json with the override
+    arguments the server reports it runs with (``json_model_override_args``), resolved as
+    transformers resolves it (SGLang builds its model config with transformers' classes)."""
+    from pipeline.engines.base import json_object
+    from pipeline.engines.hf_common import file_config_resolved
+
+    given = found.server_args().get("json_model_override_args") or "{}"
+    try:
+        overrides = json_object(given, "SGLang's json_model_override_args")
+    except BadInput:
+        overrides = {}
+    return file_config_resolved(model_dir, overrides)
 
 
 def numerics_metadata(found: Session) -> dict:

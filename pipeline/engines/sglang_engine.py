@@ -32,6 +32,7 @@ from pipeline.engines.sglang_common import (
     engine_metadata,
     not_applied,
     numerics_metadata,
+    resolved_config,
     session,
 )
 from pipeline.errors import BadInput
@@ -134,7 +135,7 @@ def _rollout_on(
                 sampling, model_dir, original, asked.top_k, found.model_info
             ),
             "logprob_channels": described,
-            "model": model_metadata(model_dir),
+            "model": model_metadata(model_dir, resolved_config(model_dir, found)),
             "errors": dict(failed),
             "position_id_rule": "arange",
             **numerics_metadata(found),
@@ -325,7 +326,7 @@ class SGLangScoringEngine:
                     "packing": True,
                     "attn_implementation": f"sglang {applied.get('attention_backend')}",
                 },
-                "model": model_metadata(model_dir),
+                "model": model_metadata(model_dir, resolved_config(model_dir, found)),
                 "position_id_rule": "arange",
                 # score_s: the requests alone; the server's start and stop are load_s and stop_s
                 "timing": {

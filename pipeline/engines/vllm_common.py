@@ -8,7 +8,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline.engines.base import knobs_from_dict
+from pipeline.engines.base import json_object, knobs_from_dict
 from pipeline.engines.hf_common import software_versions
 from pipeline.engines.model_dir import check_model_dir
 from pipeline.engines.vllm_routing import EXTENSION
@@ -55,12 +55,17 @@ class VLLMKnobs:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool | None = None
+    # vLLM's hf_overrides: config keys changed as the engine loads the model, as JSON
+    # ('{"rope_theta": 500000}'); the config vLLM resolved is recorded either way
+    hf_overrides: str | None = None
 
     @classmethod
     def from_dict(cls, knobs: dict) -> VLLMKnobs:
         knobs_obj = knobs_from_dict(cls, knobs, "vllm")
         if knobs_obj.logprobs_mode not in LOGPROBS_MODES:
             raise BadInput("vllm logprobs_mode must be 'raw' or 'processed'.")
+        if knobs_obj.hf_overrides:
+            json_object(knobs_obj.hf_overrides, "vllm knob hf_overrides")
         return knobs_obj
 
     def engine_part(self) -> tuple:
@@ -93,6 +98,9 @@ def create_llm(model_dir: Path, knobs: VLLMKnobs, seed: int = 0):
         "async_scheduling": knobs.async_scheduling,
         "quantization": knobs.quantization,
         "calculate_kv_scales": knobs.calculate_kv_scales,
+        "hf_overrides": json_object(knobs.hf_overrides, "vllm knob hf_overrides")
+        if knobs.hf_overrides
+        else None,
     }
     numerics = {k: v for k, v in optional.items() if k in NUMERICS_KNOBS and v is not None}
     if knobs.kv_cache_dtype != "auto":
@@ -167,6 +175,12 @@ def _check_release_has(argument: str) -> None:
             f"vllm knob {argument}: vLLM {_release()} has no such engine argument; give KV "
             "scales in the checkpoint instead, or use a release that has it."
         )
+
+
+def resolved_config(llm):
+    """The model config vLLM computes with: its hf_config after hf_overrides and its own
+    defaults (what lpx records as the side's config)."""
+    return llm.llm_engine.vllm_config.model_config.hf_config
 
 
 def read_back_numerics(llm, knobs: VLLMKnobs) -> tuple[dict, dict]:

@@ -1,6 +1,7 @@
 """The hypothesis families, in the order their alternatives are tried on drift no signature
 explained: the sampler's (truncation, temperature, the rollout's whole processing) and
 routing first, then what edits the input, what moves positions, labels or padding, then
+how the model config was read (a window, RoPE, eps, soft-caps, a tied head), then
 precisions and numerics other than declared (a plain dtype first: its finding is never taken
 away by a format), and other weights last (they explain any drift, so every cheaper reading
 goes first). Data bugs
@@ -15,6 +16,7 @@ searches ahead of it)."""
 from __future__ import annotations
 
 from pipeline.verify.families.inflight import InFlight
+from pipeline.verify.families.model_config import ModelConfig
 from pipeline.verify.families.numerics import NumericsFamily
 from pipeline.verify.families.padding import Padding
 from pipeline.verify.families.positions import Positions
@@ -37,6 +39,7 @@ FAMILIES: tuple[Family, ...] = (
     Positions(),
     Shifts(),
     Padding(),
+    ModelConfig(),
     Precision(),
     NumericsFamily(),
     Weights(),

@@ -1,0 +1,158 @@
+"""Drift that starts at a position many sequences share: a change point over absolute
+positions (prompt + completion, 0-based), found across sequences.
+
+Real mismatches start at a position, not at a token: a sliding window's edge, a RoPE
+scaling threshold, a kernel's tile (an FP8 KV cache whose prefill and decode kernels tile it
+differently parted from position ~96 in 2026), a chunked-prefill chunk's edge. Each sequence
+that reaches such a position is clean before it and drifts after it, whatever its prompt's
+length. A clean long completion, whose bf16 drift grows smoothly with position, has no such
+step: its drift just before a position is what it is just after.
+
+A token's position here is that of the query that scored it (the token before it): the
+position a window's size, a tile or a chunk counts.
+
+The test, per candidate position p and per sequence holding at least MIN_SIDE compared
+tokens either side of p, on its |d| in units of its noise floor (capped at CAP):
+- before p the sequence is quiet (mean at most QUIET floors);
+- after p it drifts at least STEP times as much as before (before counted as >= 1 floor);
+- and the step is at p: the LOCAL tokens after p drift STEP times the LOCAL before it (a
+  slope passes the first two, never this one).
+The onset is the p where most sequences step (at least MIN_SEQUENCES, and SHARE of those
+that span p), the sharpest of those (largest pooled local contrast). Pure."""
+
+from __future__ import annotations
+
+import numpy as np
+
+STEP = 4.0
+QUIET = 2.0
+CAP = 50.0  # floors: one wild token does not make a sequence's level
+MIN_SIDE = 8  # tokens: a quiet stretch, not the first few tokens of a completion
+LOCAL = 16
+MIN_SEQUENCES = 3
+SHARE = 0.6
+NEAR_BEST = 0.9  # positions stepping in this fraction of the best count compete on sharpness
+MAX_SEQUENCES = 2048  # spread evenly: the onset of a batch is seen in any few thousand
+SAMPLE = 20  # sequence ids kept in the report
+
+
+def position_onset(
+    absolute_positions: np.ndarray,
+    abs_diff: np.ndarray,
+    offsets: np.ndarray,
+    noise: np.ndarray | float,
+    sequence_ids: list[str],
+) -> dict | None:
+    """The shared onset of drift, or None: {"position", "sequences" (how many step there),
+    "spanning" (how many could), "sequence_ids" (a sample), "level_before", "level_after"
+    (medians of the stepping sequences' mean |d| in noise floors), "mean_abs_before",
+    "mean_abs_after" (their median mean |d|), "jump" (level_after / level_before)}."""
+    n = len(offsets) - 1
+    if n < MIN_SEQUENCES or len(abs_diff) == 0:
+        return None
+    chosen = np.unique(np.linspace(0, n - 1, min(n, MAX_SEQUENCES)).round().astype(int))
+    starts, ends = offsets[chosen], offsets[chosen + 1]
+    take = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends, strict=True)])
+    lengths = ends - starts
+    seq = np.repeat(np.arange(len(chosen)), lengths)
+    pos = np.asarray(absolute_positions, dtype=np.int64)[take]
+    raw = np.asarray(abs_diff, dtype=np.float64)[take]
+    floor = np.broadcast_to(np.asarray(noise, dtype=np.float64), np.shape(abs_diff))[take]
+    z = np.minimum(raw / np.maximum(floor, 1e-12), CAP)
+    big = int(pos.max()) + 2 * LOCAL + 2
+    keys = seq * big + pos  # sorted: sequences in order, positions rising within each
+    order = np.argsort(keys, kind="stable")
+    keys, z, raw = keys[order], z[order], raw[order]
+    cz = np.concatenate([[0.0], np.cumsum(z)])
+    craw = np.concatenate([[0.0], np.cumsum(raw)])
+    first = np.concatenate([[0], np.cumsum(lengths)])
+    lo, hi = first[:-1], first[1:]
+    base = np.arange(len(chosen)) * big
+    best = None
+    candidates = np.unique(pos)
+    for p in candidates[(candidates > pos.min())]:
+        at = np.searchsorted(keys, base + p)
+        before_n, after_n = at - lo, hi - at
+        spanning = (before_n >= MIN_SIDE) & (after_n >= MIN_SIDE)
+        if spanning.sum() < MIN_SEQUENCES:
+            continue
+        before = (cz[at] - cz[lo]) / np.maximum(before_n, 1)
+        after = (cz[hi] - cz[at]) / np.maximum(after_n, 1)
+        near_lo = np.searchsorted(keys, base + p - LOCAL)
+        near_hi = np.searchsorted(keys, base + p + LOCAL)
+        local_before = (cz[at] - cz[near_lo]) / np.maximum(at - near_lo, 1)
+        local_after = (cz[near_hi] - cz[at]) / np.maximum(near_hi - at, 1)
+        steps = (
+            spanning
+            & (before <= QUIET)
+            & (after >= STEP * np.maximum(before, 1.0))
+            & (local_after >= STEP * np.maximum(local_before, 1.0))
+        )
+        count = int(steps.sum())
+        if count < MIN_SEQUENCES or count < SHARE * spanning.sum():
+            continue
+        sharpness = float(np.mean((local_after - local_before)[steps]))
+        row = (count, sharpness, int(p), steps, spanning, before, after, at)
+        if best is None or count > best[0] / NEAR_BEST:
+            best = row
+        elif count >= NEAR_BEST * best[0] and sharpness > best[1]:
+            best = row
+    if best is None:
+        return None
+    count, _, p, steps, spanning, before, after, at = best
+    p = _first_drifting(keys, z, base, steps, p)
+    raw_before = (craw[at] - craw[lo]) / np.maximum(at - lo, 1)
+    raw_after = (craw[hi] - craw[at]) / np.maximum(hi - at, 1)
+    level_before = float(np.median(before[steps]))
+    level_after = float(np.median(after[steps]))
+    return {
+        "position": p,
+        "measured_in": "the position that computes the logprob (0-based, prompt and "
+        "completion together: the scored token's position - 1)",
+        "sequences": count,
+        "spanning": int(spanning.sum()),
+        "sequence_ids": [sequence_ids[chosen[i]] for i in np.flatnonzero(steps)[:SAMPLE]],
+        "level_before": round(level_before, 3),
+        "level_after": round(level_after, 3),
+        "mean_abs_before": float(np.median(raw_before[steps])),
+        "mean_abs_after": float(np.median(raw_after[steps])),
+        "jump": round(level_after / max(level_before, 1e-12), 2),
+    }
+
+
+def _first_drifting(keys, z, base, steps, p: int) -> int:
+    """The onset to the token: the step test places it within a few tokens (a step whose
+    first tokens drift little reads sharper a token or two late), so each stepping sequence's
+    first token past QUIET floors near p is found, and the lower quartile of those taken (one
+    noisy token before the edge in one sequence does not move it)."""
+    firsts = []
+    for i in np.flatnonzero(steps):
+        lo = np.searchsorted(keys, base[i] + p - LOCAL)
+        hi = np.searchsorted(keys, base[i] + p + LOCAL)
+        loud = np.flatnonzero(z[lo:hi] > QUIET)
+        if len(loud):
+            firsts.append(int(keys[lo + loud[0]] - base[i]))
+    return int(np.percentile(firsts, 25, method="lower")) if firsts else p
+
+
+def onset_words(onset: dict) -> str:
+    """One sentence for compare's summary and the run page."""
+    return (
+        f"drift starts at position {onset['position']} (the logprobs computed there on) in {onset['sequences']} of the "
+        f"{onset['spanning']} sequences that reach it: clean before it (median mean |d| "
+        f"{onset['mean_abs_before']:.3g}, {onset['level_before']:.2f} noise floors), "
+        f"{onset['jump']:.3g}x after it ({onset['mean_abs_after']:.3g}); a position every "
+        "sequence shares (a window's edge, a kernel's tile, a chunk's edge, a RoPE table's "
+        "length), not a token"
+    )
+
+
+def with_onset(findings: list, onset: dict | None) -> list:
+    """The fault findings carrying the batch's onset (``details.position_onset``), for the
+    families whose hypotheses have a position to fit around it."""
+    if onset is None:
+        return findings
+    return [
+        f.but(details={**f.details, "position_onset": onset["position"]}) if f.is_fault else f
+        for f in findings
+    ]

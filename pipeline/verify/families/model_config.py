@@ -1,0 +1,286 @@
+"""Model-config misreads: one side computed with the same weights under a config read another
+way, the kind of bug of vLLM's RoPE op at long lengths, of YaRN's attention factor dropped,
+of a sliding window off by one, of Qwen's `max_window_layers` read two ways.
+
+Two ways in:
+- a `model_config` finding (the sides recorded different configs,
+  compare/config_evidence.py): the recorded reading of the side that differs from the
+  reference model's own is re-scored as it is;
+- drift nothing else reproduced: each key engines are known to misread is searched over
+  its values (`readings`), the nearest re-scored on one sequence each, and the best judged.
+  The search gives up after its first pass where no reading comes CLOSER nearer the side
+  than the model's own config (no misread of one key is at work).
+
+Windows are searched around the position drift starts at where compare found one (a window
+of W parts from the model's at position W); RoPE's theta over the values checkpoints use
+and x/÷ 2, 4 and 10 of the model's, then refined by golden section on log theta and
+snapped to two significant digits where that fits as well. Each edit is exact
+(verify/config_edit.py: fp32 re-scores of a window or a theta that an engine read so match
+its logprobs to 1e-6)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.contracts.causes import Cause
+from pipeline.contracts.report import Finding
+from pipeline.verify.config_edit import EDITABLE, own_reading, reading
+from pipeline.verify.hypothesis import Candidate, Family
+from pipeline.verify.search import mean_abs
+
+KIND = "config_misread"
+CLOSER = 1.5  # a reading must come this much nearer the side than the model's own config
+THETAS = (1e4, 5e4, 1e5, 5e5, 1e6, 5e6, 1e7)  # the RoPE bases checkpoints ship
+THETA_FACTORS = (0.1, 0.25, 0.5, 2.0, 4.0, 10.0)
+THETA_STEPS = 14  # golden-section steps on log theta around the best of the grid
+EPSILONS = (1e-5, 1e-6)
+SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # Gemma 2's
+SCALINGS = (2.0, 4.0)  # RoPE scaling factors tried on a model that has none
+WINDOWS = 6  # powers of two tried as a window where compare found no onset
+SNAP = 1.02  # a two-digit theta is kept where it leaves at most this much more gap
+
+
+class ModelConfig(Family):
+    name = "model_config"
+    causes = (Cause.MODEL_CONFIG,)
+    kinds = (KIND,)
+
+    def hypotheses(self, ref, finding: Finding) -> list[Candidate]:
+        """The recorded readings of the keys the sides differ in, each side's that differs
+        from the reference model's own; a search where none can be re-scored."""
+        differences = finding.details.get("differences") or []
+        own = own_reading(ref.model)
+        out = []
+        for side in ("rollout", "replay"):
+            edits = _recorded_edits(differences, side, own)
+            if edits:
+                out.append(_candidate(ref, edits, {"from": f"the {side}'s recorded config"}))
+        return out or self.alternatives(ref, finding)
+
+    def alternatives(self, ref, finding: Finding) -> list[Candidate]:
+        onset = finding.details.get("position_onset")
+        return [_candidate(ref, {}, {"search": True, **({"onset": onset} if onset else {})})]
+
+    def search(self, ref, candidate, rows, observed, clean, side) -> Candidate:
+        if not candidate.params.get("search"):
+            return candidate
+        row, seen = rows[0], observed[0]
+        own = own_reading(ref.model)
+        longest = len(ref.fixture.prompt_of(row)) + len(ref.fixture.completion_of(row))
+
+        def gap(edits: dict) -> float:
+            try:
+                return mean_abs([seen], _rescored(ref, edits, [row]))
+            except (ValueError, KeyError, TypeError):
+                return float("inf")
+
+        before = mean_abs([seen], [clean[0]])
+        tried = {_label(e): (e, gap(e)) for e in readings(own, candidate.params, longest)}
+        best_label = min(tried, key=lambda k: tried[k][1], default=None)
+        if best_label is None or tried[best_label][1] * CLOSER > before:
+            nearest = {k: round(v[1], 6) for k, v in sorted(tried.items(), key=lambda i: i[1][1])}
+            return _candidate(
+                ref, {}, {"searched": len(tried), "nearest": dict(list(nearest.items())[:3])}
+            )
+        edits, best_gap = tried[best_label]
+        if "rope" in edits and set(edits["rope"]) == set(own["rope"]):
+            edits, best_gap = _refined_theta(edits, best_gap, gap)
+        return _candidate(
+            ref, edits, {"searched": len(tried), "key": _keys(edits), "value": _values(edits)}
+        )
+
+    def commit(self, ref, candidate: Candidate, rows: list[int]):
+        return _rescored(ref, candidate.params.get("edits") or {}, rows)
+
+    def words(self, outcome, how: str) -> tuple[str, str]:
+        from pipeline.contracts.causes import Severity
+
+        params = outcome.candidate.params
+        edits = params.get("edits") or {}
+        if not edits:
+            return how, Severity.FAULT
+        return (
+            f"the {outcome.side} side computed as if the model config read "
+            f"{_values(edits)}: re-scored with that reading, its logprobs match to mean |d| "
+            f"{outcome.after:.3g} (floor {outcome.floor:.3g}; the drift was "
+            f"{outcome.before:.3g}); check how that engine reads "
+            f"{_keys(edits)} ({', '.join(_where(k) for k in edits)})",
+            Severity.FAULT,
+        )
+
+    def tried_words(self, tried: dict) -> str | None:
+        params = tried["params"]
+        if "nearest" not in params:
+            return None
+        return (
+            f"model config: {params['searched']} misreadings re-scored (RoPE theta and scaling, "
+            f"windows, eps, soft-caps, a tied head), none nearer the side than the model's own "
+            f"config (nearest: {params['nearest']})"
+        )
+
+
+def readings(own: dict, params: dict, longest: int) -> list[dict]:
+    """Each single-key misreading engines commit, as edits to the model's own reading."""
+    rope = own.get("rope") or {}
+    theta = float(rope.get("rope_theta") or 10000.0)
+    thetas = {t for t in THETAS} | {theta * f for f in THETA_FACTORS}
+    out = [{"rope": {**rope, "rope_theta": t}} for t in sorted(thetas) if not _close(t, theta)]
+    kind = rope.get("rope_type", "default")
+    if kind != "default":
+        out.append({"rope": {"rope_type": "default", "rope_theta": theta}})  # scaling dropped
+        if kind == "yarn":
+            out.append({"rope": {**rope, "attention_factor": 1.0}})  # vLLM's get_rope bug
+    else:
+        original = own.get("max_position_embeddings") or longest
+        for factor in SCALINGS:
+            out.append({"rope": {"rope_type": "linear", "rope_theta": theta, "factor": factor}})
+            out.append(
+                {
+                    "rope": {
+                        "rope_type": "yarn",
+                        "rope_theta": theta,
+                        "factor": factor,
+                        "original_max_position_embeddings": int(original),
+                    }
+                }
+            )
+    out += _windows(own, params.get("onset"), longest)
+    eps = own.get("rms_norm_eps")
+    out += [{"rms_norm_eps": e} for e in EPSILONS if eps is not None and not _close(e, eps)]
+    for key, value in SOFTCAPS.items():
+        out.append({key: None if own.get(key) else value})
+    if not own.get("tie_word_embeddings"):
+        out.append({"tie_word_embeddings": True})
+    return out
+
+
+def _windows(own: dict, onset, longest: int) -> list[dict]:
+    window, layers = own.get("sliding_window"), own.get("windowed_layers") or ""
+    every = f"0-{_layer_count(own) - 1}" if _layer_count(own) else layers
+    if window:
+        sizes = {window - 1, window + 1}
+        out = [{"sliding_window": w, "windowed_layers": layers} for w in sorted(sizes)]
+        out.append({"sliding_window": None, "windowed_layers": ""})
+        if layers != every:
+            out.append({"sliding_window": window, "windowed_layers": every})
+        return out
+    if onset:
+        sizes = {int(onset) - 1, int(onset), int(onset) + 1}
+    else:
+        sizes = {2**k for k in range(4, 20) if 2**k < longest}
+        sizes = set(sorted(sizes)[-WINDOWS:])
+    return [{"sliding_window": w, "windowed_layers": every} for w in sorted(sizes) if w > 1]
+
+
+def _layer_count(own: dict) -> int:
+    return int(own.get("num_hidden_layers") or 0)
+
+
+def _refined_theta(edits: dict, best_gap: float, gap) -> tuple[dict, float]:
+    """Theta refined by golden section on log theta within x/÷ 2 of the grid's best, then
+    snapped to two significant digits where that fits as well."""
+    rope = edits["rope"]
+    center = np.log(float(rope["rope_theta"]))
+    low, high = center - np.log(2.0), center + np.log(2.0)
+    ratio = (np.sqrt(5) - 1) / 2
+
+    def at(log_theta: float) -> float:
+        return gap({"rope": {**rope, "rope_theta": float(np.exp(log_theta))}})
+
+    a, b = high - ratio * (high - low), low + ratio * (high - low)
+    ga, gb = at(a), at(b)
+    for _ in range(THETA_STEPS):
+        if ga < gb:
+            high, b, gb = b, a, ga
+            a = high - ratio * (high - low)
+            ga = at(a)
+        else:
+            low, a, ga = a, b, gb
+            b = low + ratio * (high - low)
+            gb = at(b)
+    found = float(np.exp((low + high) / 2))
+    found_gap = gap({"rope": {**rope, "rope_theta": found}})
+    if found_gap >= best_gap:
+        found, found_gap = float(rope["rope_theta"]), best_gap
+    snapped = float(f"{found:.2g}")
+    snapped_gap = gap({"rope": {**rope, "rope_theta": snapped}})
+    if snapped_gap <= SNAP * found_gap:
+        found, found_gap = snapped, snapped_gap
+    return {"rope": {**rope, "rope_theta": found}}, found_gap
+
+
+def _recorded_edits(differences: list[dict], side: str, own: dict) -> dict:
+    """The edits that make the reference read as ``side`` recorded, for the keys the sides
+    differ in and that side reads otherwise than the reference model does."""
+    edits: dict = {}
+    for difference in differences:
+        key, value = difference["key"], difference[side]
+        if key.startswith("rope."):
+            field = key.split(".", 1)[1]
+            if (own.get("rope") or {}).get(field) != value:
+                rope = edits.setdefault("rope", dict(own.get("rope") or {}))
+                if value is None:
+                    rope.pop(field, None)
+                else:
+                    rope[field] = value
+        elif key in EDITABLE and own.get(key) != value:
+            edits[key] = value
+    if ("sliding_window" in edits) != ("windowed_layers" in edits):
+        for key in ("sliding_window", "windowed_layers"):
+            edits.setdefault(key, own.get(key))
+    return edits
+
+
+def _rescored(ref, edits: dict, rows: list[int]) -> list[np.ndarray]:
+    from pipeline.faults import rescore
+
+    with reading(ref.model, edits):
+        values = rescore(ref.model, ref.pairs(rows), "clean", ref.base)
+    return ref.compared(values, rows)
+
+
+def _candidate(ref, edits: dict, params: dict) -> Candidate:
+    return Candidate(Cause.MODEL_CONFIG, KIND, ref.base, {**params, "edits": edits})
+
+
+def _label(edits: dict) -> str:
+    return _values(edits)
+
+
+def _keys(edits: dict) -> str:
+    return ", ".join(sorted(edits))
+
+
+def _values(edits: dict) -> str:
+    parts = []
+    for key, value in sorted(edits.items()):
+        if key == "rope" and isinstance(value, dict):
+            parts.append(
+                ", ".join(f"rope.{k}={_short(v)}" for k, v in value.items() if k != "rope_type")
+                + f" ({value.get('rope_type', 'default')})"
+            )
+        else:
+            parts.append(f"{key}={_short(value)}")
+    return "; ".join(parts)
+
+
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return "none" if value is None or value == "" else str(value)
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(abs(a), abs(b))
+
+
+def _where(key: str) -> str:
+    return {
+        "rope": "its rotary embedding and RoPE scaling",
+        "sliding_window": "its attention's window",
+        "windowed_layers": "which layers it gives the window (layer_types, max_window_layers)",
+        "rms_norm_eps": "its norms' eps",
+        "attn_logit_softcapping": "its attention soft-cap",
+        "final_logit_softcapping": "its final-logit soft-cap",
+        "tie_word_embeddings": "whether it ties the head to the embeddings",
+    }.get(key, key)
