@@ -100,7 +100,7 @@ def position_onset(
     if best is None:
         return None
     count, _, p, steps, spanning, before, after, at = best
-    p = _first_drifting(keys, z, base, steps, p)
+    p = _sharpest(keys, z, base, steps, p)
     raw_before = (craw[at] - craw[lo]) / np.maximum(at - lo, 1)
     raw_after = (craw[hi] - craw[at]) / np.maximum(hi - at, 1)
     level_before = float(np.median(before[steps]))
@@ -120,19 +120,29 @@ def position_onset(
     }
 
 
-def _first_drifting(keys, z, base, steps, p: int) -> int:
-    """The onset to the token: the step test places it within a few tokens (a step whose
-    first tokens drift little reads sharper a token or two late), so each stepping sequence's
-    first token past QUIET floors near p is found, and the lower quartile of those taken (one
-    noisy token before the edge in one sequence does not move it)."""
-    firsts = []
+def _sharpest(keys, z, base, steps, p: int) -> int:
+    """The onset to the token: the step test places it within a few tokens (the first tokens
+    past an edge may drift little, and bf16's noise has spikes), so the split of the stepping
+    sequences' tokens near p that best separates two levels of log(1 + z) is taken (the
+    change-point statistic n_b n_a / n (mean_a - mean_b)^2, summed over sequences)."""
+    best, best_stat = p, -1.0
+    spans = []
     for i in np.flatnonzero(steps):
-        lo = np.searchsorted(keys, base[i] + p - LOCAL)
-        hi = np.searchsorted(keys, base[i] + p + LOCAL)
-        loud = np.flatnonzero(z[lo:hi] > QUIET)
-        if len(loud):
-            firsts.append(int(keys[lo + loud[0]] - base[i]))
-    return int(np.percentile(firsts, 25, method="lower")) if firsts else p
+        lo = np.searchsorted(keys, base[i] + p - 2 * LOCAL)
+        hi = np.searchsorted(keys, base[i] + p + 2 * LOCAL)
+        spans.append((keys[lo:hi] - base[i], np.log1p(z[lo:hi])))
+    for q in range(p - LOCAL, p + LOCAL + 1):
+        stat = 0.0
+        for where, values in spans:
+            after = (where >= q) & (where < q + LOCAL)
+            before = (where < q) & (where >= q - LOCAL)
+            n_a, n_b = after.sum(), before.sum()
+            if n_a and n_b:
+                gap = values[after].mean() - values[before].mean()
+                stat += n_a * n_b / (n_a + n_b) * gap * abs(gap)
+        if stat > best_stat:
+            best, best_stat = q, stat
+    return int(best)
 
 
 def onset_words(onset: dict) -> str:
@@ -148,11 +158,12 @@ def onset_words(onset: dict) -> str:
 
 
 def with_onset(findings: list, onset: dict | None) -> list:
-    """The fault findings carrying the batch's onset (``details.position_onset``), for the
-    families whose hypotheses have a position to fit around it."""
+    """The findings with drift carrying the batch's onset (``details.position_onset``), for
+    the families whose hypotheses have a position to fit around it (a precision finding
+    that fails verification is tested against every family too)."""
     if onset is None:
         return findings
     return [
-        f.but(details={**f.details, "position_onset": onset["position"]}) if f.is_fault else f
+        f.but(details={**f.details, "position_onset": onset["position"]}) if f.sequences else f
         for f in findings
     ]

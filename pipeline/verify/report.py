@@ -195,6 +195,16 @@ def _tried_text(tried: dict) -> str:
     )
 
 
+# what a reader can add to tell apart readings that re-scoring could not: said with every
+# finding nothing reproduced
+TELLS_APART = (
+    "What would tell the readings apart: the weights each engine held (--weights-store, or "
+    "per-token weight versions from an engine that syncs weights in memory), the model config "
+    "each engine resolved (lpx's engines record it; a dump may not), and where the drift "
+    "starts (the report's onset: a shared position points at a window, a tile or a chunk)"
+)
+
+
 def unexplained(sequences: list[str], tried: list[dict], said: list[str] = ()) -> Finding:
     names = sorted({f"{t['cause']}/{t['kind']}" for t in tried})
     before = "".join(f"{text}; " for text in said)
@@ -203,7 +213,8 @@ def unexplained(sequences: list[str], tried: list[dict], said: list[str] = ()) -
         sequences=sequences,
         evidence=(
             f"{before}drift in {len(sequences)} sequences that no re-scored hypothesis reproduces; "
-            f"ruled out: {', '.join(names) or 'nothing testable'}; inspect the worst tokens"
+            f"ruled out: {', '.join(names) or 'nothing testable'}; inspect the worst tokens. "
+            f"{TELLS_APART}"
         ),
         details={"ruled_out": tried},
         confidence=0.0,

@@ -33,10 +33,11 @@ CLOSER = 1.5  # a reading must come this much nearer the side than the model's o
 THETAS = (1e4, 5e4, 1e5, 5e5, 1e6, 5e6, 1e7)  # the RoPE bases checkpoints ship
 THETA_FACTORS = (0.1, 0.25, 0.5, 2.0, 4.0, 10.0)
 THETA_STEPS = 14  # golden-section steps on log theta around the best of the grid
-EPSILONS = (1e-5, 1e-6)
+EPSILONS = (1e-8, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2)  # what configs ship, and defaults
 SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # Gemma 2's
 SCALINGS = (2.0, 4.0)  # RoPE scaling factors tried on a model that has none
 WINDOWS = 6  # powers of two tried as a window where compare found no onset
+MAX_WINDOW_STEPS = 16  # tokens the window's size is moved from where it was found
 SNAP = 1.02  # a two-digit theta is kept where it leaves at most this much more gap
 
 
@@ -85,6 +86,15 @@ class ModelConfig(Family):
         edits, best_gap = tried[best_label]
         if "rope" in edits and set(edits["rope"]) == set(own["rope"]):
             edits, best_gap = _refined_theta(edits, best_gap, gap)
+        if edits.get("sliding_window") and not own.get("sliding_window"):
+            # the window found: on which layers (max_window_layers read either way), and its
+            # size to the token (a window off by one)
+            layers = [] if candidate.params.get("onset") else _cuts(_layer_count(own))
+            for edit in [{**edits, "windowed_layers": sets} for sets in layers]:
+                edit_gap = gap(edit)
+                if edit_gap < best_gap:
+                    edits, best_gap = edit, edit_gap
+            edits, best_gap = _window_size(edits, best_gap, gap)
         return _candidate(
             ref, edits, {"searched": len(tried), "key": _keys(edits), "value": _values(edits)}
         )
@@ -165,11 +175,48 @@ def _windows(own: dict, onset, longest: int) -> list[dict]:
             out.append({"sliding_window": window, "windowed_layers": every})
         return out
     if onset:
-        sizes = {int(onset) - 1, int(onset), int(onset) + 1}
-    else:
-        sizes = {2**k for k in range(4, 20) if 2**k < longest}
-        sizes = set(sorted(sizes)[-WINDOWS:])
+        # a window of W parts from the model's at position W: that size, on every layer or
+        # on the layers a window rule read one way or the other gives (W +- 1 refined after)
+        size = int(onset)
+        return [
+            {"sliding_window": size, "windowed_layers": layers}
+            for layers in (every, *_cuts(_layer_count(own)))
+            if size > 1
+        ]
+    sizes = {2**k for k in range(4, 20) if 2**k < longest}
+    sizes = set(sorted(sizes)[-WINDOWS:])
     return [{"sliding_window": w, "windowed_layers": every} for w in sorted(sizes) if w > 1]
+
+
+def _window_size(edits: dict, best_gap: float, gap) -> tuple[dict, float]:
+    """The window's size to the token: from the size found, one token at a time in the
+    direction that comes nearer, while it does (an onset seen under bf16 noise may lie a few
+    tokens past the edge; a window off by one is the size +- 1)."""
+    size = int(edits["sliding_window"])
+    for step in (-1, 1):
+        moved = False
+        for _ in range(MAX_WINDOW_STEPS):
+            trial = {**edits, "sliding_window": size + step}
+            if size + step < 2:
+                break
+            trial_gap = gap(trial)
+            if trial_gap >= best_gap:
+                break
+            edits, best_gap, size, moved = trial, trial_gap, size + step, True
+        if moved:
+            break
+    return edits, best_gap
+
+
+def _cuts(layers: int) -> list[str]:
+    """Windowed layer sets that a window's layer rule read one way or another gives: the
+    layers from k on, or before k, at a few k (every k for a model of up to 8 layers)."""
+    points = range(1, layers) if layers <= 8 else sorted({layers // 4, layers // 2,
+                                                          3 * layers // 4, 1, layers - 1})  # fmt: skip
+    out = []
+    for k in points:
+        out += [f"{k}-{layers - 1}" if k < layers - 1 else str(k), f"0-{k - 1}" if k > 1 else "0"]
+    return out
 
 
 def _layer_count(own: dict) -> int:
