@@ -109,6 +109,7 @@ APPLIED = {
     "sleep_on_idle": ("sleep_on_idle", bool),
     "quantization": ("quantization", str),
     "kv_cache_dtype": ("kv_cache_dtype", str),
+    "json_model_override_args": ("json_model_override_args", str),
 }
 # read back and recorded, never set by a knob of lpx's
 ALSO_RECORDED = ("page_size", "schedule_policy", "disable_overlap_schedule",
@@ -228,6 +229,9 @@ def applied_knobs(settings: SGLangKnobs, found: Session) -> dict:
     given = ("url", "record_routing", "server_args", *REQUEST_KNOBS)
     applied.update({k: v for k, v in asdict(settings).items() if k in given})
     applied["server_started_by_lpx"] = found.started_by_lpx
+    if applied.get("json_model_override_args") in ("", "{}"):
+        # SGLang's default: said only where set, so a case without overrides keeps its key
+        del applied["json_model_override_args"]
     return applied
 
 

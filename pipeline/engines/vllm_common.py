@@ -250,6 +250,13 @@ def applied_knobs(llm, knobs: VLLMKnobs) -> dict:
         "quantization": model.quantization,
         "kv_cache_dtype": str(cache.cache_dtype),
         "calculate_kv_scales": getattr(cache, "calculate_kv_scales", None),
+        # what it changed of the model's config (its resolved config is metadata.model.config);
+        # said only where set, so a case without overrides keeps its history key
+        **(
+            {"hf_overrides": model.hf_overrides}
+            if isinstance(model.hf_overrides, dict) and model.hf_overrides
+            else {}
+        ),
         "batch_size": knobs.batch_size,
         "top_logprobs": knobs.top_logprobs,
         "per_request_seed": knobs.per_request_seed,

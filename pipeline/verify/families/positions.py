@@ -46,7 +46,8 @@ class Positions(Family):
 
     def alternatives(self, ref, finding: Finding) -> list[Candidate]:
         onset = ref.onset(finding)
-        return [_restart(ref), _from(ref, onset) if onset > 1 else _in_prompt(ref)]
+        shared = finding.details.get("position_onset")
+        return [_restart(ref), _from(ref, onset) if onset > 1 else _in_prompt(ref, shared)]
 
     def search(self, ref, candidate, rows, observed, clean, side) -> Candidate:
         if candidate.kind != Cause.POSITION_IDS:
@@ -56,6 +57,11 @@ class Positions(Family):
         gap = _Gaps(ref, row, observed[0], max(at, 1))
         if candidate.params.get("in_prompt"):
             starts = np.unique(np.linspace(1, prompt_length, PROMPT_STARTS).round().astype(int))
+            shared = candidate.params.get("position_onset")
+            if shared is not None and 1 <= shared <= prompt_length:
+                # compare found the position drift starts at in many sequences: the offset
+                # starts there, not anywhere in the prompt (32 starts x 15 offsets spared)
+                starts = np.arange(max(1, shared - 1), min(prompt_length, shared + 1) + 1)
             start, offset = gap.best([(s, o) for s in starts for o in COARSE_OFFSETS])
             start, offset = gap.best([(start, o) for o in OFFSETS if start + o >= 0])
             nearby = range(max(1, start - 8), min(prompt_length, start + 8) + 1)
@@ -129,9 +135,9 @@ def _from(ref, onset: int) -> Candidate:
     return Candidate(Cause.POSITION_IDS, "position_ids", replace(ref.base, at=onset), {"at": onset})
 
 
-def _in_prompt(ref) -> Candidate:
-    """An offset from somewhere in the prompt (searched): the completion drifts from its
-    first token."""
-    return Candidate(
-        Cause.POSITION_IDS, "position_ids", replace(ref.base, at=1), {"in_prompt": True}
-    )
+def _in_prompt(ref, shared: int | None = None) -> Candidate:
+    """An offset from somewhere in the prompt (searched; around ``shared``, the position
+    compare found drift starting at in many sequences, where it found one): the completion
+    drifts from its first token."""
+    params = {"in_prompt": True, **({"position_onset": int(shared)} if shared is not None else {})}
+    return Candidate(Cause.POSITION_IDS, "position_ids", replace(ref.base, at=1), params)
