@@ -51,6 +51,30 @@ def random_llama(layers: int, width: int, std: float = 0.02, vocab: int | None =
     return _save(LlamaForCausalLM, config, out, vocab is None)
 
 
+def random_qwen3(layers: int, width: int, std: float = 0.02) -> Path:
+    """A random-init Qwen3 (q/k norms; a sliding window where its config sets one),
+    `layers` x `width`, weights ~ N(0, std), cached by its shape."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = CACHE / f"qwen3-{layers}x{width}-std{std:g}"
+    if (out / "config.json").is_file():
+        return out
+    config = Qwen3Config(
+        vocab_size=_tiny_vocab(),
+        hidden_size=width,
+        intermediate_size=width * 8 // 3 // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, width // 64),
+        num_key_value_heads=max(1, width // 256),
+        head_dim=64,
+        max_position_embeddings=4096,
+        initializer_range=std,
+        tie_word_embeddings=False,
+        **_special_tokens(),
+    )
+    return _save(Qwen3ForCausalLM, config, out, True)
+
+
 def random_moe(
     layers: int = 8, width: int = 512, experts: int = 8, top_k: int = 2, std=0.02, arch="qwen2_moe"
 ) -> Path:

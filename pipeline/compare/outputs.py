@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.compare.onset import onset_words
 from pipeline.compare.run import Comparison
 from pipeline.contracts.files import REPORT, SUMMARY, TOKENS
 from pipeline.contracts.metrics import SUMMARY_METRICS
@@ -74,6 +75,8 @@ def render_summary(report: Report) -> str:
     defaults = (report.model_extra or {}).get("generation_defaults")
     if defaults:
         lines.append(f"- generation defaults: {_md(defaults['note'])}")
+    if report.onset:
+        lines.append(f"- onset: {_md(onset_words(report.onset))}")
     lines += ["", "| metric | value | limit |", "|---|---|---|"]
     # the usual metrics, then any other the policy limits (e.g. NeMo-RL's gates)
     limited = [name for name in policy["limits"] if name not in SUMMARY_METRICS]

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.compare.drift_map import drift_map
+from pipeline.compare.onset import onset_words
 from pipeline.contracts.report import ModelInfo, Report, Side, WorstToken
 from pipeline.fingerprint import tokenizer_fingerprint
 
@@ -64,6 +65,8 @@ def comparison_details(report: Report, tokens_path: Path | None, tokenizers: dic
             for role, side in (("rollout", fixture), ("replay", replay))
             if (side.get("numerics") or {}).get("label")
         },
+        # where drift starts at one position in many sequences (compare/onset.py)
+        "onset": onset_words(report.onset) if getattr(report, "onset", None) else None,
         "kl_input_drift": _scalars(report.metrics.get("kl_input_drift") or {}),
         "decoded": tokenizer is not None,
         "reproduce": {

@@ -210,6 +210,7 @@ def run_page(
                 "verification": verification_line(details.get("verification")),
                 "routing": details.get("routing"),
                 "correction": details.get("correction"),
+                "onset": details.get("onset"),
                 "numerics": details.get("numerics") or {},
                 "localize": run_localize(comparison, (localize_rows or {}).get(comparison.id, [])),
             }

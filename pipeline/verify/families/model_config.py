@@ -141,19 +141,14 @@ def readings(own: dict, params: dict, longest: int) -> list[dict]:
         if kind == "yarn":
             out.append({"rope": {**rope, "attention_factor": 1.0}})  # vLLM's get_rope bug
     else:
-        original = own.get("max_position_embeddings") or longest
+        longest_table = int(own.get("max_position_embeddings") or longest)
         for factor in SCALINGS:
             out.append({"rope": {"rope_type": "linear", "rope_theta": theta, "factor": factor}})
-            out.append(
-                {
-                    "rope": {
-                        "rope_type": "yarn",
-                        "rope_theta": theta,
-                        "factor": factor,
-                        "original_max_position_embeddings": int(original),
-                    }
-                }
-            )
+            # YaRN's original length: the config's table, or that table / factor (a config
+            # whose max_position_embeddings already counts the scaling)
+            for original in dict.fromkeys((longest_table, int(longest_table // factor))):
+                out.append({"rope": {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
+                                     "original_max_position_embeddings": original}})  # fmt: skip
     out += _windows(own, params.get("onset"), longest)
     eps = own.get("rms_norm_eps")
     out += [{"rms_norm_eps": e} for e in EPSILONS if eps is not None and not _close(e, eps)]
