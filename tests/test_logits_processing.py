@@ -196,6 +196,7 @@ def _evidence(**changes) -> dict:
         "replay_packs": None,
         "same_prompt_ids": True,
         "prompts_consumed_as_recorded": True,
+        "rollout_served": False,
     }
     return {**evidence, **changes}
 
@@ -213,8 +214,12 @@ def _claim(cause: str) -> Finding:
         ("stale_weights", {"replay_weights": None}, False),
         ("stale_weights", {"from_checkpoint": False}, False),  # an ingested dump
         ("stale_weights", {"fixture_versions": ["3"]}, False),  # weights updated in memory
-        # a wrong conversion or sharding holds other weights behind an equal file fingerprint
-        ("stale_weights", {"held_matches_checkpoint": False}, False),
+        # a wrong conversion or sharding holds other weights behind an equal file fingerprint,
+        # but not older ones: with no update recorded there was none to miss (issue 53); the
+        # weights in memory may still differ (weights_differ stays)
+        ("stale_weights", {"held_matches_checkpoint": False}, True),
+        ("weights_differ", {"held_matches_checkpoint": False}, False),
+        ("stale_weights", {"rollout_served": True}, False),  # a server holds what it holds
         ("version_change", {"fixture_versions": ["3"], "replay_version": "3"}, True),
         ("version_change", {"fixture_versions": ["3", "4"]}, False),
         # a multi-version replay tests the claims themselves (a fleet that lies about them)

@@ -77,7 +77,7 @@ def contradiction(finding: Finding, evidence: dict) -> str | None:
     same = bool(evidence["fixture_weights"]) and (
         evidence["fixture_weights"] == evidence["replay_weights"]
     )
-    loaded_it = same and evidence["from_checkpoint"] and not evidence["rollout_served"]
+    loaded_it = same and evidence["from_checkpoint"] and not evidence.get("rollout_served")
     if cause == Cause.STALE_WEIGHTS and loaded_it and not recorded_update:
         # stale weights are an update one side missed: with none recorded, and both sides
         # loading the one checkpoint on file, there was none to miss
@@ -88,7 +88,11 @@ def contradiction(finding: Finding, evidence: dict) -> str | None:
             "weights in memory should record weight versions)"
         )
     if cause in WEIGHTS_CLAIMS:
-        scored_from_it = evidence["from_checkpoint"] and evidence["held_matches_checkpoint"]
+        scored_from_it = (
+            evidence["from_checkpoint"]
+            and evidence["held_matches_checkpoint"]
+            and not evidence.get("rollout_served")
+        )
         if same and not recorded_update and scored_from_it:
             return (
                 "both sides scored the checkpoint whose weight fingerprint is on file "
