@@ -37,17 +37,7 @@ def random_llama(layers: int, width: int, std: float = 0.02, vocab: int | None =
     out = CACHE / f"llama-{layers}x{width}-std{std:g}-v{vocab or 'tiny'}"
     if (out / "config.json").is_file():
         return out
-    config = LlamaConfig(
-        vocab_size=vocab or _tiny_vocab(),
-        hidden_size=width,
-        intermediate_size=width * 8 // 3 // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, width // 64),
-        num_key_value_heads=max(1, width // 256),
-        max_position_embeddings=4096,
-        initializer_range=std,
-        **_special_tokens(),
-    )
+    config = LlamaConfig(**_dense(layers, width, std, vocab))
     return _save(LlamaForCausalLM, config, out, vocab is None)
 
 
@@ -59,20 +49,23 @@ def random_qwen3(layers: int, width: int, std: float = 0.02) -> Path:
     out = CACHE / f"qwen3-{layers}x{width}-std{std:g}"
     if (out / "config.json").is_file():
         return out
-    config = Qwen3Config(
-        vocab_size=_tiny_vocab(),
+    config = Qwen3Config(**_dense(layers, width, std), head_dim=64, tie_word_embeddings=False)
+    return _save(Qwen3ForCausalLM, config, out, True)
+
+
+def _dense(layers: int, width: int, std: float, vocab: int | None = None) -> dict:
+    """A dense decoder's shape: 64-wide heads, a KV head per 4 of them, SwiGLU at 8/3."""
+    return dict(
+        vocab_size=vocab or _tiny_vocab(),
         hidden_size=width,
         intermediate_size=width * 8 // 3 // 64 * 64,
         num_hidden_layers=layers,
         num_attention_heads=max(1, width // 64),
         num_key_value_heads=max(1, width // 256),
-        head_dim=64,
         max_position_embeddings=4096,
         initializer_range=std,
-        tie_word_embeddings=False,
         **_special_tokens(),
     )
-    return _save(Qwen3ForCausalLM, config, out, True)
 
 
 def random_moe(

@@ -29,12 +29,14 @@ def closest(values: Iterable, gap: Callable[[object], float]):
     return min(values, key=gap)
 
 
-def golden_section(gap: Callable[[float], float], low: float, high: float) -> float:
-    """The minimum of a unimodal gap on [low, high], by GOLDEN_STEPS golden-section steps."""
+def golden_section(
+    gap: Callable[[float], float], low: float, high: float, steps: int = GOLDEN_STEPS
+) -> float:
+    """The minimum of a unimodal gap on [low, high], by ``steps`` golden-section steps."""
     ratio = (np.sqrt(5) - 1) / 2
     a, b = high - ratio * (high - low), low + ratio * (high - low)
     ga, gb = gap(a), gap(b)
-    for _ in range(GOLDEN_STEPS):
+    for _ in range(steps):
         if ga < gb:
             high, b, gb = b, a, ga
             a = high - ratio * (high - low)

@@ -26,7 +26,7 @@ from pipeline.contracts.causes import Cause
 from pipeline.contracts.report import Finding
 from pipeline.verify.config_edit import EDITABLE, own_reading, reading
 from pipeline.verify.hypothesis import Candidate, Family
-from pipeline.verify.search import mean_abs
+from pipeline.verify.search import golden_section, mean_abs
 
 KIND = "config_misread"
 CLOSER = 1.5  # a reading must come this much nearer the side than the model's own config
@@ -223,24 +223,12 @@ def _refined_theta(edits: dict, best_gap: float, gap) -> tuple[dict, float]:
     snapped to two significant digits where that fits as well."""
     rope = edits["rope"]
     center = np.log(float(rope["rope_theta"]))
-    low, high = center - np.log(2.0), center + np.log(2.0)
-    ratio = (np.sqrt(5) - 1) / 2
 
     def at(log_theta: float) -> float:
         return gap({"rope": {**rope, "rope_theta": float(np.exp(log_theta))}})
 
-    a, b = high - ratio * (high - low), low + ratio * (high - low)
-    ga, gb = at(a), at(b)
-    for _ in range(THETA_STEPS):
-        if ga < gb:
-            high, b, gb = b, a, ga
-            a = high - ratio * (high - low)
-            ga = at(a)
-        else:
-            low, a, ga = a, b, gb
-            b = low + ratio * (high - low)
-            gb = at(b)
-    found = float(np.exp((low + high) / 2))
+    log_found = golden_section(at, center - np.log(2.0), center + np.log(2.0), THETA_STEPS)
+    found = float(np.exp(log_found))
     found_gap = gap({"rope": {**rope, "rope_theta": found}})
     if found_gap >= best_gap:
         found, found_gap = float(rope["rope_theta"]), best_gap
