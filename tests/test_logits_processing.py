@@ -224,7 +224,13 @@ def _claim(cause: str) -> Finding:
         ("version_change", {"fixture_versions": ["3", "4"]}, False),
         # a multi-version replay tests the claims themselves (a fleet that lies about them)
         ("version_change", {"fixture_versions": ["3"], "weights_store": "/store"}, False),
-        ("version_change", {}, False),  # nothing recorded: unrecorded updates stay possible
+        # nothing recorded, and both sides loaded the one checkpoint: no update to have made
+        ("version_change", {}, True),
+        # a dump (its engine may sync weights in memory) or a served rollout: updates stay
+        # possible where nothing records them
+        ("version_change", {"from_checkpoint": False}, False),
+        ("version_change", {"rollout_served": True}, False),
+        ("version_change", {"replay_weights": None}, False),
         ("mask_padding", {"one_length": 40, "replay_packs": False}, True),
         ("mask_padding", {"one_length": 40, "replay_packs": None}, False),
         ("mask_padding", {"one_length": None, "replay_packs": False}, False),

@@ -377,6 +377,9 @@ def switched(run_dir, later, at_of) -> object:
         at = min(at_of(row), span.stop - span.start)
         values[span.start + at : span.stop] = later[span.start + at : span.stop]
     fixture.channels = {"rollout": values}
+    # as lpx inject commits an update: these logprobs came from weights other than the
+    # checkpoint on file, so its fingerprint is not kept as evidence that they did not
+    fixture.metadata["model"] = {**fixture.metadata["model"], "weights_fingerprint": None}
     return fixture
 
 

@@ -102,6 +102,15 @@ def contradiction(finding: Finding, evidence: dict) -> str | None:
             )
     # with a weight store the replay scored each token under its claimed version: the claims
     # themselves are under test there (claimed_version), so they contradict nothing
+    if cause in VERSION_CLAIMS and loaded_it and not recorded_update:
+        # an update during generation needs an engine that syncs weights: the sides loaded
+        # the one checkpoint on file themselves, and neither records a version or an update
+        # (an engine that syncs weights should; a dump's fingerprint says nothing of it)
+        return (
+            "neither side records a weight version or update, and both loaded the checkpoint "
+            f"whose weight fingerprint is on file ({str(evidence['fixture_weights'])[:19]}...), "
+            "the same on both"
+        )
     if cause in VERSION_CLAIMS and len(versions) == 1 and not evidence["weights_store"]:
         (only,) = versions
         if replay_version is None or str(replay_version) == only:
