@@ -210,7 +210,27 @@ MISREADS = {
     ),
     "eps": ({"rms_norm_eps": 1e-2}, "rms_norm_eps=0.01"),
     "tied_head": ({}, "tie_word_embeddings=True"),
-}
+    "yarn": (
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                             "original_max_position_embeddings": 1024}},
+        "rope.factor=2, rope.original_max_position_embeddings=1024 (yarn)",
+    ),
+    "final_softcap": ({}, "final_logit_softcapping=30"),
+}  # fmt: skip
+
+
+def capping_loader(load_model, cap: float = 30.0):
+    """An engine's loader that soft-caps the final logits (Gemma 2's 30) on a model whose
+    config has no cap."""
+
+    def load(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+        head = model.get_output_embeddings()
+        forward = head.forward
+        head.forward = lambda x: cap * (forward(x) / cap).tanh()
+        return model
+
+    return load
 
 
 def tying_loader(load_model):
@@ -269,6 +289,10 @@ def test_a_misread_the_files_do_not_show_is_found_by_re_scoring(
         import pipeline.engines.hf_replay as hf_replay
 
         monkeypatch.setattr(hf_replay, "load_model", tying_loader(hf_replay.load_model))
+    if misread == "final_softcap":
+        import pipeline.engines.hf_replay as hf_replay
+
+        monkeypatch.setattr(hf_replay, "load_model", capping_loader(hf_replay.load_model))
     replay = HFScoringEngine().score(read_table(run / "fixture.parquet"), other, {"dtype": dtype})
     # the engine reports the checkpoint's config.json, not what it computed with
     replay.metadata["model"] = model_metadata(model)
@@ -279,6 +303,18 @@ def test_a_misread_the_files_do_not_show_is_found_by_re_scoring(
     assert result.exit_code == 1, result.output
     report = json.loads((out / "report.json").read_text())
     faults = [f for f in report["diagnosis"] if f["severity"] == "fault"]
+    if misread == "final_softcap":
+        # a final-logit soft-cap is also the processing family's (found first, in fp32, as
+        # `logits_processing` soft_cap=30). In bf16 both find the cap (29.7 and 30) and leave
+        # 0.0135 mean |d| against a floor of 0.01, yet neither verifies on every sequence: a
+        # FAIL whose tries name the cap (a limit, said in the issue's note)
+        if dtype == "float32":
+            assert any(f["status"] == "verified" and "soft-cap of 30" in f["evidence"]
+                       for f in faults), [f["evidence"][-300:] for f in faults]  # fmt: skip
+        else:
+            tried = json.dumps(report["diagnosis"]).replace('"', "'")
+            assert "'final_logit_softcapping': 30" in tried
+        return
     named = [f for f in faults if f["cause"] == "model_config" and f["status"] == "verified"]
     assert named, [(f["cause"], f["status"], f["evidence"][-300:]) for f in faults]
     said = named[0]["evidence"]
