@@ -145,6 +145,18 @@ def _sharpest(keys, z, base, steps, p: int) -> int:
     return int(best)
 
 
+def onset_of_comparison(fixture, aligned, noise) -> dict | None:
+    """The onset of a comparison's completion tokens: each logprob at the position of the
+    query that computed it (the token before it: prompt length + completion index - 1)."""
+    region = aligned.completion
+    rows = fixture.index_of()
+    prompt_lengths = np.diff(fixture.prompt_offsets)
+    starts = np.asarray([prompt_lengths[rows[s]] for s in aligned.sequence_ids], dtype=np.int64)
+    absolute = region.positions.astype(np.int64) + np.repeat(starts, np.diff(region.offsets)) - 1
+    diff = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
+    return position_onset(absolute, diff, region.offsets, noise, aligned.sequence_ids)
+
+
 def onset_words(onset: dict) -> str:
     """One sentence for compare's summary and the run page."""
     return (

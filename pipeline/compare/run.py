@@ -31,7 +31,7 @@ from pipeline.compare.metrics import (
     kl_input_drift,
     sequence_metrics,
 )
-from pipeline.compare.onset import position_onset, with_onset
+from pipeline.compare.onset import onset_of_comparison, with_onset
 from pipeline.compare.policy import Policy, judge, load_policy, profile_for
 from pipeline.compare.topk import topk_kl
 from pipeline.contracts.calibration import Calibration
@@ -161,22 +161,14 @@ def compare_tables(
 
 
 def _position_onset(fixture, aligned: Aligned, judging: Judging, dtypes: list[str]):
-    """The absolute position drift starts at in many sequences (compare/onset.py), judged in
-    units of the calibrated floor where there is one, else of the profile's constant."""
-    region = aligned.completion
-    rows = fixture.index_of()
-    prompt_lengths = np.diff(fixture.prompt_offsets)
-    lengths = np.diff(region.offsets)
-    starts = np.asarray([prompt_lengths[rows[s]] for s in aligned.sequence_ids], dtype=np.int64)
-    # the position of the query that computes each completion logprob: the token before it
-    absolute = region.positions.astype(np.int64) + np.repeat(starts, lengths) - 1
+    """compare/onset.py's onset, in units of the calibrated floor where there is one, else of
+    the profile's constant."""
     if judging.floor is not None:
         noise = np.asarray(judging.floor.expected_mean, dtype=np.float64)
     else:
         ceiling = NUMERIC_CEILING.get(profile_for(dtypes), NUMERIC_CEILING["float32"])
         noise = ceiling / CALIBRATED_CEILING
-    diff = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
-    return position_onset(absolute, diff, region.offsets, noise, aligned.sequence_ids)
+    return onset_of_comparison(fixture, aligned, noise)
 
 
 def _check_inputs(fixture, replay, fixture_path, replay_path, allow_weight_mismatch: bool):
