@@ -45,15 +45,25 @@ BUILTIN: dict[str, dict[str, str]] = {
 }
 
 
+def _registered(group: str) -> dict[str, str]:
+    """Names other distributions register in ``group``. lpx's own registrations are
+    BUILTIN (held equal by a test): reading them from the installed metadata instead would let
+    a stale editable install, made before a module moved, point at a module that is gone."""
+    return {
+        ep.name: ep.value
+        for ep in entry_points(group=group)
+        if ep.dist is None or ep.dist.metadata["Name"] != "lpx"
+    }
+
+
 def names(group: str) -> list[str]:
     """Every plug-in of ``group``: the built-ins and whatever is registered."""
-    return sorted(set(BUILTIN[group]) | {ep.name for ep in entry_points(group=group)})
+    return sorted(set(BUILTIN[group]) | set(_registered(group)))
 
 
 def target(group: str, name: str) -> str | None:
     """The "module:attribute" of ``name`` in ``group``: a registered one first, else built in."""
-    registered = {ep.name: ep.value for ep in entry_points(group=group)}
-    return registered.get(name) or BUILTIN[group].get(name)
+    return _registered(group).get(name) or BUILTIN[group].get(name)
 
 
 def load(group: str, name: str):
