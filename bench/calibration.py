@@ -36,8 +36,8 @@ import numpy as np  # noqa: E402
 
 from pipeline.calibrate.run import calibrate  # noqa: E402
 from pipeline.compare.floor import expect  # noqa: E402
-from pipeline.engines.hf_common import load_model  # noqa: E402
-from pipeline.engines.hf_replay import ReplayKnobs, score_batches  # noqa: E402
+from pipeline.engines.hf.model import load_model  # noqa: E402
+from pipeline.engines.hf.replay import ReplayKnobs, score_batches  # noqa: E402
 from pipeline.fixture.io import read_table  # noqa: E402
 
 SCALES = {

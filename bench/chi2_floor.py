@@ -61,8 +61,8 @@ import numpy as np  # noqa: E402
 
 from pipeline.compare.metrics import batch_metrics  # noqa: E402
 from pipeline.compare.policy import load_policy, profile_for  # noqa: E402
-from pipeline.engines.hf_common import load_model  # noqa: E402
-from pipeline.engines.hf_replay import ReplayKnobs, score_batches  # noqa: E402
+from pipeline.engines.hf.model import load_model  # noqa: E402
+from pipeline.engines.hf.replay import ReplayKnobs, score_batches  # noqa: E402
 from pipeline.fixture.io import read_table  # noqa: E402
 from pipeline.history import detection  # noqa: E402
 

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.compare.run import compare_tables  # noqa: E402
 from pipeline.engines.base import SamplingParams  # noqa: E402
-from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
-from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.faults import FAULTS  # noqa: E402
 from pipeline.faults.inject import inject_fault  # noqa: E402
 from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
@@ -151,7 +151,7 @@ def sample_fixtures(engine: str, model_dir: Path, prompts, seed: int):
         return {
             n: HFRolloutEngine().rollout(model_dir, prompts, p, {}) for n, p in params.items()
         }, {}
-    from pipeline.engines.vllm_engine import VLLMRolloutEngine
+    from pipeline.engines.vllm.engine import VLLMRolloutEngine
 
     rollout = VLLMRolloutEngine()
     fixtures = {}

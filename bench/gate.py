@@ -53,8 +53,8 @@ from pipeline.compare.calibrated import TAU_MARGIN  # noqa: E402
 from pipeline.compare.floor import expect  # noqa: E402
 from pipeline.compare.noise_test import ALPHA, precision_gate  # noqa: E402
 from pipeline.engines.base import SamplingParams  # noqa: E402
-from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
-from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
 from pipeline.fixture.table import REPLAY_CHANNEL, select_sequences  # noqa: E402
 from pipeline.prompts import tokenize  # noqa: E402
@@ -216,7 +216,7 @@ def stale_weight_replays(scale: str, work: Path, model_dir: Path, fixture_path: 
     (a partial weight sync, some shards stale), searched on probe sequences."""
     import torch
 
-    from pipeline.engines.hf_common import load_model
+    from pipeline.engines.hf.model import load_model
 
     fixture = read_table(fixture_path)
     clean_held = _drift(fixture, read_table(work / "replay-bf16.parquet"))[
@@ -277,7 +277,7 @@ def stale_weight_replays(scale: str, work: Path, model_dir: Path, fixture_path: 
 
 
 def _score_rows(model, fixture, rows) -> np.ndarray:
-    from pipeline.engines.hf_replay import ReplayKnobs, score_batches
+    from pipeline.engines.hf.replay import ReplayKnobs, score_batches
 
     pairs = [(fixture.prompt_of(r), fixture.completion_of(r)) for r in rows]
     scored = score_batches(

@@ -26,8 +26,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.engines.hf_common import load_model, model_metadata  # noqa: E402
-from pipeline.engines.hf_replay import ReplayKnobs, _padded_inputs, score_batches  # noqa: E402
+from pipeline.engines.hf.model import load_model
+from pipeline.engines.hf.replay import ReplayKnobs, _padded_inputs, score_batches
+from pipeline.engines.metadata import model_metadata
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
 from pipeline.fixture.table import table_from_sequences  # noqa: E402
 from pipeline.flows.smoke import default_model_dir, ensure_tiny_model  # noqa: E402

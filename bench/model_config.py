@@ -35,9 +35,9 @@ import models  # noqa: E402
 
 from pipeline.compare.run import compare_tables  # noqa: E402
 from pipeline.engines.base import SamplingParams  # noqa: E402
-from pipeline.engines.hf_common import model_metadata  # noqa: E402
-from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
-from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
+from pipeline.engines.metadata import model_metadata
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
 from pipeline.prompts import tokenize  # noqa: E402
 from pipeline.verify import verify_report  # noqa: E402
@@ -129,7 +129,7 @@ def misread_dir(model_dir: Path, work: Path, name: str) -> Path:
 
 
 def case(scale, model_dir, work, fixture, name, dtype, replay_s, evidence: bool) -> None:
-    import pipeline.engines.hf_replay as hf_replay
+    import pipeline.engines.hf.replay as hf_replay
 
     engine_dir = misread_dir(model_dir, work, name)
     loader = hf_replay.load_model

@@ -135,7 +135,7 @@ def calibration_fixture(scale: str, model_dir: Path) -> Path:
     import numpy as np
 
     from pipeline.engines.base import SamplingParams
-    from pipeline.engines.hf_rollout import HFRolloutEngine
+    from pipeline.engines.hf.rollout import HFRolloutEngine
     from pipeline.fixture.io import write_table
 
     path = FIXTURES / scale / "fixture-fp32.parquet"

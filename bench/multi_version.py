@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve import scaled_model  # noqa: E402  (bench/serve.py)
 
-from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
+from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.fixture.table import table_from_sequences  # noqa: E402
 from pipeline.weights.multi_version import replay_by_version  # noqa: E402
 from pipeline.weights.store import publish  # noqa: E402

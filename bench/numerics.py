@@ -50,9 +50,9 @@ from pipeline.compare.noise_test import precision_gate  # noqa: E402
 from pipeline.compare.run import compare_tables  # noqa: E402
 from pipeline.contracts.numerics import Numerics, parse_kv_cache, parse_quantization  # noqa: E402
 from pipeline.engines.base import SamplingParams  # noqa: E402
-from pipeline.engines.hf_common import load_model  # noqa: E402
-from pipeline.engines.hf_replay import HFScoringEngine, ReplayKnobs, score_batches  # noqa: E402
-from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
+from pipeline.engines.hf.model import load_model
+from pipeline.engines.hf.replay import HFScoringEngine, ReplayKnobs, score_batches
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.faults import FaultSettings, rescore  # noqa: E402
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
 from pipeline.fixture.table import REPLAY_CHANNEL, select_sequences  # noqa: E402

@@ -36,8 +36,8 @@ import models  # noqa: E402
 from pipeline.calibrate.run import calibrate  # noqa: E402
 from pipeline.compare.run import compare_tables  # noqa: E402
 from pipeline.engines.base import SamplingParams  # noqa: E402
-from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
-from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
 from pipeline.verify import verify_report  # noqa: E402
 from tests.engine_like import PresenceFrequency, SoftCap, generated_rollout  # noqa: E402

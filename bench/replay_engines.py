@@ -31,7 +31,7 @@ import models  # noqa: E402
 from run import bench_replay  # noqa: E402
 
 from pipeline.engines.base import SamplingParams  # noqa: E402
-from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.families import families  # noqa: E402
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
 from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402

@@ -42,12 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import models  # noqa: E402
 
-import pipeline.engines.hf_replay as hf_replay  # noqa: E402
+import pipeline.engines.hf.replay as hf_replay  # noqa: E402
 from pipeline.calibrate.run import calibrate  # noqa: E402
 from pipeline.compare.run import compare_tables  # noqa: E402
 from pipeline.engines.base import SamplingParams  # noqa: E402
-from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
-from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.families import routing  # noqa: E402
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
 from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402

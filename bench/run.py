@@ -206,8 +206,8 @@ def bench_replay(
     copy of the model that carries no routing hooks. The tiny model unless ``model_dir``."""
     import torch
 
-    from pipeline.engines.hf_common import load_model
-    from pipeline.engines.hf_replay import ReplayKnobs, _padded_inputs, score_batch
+    from pipeline.engines.hf.model import load_model
+    from pipeline.engines.hf.replay import ReplayKnobs, _padded_inputs, score_batch
     from pipeline.flows.smoke import default_model_dir, ensure_tiny_model
 
     model_dir = model_dir or ensure_tiny_model(default_model_dir())

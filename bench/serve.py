@@ -101,8 +101,8 @@ def lpx_replay_rate(
     """Completion tokens/s of the HF engine's replay loop as `lpx replay --engine hf` runs it:
     the pairs in fixture order, micro-batches of ``micro_batch``; model load and file I/O
     left out (the server has its model loaded too)."""
-    from pipeline.engines.hf_common import load_model
-    from pipeline.engines.hf_replay import ReplayKnobs, score_batch
+    from pipeline.engines.hf.model import load_model
+    from pipeline.engines.hf.replay import ReplayKnobs, score_batch
 
     model = load_model(model_dir, device="cuda:0" if device == "cuda" else device)
     knobs = ReplayKnobs(micro_batch_size=micro_batch, device=str(model.device))
@@ -238,8 +238,8 @@ def deviation(answers: list, alone: list[list[np.ndarray]]) -> dict:
 def in_process_alone(model_dir: Path, requests: list[dict], device: str, dtype: str) -> list:
     """Each request's sequences scored one per forward in process, as `lpx replay --engine hf
     --micro-batch-size 1` scores them (with the request's prompt_logprobs)."""
-    from pipeline.engines.hf_common import load_model
-    from pipeline.engines.hf_replay import ReplayKnobs, score_batch
+    from pipeline.engines.hf.model import load_model
+    from pipeline.engines.hf.replay import ReplayKnobs, score_batch
 
     model = load_model(model_dir, dtype, device="cuda:0" if device == "cuda" else device)
     scored = []

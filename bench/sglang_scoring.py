@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models  # noqa: E402
 from replay_engines import replay_rows  # noqa: E402
 
-from pipeline.engines import sglang_api  # noqa: E402
-from pipeline.engines.sglang_common import SGLangKnobs, server_arguments  # noqa: E402
-from pipeline.engines.sglang_server import running_server, sglang_python  # noqa: E402
+from pipeline.engines.sglang import api as sglang_api
+from pipeline.engines.sglang.knobs import SGLangKnobs, server_arguments
+from pipeline.engines.sglang.server import running_server, sglang_python
 
 ENGINES = [("hf", []), ("vllm", []), ("sglang", [])]
 SCALES = {"tiny": lambda: models.family("llama"), "16x1024": lambda: models.random_llama(16, 1024)}

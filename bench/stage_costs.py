@@ -107,7 +107,7 @@ def imported_from(checkout: Path) -> list[Path]:
 def fixtures(scale: str) -> dict:
     """The scale's model, fixture, clean replay and faulted replays (made once, cached)."""
     from pipeline.engines.base import SamplingParams
-    from pipeline.engines.hf_rollout import HFRolloutEngine
+    from pipeline.engines.hf.rollout import HFRolloutEngine
     from pipeline.fixture.io import read_table, write_table
 
     model_dir = SCALES[scale]()

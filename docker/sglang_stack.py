@@ -9,7 +9,7 @@ installed held at its version. Run by `scripts/wheelhouse sglang` with .venv's p
 import sys
 from pathlib import Path
 
-from pipeline.engines.sglang_server import default_environment
+from pipeline.engines.sglang.server import default_environment
 
 if __name__ == "__main__":
     out, environment = Path(sys.argv[1]), default_environment()

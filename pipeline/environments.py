@@ -88,7 +88,7 @@ STACKS: dict[str, Stack] = {
     "sglang": Stack(
         # SGLang imports torchvision whatever the model; 0.28.0 is the release of torch
         # 2.13's series. PyPI's build cannot load its compiled ops beside the CPU torch: the
-        # launcher (engines/sglang_launch.py) lets it import anyway.
+        # launcher (engines/sglang/launch.py) lets it import anyway.
         alongside=("torchvision==0.28.0",),
         # imported at server start and absent from lpx's environment (the rest of what the
         # server imports, fastapi, uvicorn, pyzmq, msgspec, xgrammar and vllm._custom_ops for

@@ -19,19 +19,19 @@ CAPTURE = "lpx.capture_engines"
 # group -> name -> "module:attribute"
 BUILTIN: dict[str, dict[str, str]] = {
     ROLLOUT: {
-        "hf": "pipeline.engines.hf_rollout:HFRolloutEngine",
-        "vllm": "pipeline.engines.vllm_engine:VLLMRolloutEngine",
-        "http": "pipeline.engines.http_rollout:HTTPRolloutEngine",
-        "sglang": "pipeline.engines.sglang_engine:SGLangRolloutEngine",
+        "hf": "pipeline.engines.hf.rollout:HFRolloutEngine",
+        "vllm": "pipeline.engines.vllm.engine:VLLMRolloutEngine",
+        "http": "pipeline.engines.http.rollout:HTTPRolloutEngine",
+        "sglang": "pipeline.engines.sglang.engine:SGLangRolloutEngine",
     },
     SCORING: {
-        "hf": "pipeline.engines.hf_replay:HFScoringEngine",
-        "vllm": "pipeline.engines.vllm_engine:VLLMScoringEngine",
-        "fsdp": "pipeline.engines.fsdp_replay:FSDPScoringEngine",
-        "deepspeed": "pipeline.engines.deepspeed_replay:DeepSpeedScoringEngine",
-        "megatron": "pipeline.engines.megatron_replay:MegatronScoringEngine",
-        "logprob-server": "pipeline.engines.logprob_server:LogprobServerEngine",
-        "sglang": "pipeline.engines.sglang_engine:SGLangScoringEngine",
+        "hf": "pipeline.engines.hf.replay:HFScoringEngine",
+        "vllm": "pipeline.engines.vllm.engine:VLLMScoringEngine",
+        "fsdp": "pipeline.engines.fsdp.replay:FSDPScoringEngine",
+        "deepspeed": "pipeline.engines.deepspeed.replay:DeepSpeedScoringEngine",
+        "megatron": "pipeline.engines.megatron.replay:MegatronScoringEngine",
+        "logprob-server": "pipeline.engines.logprob_server.replay:LogprobServerEngine",
+        "sglang": "pipeline.engines.sglang.engine:SGLangScoringEngine",
     },
     CAPTURE: {
         "hf": "pipeline.localize.adapters.hf:open_session",

@@ -18,8 +18,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 
 from pipeline.engines.base import SamplingParams  # noqa: E402
-from pipeline.engines.hf_replay import HFScoringEngine  # noqa: E402
-from pipeline.engines.hf_rollout import HFRolloutEngine  # noqa: E402
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.fixture.io import write_table  # noqa: E402
 from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
 from pipeline.tinymodel.build import build_tiny_model  # noqa: E402
@@ -161,7 +161,7 @@ def environment_cache(tmp_path_factory) -> Path:
 def sglang_python() -> Path:
     """The interpreter of the SGLang environment scripts/setup made. Where it is missing the
     SGLang tests skip, except under CI=true, where a missing SGLang fails."""
-    from pipeline.engines.sglang_server import sglang_python as find
+    from pipeline.engines.sglang.server import sglang_python as find
     from pipeline.errors import EngineNotInstalled
 
     try:

@@ -246,7 +246,7 @@ def model_with_other_weights(model_dir: Path, out: Path, scale: float = 1.01) ->
 
     import torch
 
-    from pipeline.engines.hf_common import load_model
+    from pipeline.engines.hf.model import load_model
 
     out = Path(out)
     shutil.copytree(model_dir, out)

@@ -38,7 +38,7 @@ def publish_one_step(tiny_model: Path, fixture_path: Path, root: Path) -> tuple[
     (lr 1e-3) on the fixture's first 8 sequences as version 2 (a delta)."""
     import shutil
 
-    from pipeline.engines.hf_common import load_model
+    from pipeline.engines.hf.model import load_model
     from pipeline.faults import optimiser_step
     from pipeline.fixture.io import read_table
     from pipeline.weights.store import publish
@@ -59,9 +59,9 @@ def publish_one_step(tiny_model: Path, fixture_path: Path, root: Path) -> tuple[
 @contextlib.contextmanager
 def sglang_serving(python, model_dir, log, moe=False, env=None, **knobs):
     """A real SGLang server on ``model_dir`` for a module's tests, started as lpx starts one
-    (engines/sglang_common.server_arguments); yields its URL. ~40 s on two cores."""
-    from pipeline.engines.sglang_common import SGLangKnobs, server_arguments
-    from pipeline.engines.sglang_server import running_server
+    (engines/sglang/knobs.server_arguments); yields its URL. ~40 s on two cores."""
+    from pipeline.engines.sglang.knobs import SGLangKnobs, server_arguments
+    from pipeline.engines.sglang.server import running_server
 
     argv = server_arguments(SGLangKnobs.from_dict(knobs), model_dir, "cpu", 1024, moe)
     with running_server(python, argv, log, env) as server:

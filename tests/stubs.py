@@ -18,8 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_common import load_model
-from pipeline.engines.hf_rollout import _generate_batch
+from pipeline.engines.hf.model import load_model
+from pipeline.engines.hf.rollout import _generate_batch
 
 
 class MisbehavingSGLangStub:

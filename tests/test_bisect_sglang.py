@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.engines.sglang_server import SGLANG_RELEASE
+from pipeline.engines.sglang.server import SGLANG_RELEASE
 from pipeline.faults.releases import norm_patch
 from tests.helpers import run_lpx
 

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.compare.run import compare_files
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_rollout import HFRolloutEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.fixture.io import read_table, write_table
 from pipeline.tinymodel.build import build_tiny_model
 from tests.helpers import read_report, run_lpx
@@ -161,7 +161,7 @@ def test_missing_engine_package_is_a_clear_error(run_dir, tmp_path, monkeypatch)
             raise ImportError("No module named 'megatron'")
         return real_import(name, *args, **kwargs)
 
-    from pipeline.engines.megatron_replay import MegatronSession
+    from pipeline.engines.megatron.replay import MegatronSession
 
     monkeypatch.setattr(builtins, "__import__", no_megatron)
     with pytest.raises(Exception, match=r"pip install -e '\.\[megatron\]'") as error:

@@ -5,8 +5,8 @@ import pytest
 
 from pipeline.compare.run import compare_files
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_replay import HFScoringEngine
-from pipeline.engines.hf_rollout import HFRolloutEngine
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.fixture.io import read_table, write_table
 
 pytestmark = pytest.mark.engine

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.http_rollout import HTTPRolloutEngine
+from pipeline.engines.http.rollout import HTTPRolloutEngine
 from pipeline.errors import BadInput
 from tests.stubs import MisbehavingSGLangStub
 

@@ -27,11 +27,11 @@ import numpy as np
 import pytest
 
 from pipeline.compare.run import compare_tables
-from pipeline.engines import sglang_api
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_common import model_metadata
-from pipeline.engines.hf_replay import HFScoringEngine
-from pipeline.engines.sglang_engine import SGLangRolloutEngine, SGLangScoringEngine
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.metadata import model_metadata
+from pipeline.engines.sglang import api as sglang_api
+from pipeline.engines.sglang.engine import SGLangRolloutEngine, SGLangScoringEngine
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table, write_table
 from pipeline.fixture.table import table_from_sequences
@@ -381,7 +381,7 @@ def test_a_port_taken_before_the_server_binds_it_is_retried_at_once(tmp_path, mo
     SGLang binding it, and lpx waited its 600 s startup for a server that never answered."""
     import socket
 
-    from pipeline.engines import sglang_server
+    from pipeline.engines.sglang import server as sglang_server
 
     stand_in = tmp_path / "stand-in-sglang-python"
     stand_in.write_text(STAND_IN_SERVER.format(python=sys.executable))

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.compare.run import compare_files, compare_tables
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_replay import HFScoringEngine
+from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.fixture.io import write_table
 
 pytestmark = pytest.mark.vllm
@@ -27,7 +27,7 @@ if os.environ.get("CI", "").lower() == "true":
 else:
     pytest.importorskip("vllm")
 
-from pipeline.engines.vllm_engine import VLLMRolloutEngine, VLLMScoringEngine  # noqa: E402
+from pipeline.engines.vllm.engine import VLLMRolloutEngine, VLLMScoringEngine  # noqa: E402
 from pipeline.flows.sweep import Setting, run_sweep  # noqa: E402
 
 SAMPLING = SamplingParams(max_tokens=24, temperature=1.0, seed=0, samples_per_prompt=2)
@@ -200,7 +200,7 @@ def vllm_server(tiny_model, tmp_path_factory):
 
 
 def test_http_openai_rollout_against_real_vllm_serve(vllm_server, tiny_model, prompts):
-    from pipeline.engines.http_rollout import HTTPRolloutEngine
+    from pipeline.engines.http.rollout import HTTPRolloutEngine
 
     knobs = {"url": vllm_server, "api": "openai", "dtype": "fp32", "concurrency": 4}
     fixture = HTTPRolloutEngine().rollout(tiny_model, prompts, SAMPLING, knobs)
@@ -221,7 +221,7 @@ def test_vllm_serve_hot_loads_each_published_version(vllm_server, tiny_model, pr
     version GET /weight_info reports; `lpx replay --weights-store` scores each token under
     that version and agrees to fp32 precision. The version-2 rollout is far from version 1,
     so the reload took effect."""
-    from pipeline.engines.http_rollout import HTTPRolloutEngine
+    from pipeline.engines.http.rollout import HTTPRolloutEngine
     from pipeline.tinymodel.build import build_tiny_model
     from pipeline.weights.store import publish
     from tests.helpers import read_report, run_lpx

@@ -226,7 +226,7 @@ def _model_top_k(fixture, model_dir, k: int, dtype: str = "float32"):
     unpadded forward per sequence): what a rollout engine with logprobs=k records."""
     import torch
 
-    from pipeline.engines.hf_common import load_model
+    from pipeline.engines.hf.model import load_model
 
     model = load_model(model_dir, dtype)
     ids, values = [], []

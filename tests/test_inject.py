@@ -4,7 +4,7 @@ sequence at or after the fault, and the diagnosis names the cause."""
 import numpy as np
 import pytest
 
-from pipeline.engines.hf_replay import HFScoringEngine
+from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.fixture.io import read_table
 from tests.helpers import read_report, run_lpx
 
@@ -179,7 +179,7 @@ def perturbed_model(tiny_model, out_dir, run_dir):
     would (the next policy version)."""
     import shutil
 
-    from pipeline.engines.hf_common import load_model
+    from pipeline.engines.hf.model import load_model
     from pipeline.faults import optimiser_step
     from pipeline.fixture.io import read_table
 

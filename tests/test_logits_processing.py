@@ -23,7 +23,7 @@ from tests.helpers import read_report, run_lpx
 def processed(run_dir, tiny_model, tmp_path_factory):
     """make(name, **generate) -> (fixture, fp32 replay, bf16 replay): the run's prompts
     sampled again under that processing, processed logprobs, no sampling recorded."""
-    from pipeline.engines.hf_replay import HFScoringEngine
+    from pipeline.engines.hf.replay import HFScoringEngine
 
     out = tmp_path_factory.mktemp("processed")
     base = read_table(run_dir / "fixture.parquet")
@@ -97,7 +97,7 @@ def top_k_binds(fixture_path, model, temperature: float, top_k: int, top_p: floa
     """On how many compared tokens top-k cuts what top-p keeps (fp32 logits)."""
     import torch
 
-    from pipeline.engines.hf_common import load_model
+    from pipeline.engines.hf.model import load_model
 
     fixture = read_table(fixture_path)
     network = load_model(model, "float32", device="cpu")
@@ -268,7 +268,7 @@ def test_generation_defaults_are_recorded_and_said_where_the_sampling_leaves_the
     metadata; compare says which ones a dump's sampling leaves unset."""
     import shutil
 
-    from pipeline.engines.hf_common import model_metadata
+    from pipeline.engines.metadata import model_metadata
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
@@ -321,8 +321,8 @@ def test_a_top_k_that_binds_on_a_few_flat_tokens_of_long_completions_is_found(
     dropped top-k, and a constant fill of 0 was named instead). Judged against the
     calibrated fp32 floor (~1e-6): the profile's constant floor is too coarse to need top-k."""
     from pipeline.engines.base import SamplingParams
-    from pipeline.engines.hf_replay import HFScoringEngine
-    from pipeline.engines.hf_rollout import HFRolloutEngine
+    from pipeline.engines.hf.replay import HFScoringEngine
+    from pipeline.engines.hf.rollout import HFRolloutEngine
 
     sampling = SamplingParams(max_tokens=1024, seed=0, samples_per_prompt=1, ignore_eos=True)
     prompts = [[1, *range(10 + 7 * i, 26 + 9 * i)] for i in range(4)]  # bench/processing.py's
@@ -346,7 +346,7 @@ def test_a_top_k_that_binds_on_a_few_flat_tokens_of_long_completions_is_found(
 def test_raw_logprobs_where_processed_are_declared_are_said(run_dir, tiny_model, tmp_path):
     """The reverse: the fixture declares its rollout logprobs processed at temperature 0.7,
     the replay applies that, and the rollout's are raw (the engine ignored the request)."""
-    from pipeline.engines.hf_replay import HFScoringEngine
+    from pipeline.engines.hf.replay import HFScoringEngine
 
     fixture = read_table(run_dir / "fixture.parquet")
     fixture.metadata = {
@@ -444,8 +444,8 @@ def test_generation_defaults_on_a_moe_are_one_processing_not_biases_fitted_to_ro
     stayed verified as `mask_padding` beside the processing. No knob is needed below half the
     floor: one processing, the sampler's knobs only."""
     from pipeline.engines.base import SamplingParams
-    from pipeline.engines.hf_replay import HFScoringEngine
-    from pipeline.engines.hf_rollout import HFRolloutEngine
+    from pipeline.engines.hf.replay import HFScoringEngine
+    from pipeline.engines.hf.rollout import HFRolloutEngine
 
     model = family_model("qwen3_moe")
     prompts = [[1, *range(10 + 7 * i, 26 + 9 * i)] for i in range(8)]

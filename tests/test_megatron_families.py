@@ -27,16 +27,16 @@ import numpy as np
 import pytest
 
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_rollout import HFRolloutEngine
-from pipeline.engines.megatron_convert import (
+from pipeline.engines.hf.rollout import HFRolloutEngine
+from pipeline.engines.megatron.convert import (
     Parallel,
     Place,
     Shape,
     check_convertible,
     hf_to_megatron,
-    load_hf_weights,
     megatron_to_hf,
 )
+from pipeline.engines.megatron.model import load_hf_weights
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table, write_table
 from pipeline.localize.adapters import open_side

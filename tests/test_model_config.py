@@ -23,9 +23,10 @@ from pipeline.compare.onset import position_onset
 from pipeline.compare.run import compare_files
 from pipeline.contracts.report import Finding
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_common import file_config_resolved, load_model, model_metadata
-from pipeline.engines.hf_replay import HFScoringEngine
-from pipeline.engines.hf_rollout import HFRolloutEngine
+from pipeline.engines.hf.model import load_model
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
+from pipeline.engines.metadata import file_config_resolved, model_metadata
 from pipeline.fixture.io import read_table, write_table
 from pipeline.model_config import config_differences, described, numerics_config
 from pipeline.verify.config_edit import reading
@@ -286,11 +287,11 @@ def test_a_misread_the_files_do_not_show_is_found_by_re_scoring(
     changes, words = MISREADS[misread]
     other = read_as(model, tmp_path / "engine", **changes)
     if misread == "tied_head":
-        import pipeline.engines.hf_replay as hf_replay
+        import pipeline.engines.hf.replay as hf_replay
 
         monkeypatch.setattr(hf_replay, "load_model", tying_loader(hf_replay.load_model))
     if misread == "final_softcap":
-        import pipeline.engines.hf_replay as hf_replay
+        import pipeline.engines.hf.replay as hf_replay
 
         monkeypatch.setattr(hf_replay, "load_model", capping_loader(hf_replay.load_model))
     replay = HFScoringEngine().score(read_table(run / "fixture.parquet"), other, {"dtype": dtype})

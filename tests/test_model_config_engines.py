@@ -47,7 +47,7 @@ def _engine_or_skip(module: str):
 @pytest.mark.vllm
 def test_vllm_hf_overrides_are_read_back_and_named(tiny_model, prompts, tmp_path):
     _engine_or_skip("vllm")
-    from pipeline.engines.vllm_engine import VLLMRolloutEngine
+    from pipeline.engines.vllm.engine import VLLMRolloutEngine
 
     fixture = VLLMRolloutEngine().rollout(
         tiny_model, prompts, SAMPLING, {"dtype": "fp32", "hf_overrides": json.dumps(THETA)}
@@ -70,7 +70,7 @@ def test_vllm_hf_overrides_are_read_back_and_named(tiny_model, prompts, tmp_path
 def test_sglang_model_override_args_are_read_back_and_named(
     sglang_python, tiny_model, prompts, tmp_path
 ):
-    from pipeline.engines.sglang_engine import SGLangRolloutEngine
+    from pipeline.engines.sglang.engine import SGLangRolloutEngine
 
     engine = SGLangRolloutEngine()
     engine.log_dir = tmp_path

@@ -201,7 +201,7 @@ def test_bad_numerics_are_refused_saying_what(given, said):
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
-    from pipeline.engines.hf_common import load_model
+    from pipeline.engines.hf.model import load_model
 
     return load_model(tiny_model, "float32")
 
@@ -270,7 +270,7 @@ def test_a_prefill_reads_the_cache_as_decoding_does(model):
     """Keys and values are rounded where attention reads them, so a teacher-forced prefill
     computes what decoding from the FP8 cache does (the calibration's and verification's
     premise); on fp32, to 1e-5."""
-    from pipeline.engines.hf_decode import decode_logprobs
+    from pipeline.engines.hf.decode import decode_logprobs
     from pipeline.faults import FaultSettings, rescore
     from pipeline.numerics.emulate import apply_numerics, remove_numerics
 
@@ -291,7 +291,7 @@ def test_a_prefill_reads_the_cache_as_decoding_does(model):
 def test_a_moe_computes_with_its_experts_and_router_quantized(family_model):
     """Qwen3-MoE's experts are 3-D tensors and its router a module of its own: both
     quantized (the router as vLLM does for Qwen3-MoE), then put back exactly."""
-    from pipeline.engines.hf_common import load_model
+    from pipeline.engines.hf.model import load_model
     from pipeline.numerics.emulate import apply_numerics, remove_numerics
 
     moe = load_model(family_model("qwen3_moe"), "float32")
@@ -316,7 +316,7 @@ def _read(linear=None, layers=None, caches=(), **more):
 
 
 def test_vllm_layers_read_back_name_the_numerics_that_ran():
-    from pipeline.engines.vllm_numerics import numerics_of
+    from pipeline.engines.vllm.numerics import numerics_of
 
     block_w8a16 = {"method": "Fp8PerBlockOnlineLinearMethod", "kernel": "CPUFp8BlockScaledMMKernel",
                    "weight_dtype": "float8_e4m3fn", "weights": [128, 128],

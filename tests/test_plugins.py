@@ -47,6 +47,6 @@ def test_every_builtin_names_an_object_its_module_defines(group):
 def test_names_and_load_cover_builtins_and_unknowns():
     assert plugins.names(plugins.ROLLOUT) == ["hf", "http", "sglang", "vllm"]
     assert plugins.load(plugins.SCORING, "no-such-engine") is None
-    from pipeline.engines.hf_replay import HFScoringEngine
+    from pipeline.engines.hf.replay import HFScoringEngine
 
     assert plugins.load(plugins.SCORING, "hf") is HFScoringEngine

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_replay import HFScoringEngine
-from pipeline.engines.hf_rollout import HFRolloutEngine
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.fixture.io import read_table, write_table
 from pipeline.fixture.table import REPLAY_CHANNEL
 from pipeline.prompts import smoke_prompt_texts, tokenize
@@ -65,7 +65,7 @@ def hot_loaded(out: Path, model_dir: Path, change, name: str, size: float) -> Pa
     """A bf16 replay by weights ``change`` made from the fixture's, scaled so the drift is
     about ``size`` times the clean replay's; the engine's files on record are the fixture's
     (weights hot-loaded in memory), so only the logprobs can tell."""
-    from pipeline.engines.hf_common import load_model
+    from pipeline.engines.hf.model import load_model
 
     fixture = read_table(out / "fixture.parquet")
     clean = _mean_drift(fixture, read_table(out / "replay-clean.parquet"))

@@ -12,8 +12,8 @@ import pytest
 from pipeline.calibrate.run import calibrate
 from pipeline.compare.run import compare_tables
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_replay import HFScoringEngine
-from pipeline.engines.hf_rollout import HFRolloutEngine
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.faults import FaultSettings, rescore
 from pipeline.fixture.io import read_table, write_table
 from pipeline.verify import verify_report
@@ -114,8 +114,8 @@ def test_a_fault_on_top_of_fp8_still_fails_and_is_named(runs, tiny_model, kind):
     """The rollout computed with FP8 and also committed a bug: its logprobs processed at
     temperature 0.7, or its positions offset from completion index 8 (faults.py's, committed
     in the FP8 model)."""
-    from pipeline.engines.hf_common import load_model
-    from pipeline.engines.hf_replay import ReplayKnobs
+    from pipeline.engines.hf.model import load_model
+    from pipeline.engines.hf.replay import ReplayKnobs
 
     tables = runs["tables"]
     fixture = read_table_copy(tables["declared"])

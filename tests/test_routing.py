@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_replay import HFScoringEngine
-from pipeline.engines.hf_rollout import HFRolloutEngine
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table, write_table
 from pipeline.fixture.table import select_sequences

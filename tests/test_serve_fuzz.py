@@ -24,8 +24,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from pipeline.engines.hf_common import load_model
-from pipeline.engines.hf_replay import ReplayKnobs, score_batch
+from pipeline.engines.hf.model import load_model
+from pipeline.engines.hf.replay import ReplayKnobs, score_batch
 from tests.fuzzing import HOSTILE_IDS, JSON_VALUES, PROFILE
 from tests.test_serve import JSON, MAX_POSITIONS, VOCAB, call, post, served
 

@@ -17,8 +17,8 @@ import pytest
 
 from pipeline.compare.run import compare_tables
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_replay import HFScoringEngine
-from pipeline.engines.sglang_engine import SGLangRolloutEngine, SGLangScoringEngine
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.sglang.engine import SGLangRolloutEngine, SGLangScoringEngine
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table
 from pipeline.prompts import smoke_prompt_texts, tokenize

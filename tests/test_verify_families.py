@@ -111,8 +111,8 @@ def sampled_rollout(tiny_model, prompts, tmp_path_factory):
     processed, written as a dump that does not record its sampling (as many an ingested one
     does)."""
     from pipeline.engines.base import SamplingParams
-    from pipeline.engines.hf_replay import HFScoringEngine
-    from pipeline.engines.hf_rollout import HFRolloutEngine
+    from pipeline.engines.hf.replay import HFScoringEngine
+    from pipeline.engines.hf.rollout import HFRolloutEngine
 
     out = tmp_path_factory.mktemp("sampled")
 
@@ -315,8 +315,8 @@ TEMPLATE = "### Instruction:"  # a chat template's shared prefix, after the BOS
 def templated_run(tiny_model, prompts, tmp_path_factory):
     """An fp32 HF rollout and replay of prompts laid out as BOS, template prefix, text."""
     from pipeline.engines.base import SamplingParams
-    from pipeline.engines.hf_replay import HFScoringEngine
-    from pipeline.engines.hf_rollout import HFRolloutEngine
+    from pipeline.engines.hf.replay import HFScoringEngine
+    from pipeline.engines.hf.rollout import HFRolloutEngine
     from pipeline.prompts import tokenize
 
     out = tmp_path_factory.mktemp("templated")

@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.compare.run import compare_tables
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_replay import HFScoringEngine
+from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.families import families
 from pipeline.fixture.io import read_table, write_table
 from pipeline.localize.run import localize
@@ -84,8 +84,8 @@ def moe_rollout(family_model):
     """A vLLM fp32 rollout of Qwen2-MoE, two samples per prompt, one prompt long enough
     (~300 tokens) that vLLM serves the second sample's prefix from its cache: those
     positions are never computed for it, and their routing comes from the first sample."""
-    import pipeline.engines.vllm_routing as vllm_routing
-    from pipeline.engines.vllm_engine import VLLMRolloutEngine
+    import pipeline.engines.vllm.routing as vllm_routing
+    from pipeline.engines.vllm.engine import VLLMRolloutEngine
 
     model = family_model("qwen2_moe")
     prompts = tokenize(model, smoke_prompt_texts())[:3]

@@ -71,7 +71,7 @@ def calibrate(
     fixture rows instead of ``sequences`` spread over it (verification re-scores the
     sequences a precision claim is about); ``keyed=False`` leaves out the key, whose weights
     fingerprint reads every weight file (verification already checked them)."""
-    from pipeline.engines.hf_common import model_metadata
+    from pipeline.engines.metadata import model_metadata
 
     device = devices.resolve_device(device)
     rows = sample_rows(fixture, sequences) if rows is None else list(rows)
@@ -133,9 +133,9 @@ def score_ways(model_dir: Path, pairs: list, precisions: list[str], device: str,
     ``decode`` (teacher-forced decoding of `decode_rows`, NaN on the other sequences' tokens).
     fp32 also gets its fp64 ground truth. Keyed (precision, way); timing per precision in
     seconds."""
-    from pipeline.engines.hf_common import load_model
-    from pipeline.engines.hf_decode import decode_logprobs
-    from pipeline.engines.hf_replay import ReplayKnobs, score_batches
+    from pipeline.engines.hf.decode import decode_logprobs
+    from pipeline.engines.hf.model import load_model
+    from pipeline.engines.hf.replay import ReplayKnobs, score_batches
     from pipeline.numerics.emulate import set_attention
 
     scored: dict[tuple[str, str], np.ndarray] = {}
@@ -187,7 +187,7 @@ def score_exactly(model_dir: Path, pairs: list, device: str) -> np.ndarray:
     attention, an fp64 log-softmax): the reference fp32 implementations scatter about."""
     import torch
 
-    from pipeline.engines.hf_common import load_model, model_device
+    from pipeline.engines.hf.model import load_model, model_device
 
     model = load_model(model_dir, "float64", attn_implementation="eager", device=device)
     out = []

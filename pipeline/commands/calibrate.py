@@ -130,7 +130,7 @@ def calibrate(
     if history is not None and reuse:
         from pipeline.calibrate.run import calibration_key, precisions_for
         from pipeline.devices import resolve_device
-        from pipeline.engines.hf_common import model_metadata
+        from pipeline.engines.metadata import model_metadata
         from pipeline.history.calibrations import find_calibration
 
         resolved = resolve_device(device)

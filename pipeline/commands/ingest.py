@@ -78,7 +78,7 @@ def ingest(
         "logprob_channels": {"rollout": f"as dumped in field {field_map.rollout!r}"},
     }
     if model_dir:
-        from pipeline.engines.hf_common import model_metadata
+        from pipeline.engines.metadata import model_metadata
 
         metadata["model"] = model_metadata(model_dir)
     table = ingest_jsonl(jsonl_path, field_map, metadata)

@@ -206,7 +206,7 @@ def run_worker(
     import torch.distributed as dist
 
     from pipeline.engines import scoring_engine
-    from pipeline.engines.hf_replay import micro_batch_where, replay_table
+    from pipeline.engines.scoring import micro_batch_where, replay_table
 
     # The launcher passes the device kind; under the user's own torchrun it may be any spec.
     spec = devices.resolve_device(str(knobs.get("device", "auto")), "--device")

@@ -113,7 +113,7 @@ def processing_fault(kind: str, settings: FaultSettings, pairs, model) -> Proces
 def generation_defaults(model) -> dict:
     """The sampling fields the model's generation_config.json sets (what an engine applies
     where a request leaves them unset)."""
-    from pipeline.engines.hf_common import generation_sampling
+    from pipeline.engines.metadata import generation_sampling
 
     return generation_sampling(getattr(model, "name_or_path", "") or "")
 
@@ -247,7 +247,7 @@ def select_processed(logits, completion, processing=None) -> np.ndarray:
     """Each completion token's logprob under ``logits`` after optional sampling processing."""
     import torch
 
-    from pipeline.engines.hf_common import process_logits
+    from pipeline.engines.hf.model import process_logits
 
     if processing:
         logits = process_logits(logits, **processing)
@@ -413,7 +413,7 @@ def _selected(model, hidden_rows, completion, head_dtype=None, processing=None, 
 
 def _on_device(model, inputs: dict) -> dict:
     """The inputs on the device the model computes on (a GPU when inject runs there)."""
-    from pipeline.engines.hf_common import model_device
+    from pipeline.engines.hf.model import model_device
 
     device = model_device(model)
     return {name: tensor.to(device) for name, tensor in inputs.items()}

@@ -199,7 +199,7 @@ def _mark_new_version(table: TokenTable, span: slice, at: int) -> None:
 
 
 def _load(model_dir: Path, device: str, dtype: str = "float32"):
-    from pipeline.engines.hf_common import load_model
+    from pipeline.engines.hf.model import load_model
 
     model = load_model(model_dir, dtype, device=device)
     set_tf32(device, False)  # fp32 re-scores are IEEE fp32 on a GPU too

@@ -89,7 +89,7 @@ def apply_seen(logits, processing: Processing, cap_of_model: float, history=None
     row) in ``processing``'s scope (`seen_before`); rows may come from several sequences."""
     import torch
 
-    from pipeline.engines.hf_common import process_logits
+    from pipeline.engines.hf.model import process_logits
 
     cap = cap_of_model if processing.soft_cap == MODEL_CAP else processing.soft_cap
     if cap:

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import devices
-from pipeline.engines.hf_common import load_model
-from pipeline.engines.hf_replay import ReplayKnobs, score_batches
+from pipeline.engines.hf.model import load_model
+from pipeline.engines.hf.replay import ReplayKnobs, score_batches
 from pipeline.errors import BadInput
 from pipeline.fingerprint import tensor_fingerprint
 

@@ -46,7 +46,7 @@ class Reference:
         say=lambda line: None,
     ):
         from pipeline.devices import resolve_device, set_tf32
-        from pipeline.engines.hf_common import load_model
+        from pipeline.engines.hf.model import load_model
 
         self.fixture, self.replay, self.channel = fixture, replay, channel
         self.say = say
@@ -128,7 +128,7 @@ class Reference:
         if dtype == "float32":
             return self.fp32_model
         if dtype not in self.in_dtype:
-            from pipeline.engines.hf_common import load_model
+            from pipeline.engines.hf.model import load_model
 
             self.in_dtype[dtype] = load_model(self.model_dir, dtype, device=self.device)
         return self.in_dtype[dtype]

@@ -119,7 +119,7 @@ def _vllm_reload(url: str, model_dir: Path, name: str, timeout_s: float) -> str:
 def _sglang_reload(
     url: str, model_dir: Path, name: str, timeout_s: float, via: str, abort_running: bool
 ) -> str:
-    from pipeline.engines import sglang_api
+    from pipeline.engines.sglang import api as sglang_api
 
     connection = sglang_api.Connection(url, timeout_s, retries=0)
     if via == "tensor":

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_replay import HFScoringEngine
-from pipeline.engines.hf_rollout import HFRolloutEngine
+from pipeline.engines.hf.replay import HFScoringEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.fixture.io import write_table
 from pipeline.prompts import smoke_prompt_texts, tokenize
 from pipeline.tinymodel.build import build_tiny_model

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_replay import HFScoringEngine
+from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.fixture.io import read_table
 from pipeline.prompts import smoke_prompt_texts, tokenize
 
@@ -67,7 +67,7 @@ def test_each_kv_cache_computes_alike_on_the_gpu_and_the_cpu(run, kv_cache):
 def test_vllm_fp8_on_cuda_is_read_back_and_passes_with_its_calibration(run, tmp_path):
     from pipeline.calibrate.run import calibrate
     from pipeline.compare.run import compare_tables
-    from pipeline.engines.vllm_engine import VLLMRolloutEngine
+    from pipeline.engines.vllm.engine import VLLMRolloutEngine
 
     sampling = SamplingParams(max_tokens=48, seed=0, samples_per_prompt=2)
     fixture = VLLMRolloutEngine().rollout(run["model"], run["prompts"], sampling, {

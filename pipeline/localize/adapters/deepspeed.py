@@ -45,7 +45,7 @@ def open_session(model_dir: Path, knobs: dict, device: str = "cpu", spec: str = 
 
 
 def open_rank(model_dir: Path, knobs: dict, device: str, world_size: int) -> ShardedHFRank:
-    from pipeline.engines.deepspeed_replay import import_deepspeed
+    from pipeline.engines.deepspeed.replay import import_deepspeed
 
     deepspeed = import_deepspeed(device)
     import torch.distributed as dist

@@ -4,7 +4,7 @@ the HF layout.
 Spec: `megatron:tp=2,dtype=fp32`; for MoE models also `ep=2` (expert parallelism) and `etp`
 (expert tensor parallelism, default tp). The ranks are lcm(tp, ep x etp) processes. The
 model is built and its HF weights converted as for the Megatron replay
-(`pipeline.engines.megatron_convert`: local layer spec, RMSNorm, RoPE, gated SiLU MLP, q/k
+(`pipeline.engines.megatron.convert`: local layer spec, RMSNorm, RoPE, gated SiLU MLP, q/k
 norms, megatron-core's own MoE layer), for every family lpx registers. Every rank runs the
 same sequence. Megatron modules and the boundaries they give:
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.engines.base import knobs_from_dict
-from pipeline.engines.megatron_convert import Parallel, check_convertible
+from pipeline.engines.megatron.convert import Parallel, check_convertible
 from pipeline.errors import BadInput, EngineNotInstalled
 from pipeline.localize.adapters._workers import WorkerGroup, WorkerSession
 from pipeline.localize.adapters.hf import REFERENCE, CaptureKnobs, HFCapture, rows
@@ -108,8 +108,8 @@ class MegatronRank:
                 "`pip install -e '.[megatron]'`."
             ) from None
         from pipeline.devices import cpu_stands_in_for_cuda, is_cuda
-        from pipeline.engines.megatron_convert import (
-            Shape,
+        from pipeline.engines.megatron.convert import Shape
+        from pipeline.engines.megatron.model import (
             cpu_moe_shims,
             initialize_parallel,
             place_of_this_rank,
@@ -159,7 +159,7 @@ class MegatronRank:
         return {slot: replace[name] for slot, name in names.items() if name in replace}
 
     def _model(self, precision: str):
-        from pipeline.engines.megatron_routing import MegatronRouters
+        from pipeline.engines.megatron.routing import MegatronRouters
 
         if precision not in self._models:
             model = build_model(
@@ -286,7 +286,8 @@ def build_model(model_dir: Path, config: dict, shape, parallel, place, device, d
     shard of the HF weights."""
     import torch
 
-    from pipeline.engines.megatron_convert import gpt_model, hf_to_megatron, load_hf_weights
+    from pipeline.engines.megatron.convert import hf_to_megatron
+    from pipeline.engines.megatron.model import gpt_model, load_hf_weights
 
     torch_dtype = getattr(torch, dtype)
     model = gpt_model(config, shape, parallel, torch_dtype)

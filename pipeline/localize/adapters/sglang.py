@@ -119,7 +119,7 @@ class SGLangCapture:
 
     def __init__(self, model_dir: Path, settings: SGLangCaptureKnobs, device: str, name: str):
         from pipeline.engines.model_dir import check_model_dir
-        from pipeline.engines.sglang_server import sglang_python
+        from pipeline.engines.sglang.server import sglang_python
 
         config = check_model_dir(model_dir)
         self.model_dir = model_dir
@@ -233,7 +233,7 @@ class SGLangCapture:
         return session, folder
 
     def _start(self, dtype: str):
-        from pipeline.engines.sglang_common import SGLangKnobs, session
+        from pipeline.engines.sglang.knobs import SGLangKnobs, session
 
         s = self.settings
         base = Path(s.rows_dir) if s.rows_dir else self._folder

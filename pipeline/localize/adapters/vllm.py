@@ -14,7 +14,7 @@ Where each boundary is read (vLLM's names, HF layout out):
 - attn_out: `self_attn` (o_proj's output without its bias tuple); mlp_out: `mlp`;
 - router_logits (MoE layers): `mlp.gate`'s output, the logits FusedMoE routes with;
 - experts: the ids vLLM's own router chose (its routing step, where vLLM's routed-experts
-  capture reads them; pipeline/engines/vllm_routing.py), not a recomputation;
+  capture reads them; pipeline/engines/vllm/routing.py), not a recomputation;
 - final_norm: `model.norm`; logits: `compute_logits` (lm_head and vLLM's logits processor) of
   the final hidden state at every position, since the engine computes only the last one.
 
@@ -178,7 +178,7 @@ class VLLMCapture:
         self.prefill_steps = current.steps
 
     def close(self) -> None:
-        from pipeline.engines.vllm_common import release_llm
+        from pipeline.engines.vllm.knobs import release_llm
 
         for llm, _ in self._engines.values():
             _LIVE.remove(llm)
@@ -197,7 +197,7 @@ class VLLMCapture:
         return self._engines[dtype][0]
 
     def _load(self, dtype: str):
-        from pipeline.engines.vllm_common import VLLMKnobs, create_llm, vllm_versions
+        from pipeline.engines.vllm.knobs import VLLMKnobs, create_llm, vllm_versions
 
         s = self.settings
         knobs = VLLMKnobs(
@@ -236,7 +236,7 @@ class VLLMCapture:
 
 def _install_hooks(model) -> None:
     """Forward hooks on every boundary's module of vLLM's model (see the module docstring)."""
-    from pipeline.engines.vllm_routing import moe_routers
+    from pipeline.engines.vllm.routing import moe_routers
 
     # refuses a fused routing kernel, whose choice no hook can see
     moe_routers(model, "capture this model with the hf adapter.")

@@ -22,7 +22,7 @@ import numpy as np
 
 from pipeline.contracts.causes import Cause
 from pipeline.contracts.report import Finding
-from pipeline.engines.hf_common import generation_sampling
+from pipeline.engines.metadata import generation_sampling
 from pipeline.faults import QWEN3_DEFAULTS, completion_logits, select_processed
 from pipeline.faults.processing import (
     MODEL_CAP,

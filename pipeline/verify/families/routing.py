@@ -32,7 +32,7 @@ class Routing(Family):
 
     def commit(self, ref, candidate, rows):
         """The rows in fp32 with every router made to choose the given side's experts."""
-        from pipeline.engines.hf_replay import ReplayKnobs, score_batch
+        from pipeline.engines.hf.replay import ReplayKnobs, score_batch
         from pipeline.routing import sequence_routing
 
         side = candidate.params["routing_of"]

@@ -54,7 +54,7 @@ def published(ref) -> list[str]:
 def scored_under(ref, name: str, rows: list[int]) -> list[np.ndarray]:
     """The rows re-scored under a published version (one version in memory at a time)."""
     if ref.version_model[0] != name:
-        from pipeline.engines.hf_common import load_model
+        from pipeline.engines.hf.model import load_model
         from pipeline.weights.store import materialize
 
         ref.version_model = (None, None)

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.engines.base import knobs_from_dict
-from pipeline.engines.hf_common import model_metadata, software_versions
-from pipeline.engines.hf_replay import ScoredSequence, replay_table
 from pipeline.engines.http_json import json_request
+from pipeline.engines.metadata import model_metadata, software_versions
+from pipeline.engines.scoring import ScoredSequence, replay_table
 from pipeline.errors import BadInput
 from pipeline.fixture.table import TokenTable
 from pipeline.names import canonical_dtype

@@ -11,10 +11,10 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from pipeline.engines import sglang_api
 from pipeline.engines.base import knobs_from_dict
-from pipeline.engines.hf_common import software_versions
-from pipeline.engines.sglang_server import running_server, sglang_python
+from pipeline.engines.metadata import software_versions
+from pipeline.engines.sglang import api as sglang_api
+from pipeline.engines.sglang.server import running_server, sglang_python
 from pipeline.errors import BadInput
 
 # On a CPU SGLang's KV cache is sized from system RAM unless bounded (15 GB of 23 here).
@@ -266,7 +266,7 @@ def resolved_config(model_dir: Path, found: Session) -> dict:
     arguments the server reports it runs with (``json_model_override_args``), resolved as
     transformers resolves it (SGLang builds its model config with transformers' classes)."""
     from pipeline.engines.base import json_object
-    from pipeline.engines.hf_common import file_config_resolved
+    from pipeline.engines.metadata import file_config_resolved
 
     given = found.server_args().get("json_model_override_args") or "{}"
     try:

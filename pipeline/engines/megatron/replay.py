@@ -20,23 +20,27 @@ import numpy as np
 
 from pipeline.devices import cpu_stands_in_for_cuda, is_cuda
 from pipeline.engines.distributed import DistributedScoringEngine
-from pipeline.engines.hf_common import model_metadata, software_versions, torch_dtype
-from pipeline.engines.hf_replay import ReplayKnobs, ScoredSequence
-from pipeline.engines.megatron_convert import (
+from pipeline.engines.hf.model import torch_dtype
+from pipeline.engines.hf.replay import ReplayKnobs
+from pipeline.engines.megatron.convert import (
     CONVERSION,
-    DISPATCHER,
     Parallel,
     check_convertible,
+    hf_to_megatron,
+    megatron_to_hf,
+)
+from pipeline.engines.megatron.model import (
+    DISPATCHER,
     config_as_built,
     cpu_moe_shims,
     gpt_model,
-    hf_to_megatron,
     initialize_parallel,
     load_hf_weights,
-    megatron_to_hf,
     place_of_this_rank,
 )
-from pipeline.engines.megatron_routing import MegatronRouters, batch_targets, sequence_rows
+from pipeline.engines.megatron.routing import MegatronRouters, batch_targets, sequence_rows
+from pipeline.engines.metadata import model_metadata, software_versions
+from pipeline.engines.scoring import ScoredSequence
 from pipeline.errors import BadInput, EngineNotInstalled
 from pipeline.fingerprint import tensor_fingerprint
 

@@ -1,6 +1,6 @@
 """Start SGLang's server in its environment, past what stops it on a CPU host.
 
-Run as ``python -m pipeline.engines.sglang_launch SGLANG-SERVER-ARGS...`` by the interpreter
+Run as ``python -m pipeline.engines.sglang.launch SGLANG-SERVER-ARGS...`` by the interpreter
 that has SGLang (engines/sglang_server.py does). Everything here runs at import, because
 SGLang starts its scheduler and detokenizer with multiprocessing's spawn: each child
 imports this module again (as ``__mp_main__``) before it imports SGLang.

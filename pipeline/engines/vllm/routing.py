@@ -31,7 +31,7 @@ import numpy as np
 from pipeline.errors import BadInput
 from pipeline.routing import ROUTING_DTYPE, routing_metadata
 
-EXTENSION = "pipeline.engines.vllm_routing.RoutingExtension"
+EXTENSION = "pipeline.engines.vllm.routing.RoutingExtension"
 SOURCE = "vllm {role} (the MoE routers' capture_fn, vLLM's routed-experts capture point)"
 
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from pipeline.devices import device_kind
 from pipeline.engines.distributed import DistributedScoringEngine
-from pipeline.engines.hf_common import load_model, model_metadata, software_versions, torch_dtype
-from pipeline.engines.hf_replay import ReplayKnobs, score_batch
+from pipeline.engines.hf.model import load_model, torch_dtype
+from pipeline.engines.hf.replay import ReplayKnobs, score_batch
+from pipeline.engines.metadata import model_metadata, software_versions
 from pipeline.errors import BadInput, EngineNotInstalled
 from pipeline.fingerprint import tensor_fingerprint
 

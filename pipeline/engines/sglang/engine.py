@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.engines import sglang_api
 from pipeline.engines.base import SamplingParams, trajectories
-from pipeline.engines.hf_common import model_metadata
+from pipeline.engines.metadata import model_metadata
 from pipeline.engines.model_dir import check_model_dir
-from pipeline.engines.sglang_common import (
+from pipeline.engines.sglang import api as sglang_api
+from pipeline.engines.sglang.knobs import (
     SGLangKnobs,
     applied_knobs,
     engine_metadata,

@@ -9,15 +9,14 @@ import numpy as np
 
 from pipeline import devices
 from pipeline.engines.base import SamplingParams, trajectories
-from pipeline.engines.hf_common import (
+from pipeline.engines.hf.model import (
     load_model,
-    model_metadata,
     numerics_from_knobs,
     numerics_metadata,
     process_logits,
-    software_versions,
 )
-from pipeline.engines.hf_routing import router_tap
+from pipeline.engines.hf.routing import router_tap
+from pipeline.engines.metadata import model_metadata, software_versions
 from pipeline.errors import BadInput
 from pipeline.fixture.table import table_from_sequences
 from pipeline.names import canonical_dtype

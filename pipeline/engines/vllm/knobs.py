@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.engines.base import json_object, knobs_from_dict
-from pipeline.engines.hf_common import software_versions
+from pipeline.engines.metadata import software_versions
 from pipeline.engines.model_dir import check_model_dir
-from pipeline.engines.vllm_routing import EXTENSION
+from pipeline.engines.vllm.routing import EXTENSION
 from pipeline.errors import BadInput, EngineNotInstalled
 
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
@@ -186,7 +186,7 @@ def resolved_config(llm):
 def read_back_numerics(llm, knobs: VLLMKnobs) -> tuple[dict, dict]:
     """(``metadata.numerics`` of what the worker runs, the numerics knobs it did not apply:
     {knob: {requested, applied}})."""
-    from pipeline.engines.vllm_numerics import numerics_of, read_numerics
+    from pipeline.engines.vllm.numerics import numerics_of, read_numerics
 
     read = llm.collective_rpc(read_numerics)[0]
     config = llm.llm_engine.vllm_config

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.engines.base import SamplingParams, knobs_from_dict, trajectories
-from pipeline.engines.hf_common import model_metadata, software_versions
 from pipeline.engines.http_json import json_request
-from pipeline.engines.sglang_api import Asked, Connection, Trajectory, generate_trajectory
+from pipeline.engines.metadata import model_metadata, software_versions
+from pipeline.engines.sglang.api import Asked, Connection, Trajectory, generate_trajectory
 from pipeline.errors import BadInput
 from pipeline.fixture.table import TokenTable, table_from_sequences
 from pipeline.progress import progress_bar

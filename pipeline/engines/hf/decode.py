@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.engines.hf_common import model_device
+from pipeline.engines.hf.model import model_device
 
 
 def decode_logprobs(model, pairs, batch_size: int = 8) -> list[np.ndarray]:

@@ -1,6 +1,6 @@
 """Install SGLang for lpx: fetch its wheels once, then make its environment offline.
 
-``python -m pipeline.engines.sglang_setup`` (scripts/setup runs it) downloads the pinned
+``python -m pipeline.engines.sglang.setup`` (scripts/setup runs it) downloads the pinned
 release, the torchvision it imports and the companions of environments.STACKS["sglang"]
 into the wheelhouse (the venv's engine-wheels/ unless LPX_WHEELHOUSE), then makes the
 environment the `sglang` engine finds (engines/sglang_server.py). A second run fetches
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from pipeline import environments
-from pipeline.engines.sglang_server import SGLANG_RELEASE, default_environment
+from pipeline.engines.sglang.server import SGLANG_RELEASE, default_environment
 
 
 def fetch(wheelhouse: Path) -> None:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from pipeline.devices import device_kind
 from pipeline.engines.distributed import DistributedScoringEngine
-from pipeline.engines.hf_common import load_model, model_metadata, torch_dtype
-from pipeline.engines.hf_replay import ReplayKnobs, score_batch
+from pipeline.engines.hf.model import load_model, torch_dtype
+from pipeline.engines.hf.replay import ReplayKnobs, score_batch
+from pipeline.engines.metadata import model_metadata
 from pipeline.errors import BadInput
 from pipeline.fingerprint import tensor_fingerprint
 from pipeline.names import canonical_dtype
@@ -106,6 +107,6 @@ def _dtype_knob(value: str) -> str:
 
 
 def _versions(torch) -> dict:
-    from pipeline.engines.hf_common import software_versions
+    from pipeline.engines.metadata import software_versions
 
     return {**software_versions(), "fsdp": f"FSDP2 (torch {torch.__version__})"}

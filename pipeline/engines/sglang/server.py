@@ -5,7 +5,7 @@ The server runs in the interpreter that has SGLang: the one named by the ``pytho
 ``LPX_SGLANG_PYTHON``, this one where SGLang is importable here (an image with SGLang in
 it, a bisect's environment), else the environment setup made (environments.STACKS: the
 pinned release over lpx's own venv, torch shared). It starts through
-engines/sglang_launch.py in a process group of its own; the group is stopped when the work
+engines/sglang/launch.py in a process group of its own; the group is stopped when the work
 ends, fails or is interrupted (SIGINT/SIGTERM reach lpx as `Interrupted`, and the
 ``finally`` here runs), and a server whose parent dies is stopped by the kernel
 (PR_SET_PDEATHSIG). Its log is kept where the caller says.
@@ -102,7 +102,7 @@ def running_server(
     startup_s: float = 600.0,
     say=None,
 ):
-    """Yield a `Server` started with ``python -m pipeline.engines.sglang_launch
+    """Yield a `Server` started with ``python -m pipeline.engines.sglang.launch
     --host 127.0.0.1 --port P *server_args``; stop it (its whole process group) after.
 
     P is a port the kernel called free, but SGLang binds it only once the model is loaded,
@@ -136,7 +136,7 @@ def running_server(
 def _launch(python: Path, server_args: list[str], log: Path, env: dict[str, str] | None):
     """Start the server on a free port, its output to ``log``: (Popen, base URL, start time)."""
     port = _free_port()
-    argv = [str(python), "-m", "pipeline.engines.sglang_launch", "--host", "127.0.0.1",
+    argv = [str(python), "-m", "pipeline.engines.sglang.launch", "--host", "127.0.0.1",
             "--port", str(port), *server_args]  # fmt: skip
     log.parent.mkdir(parents=True, exist_ok=True)
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "SGLANG_DISABLE_REQUEST_LOGGING": "1"}

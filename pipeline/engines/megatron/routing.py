@@ -1,5 +1,5 @@
 """The experts megatron-core's own routers choose, and router replay (R3), through megatron's
-RouterReplay (`moe_enable_routing_replay`, set by `megatron_convert.moe_settings`).
+RouterReplay (`moe_enable_routing_replay`, set by `megatron.model.moe_settings`).
 
 Each MoE layer's TopKRouter owns a RouterReplay: with the RECORD action it keeps the top-k
 it computed ([tokens, k]); with REPLAY_FORWARD it takes the given expert ids instead and

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.engines.base import SamplingParams, trajectories
-from pipeline.engines.hf_common import model_metadata
-from pipeline.engines.vllm_common import (
+from pipeline.engines.metadata import model_metadata
+from pipeline.engines.vllm.knobs import (
     VLLMKnobs,
     applied_knobs,
     chunks,
@@ -24,7 +24,7 @@ from pipeline.engines.vllm_common import (
     stop_token_ids,
     vllm_versions,
 )
-from pipeline.engines.vllm_routing import record_for
+from pipeline.engines.vllm.routing import record_for
 from pipeline.errors import BadInput
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable, table_from_sequences
 from pipeline.progress import progress_bar

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -11,43 +10,25 @@ import numpy as np
 
 from pipeline import devices
 from pipeline.engines.base import knobs_from_dict
-from pipeline.engines.hf_common import (
+from pipeline.engines.hf.model import (
     load_model,
     model_device,
-    model_metadata,
     numerics_from_knobs,
     numerics_metadata,
     process_logits,
-    software_versions,
 )
-from pipeline.engines.hf_routing import router_tap
+from pipeline.engines.hf.routing import router_tap
+from pipeline.engines.metadata import model_metadata, software_versions
+from pipeline.engines.scoring import ScoredSequence, micro_batch_where, replay_table
 from pipeline.errors import BadInput
 from pipeline.fixture.table import (
-    REPLAY_CHANNEL,
-    REPLAY_TOP1_CHANNEL,
     TokenTable,
-    table_from_sequences,
 )
 from pipeline.progress import progress_bar
-from pipeline.routing import routing_metadata, sequence_routing
+from pipeline.routing import sequence_routing
 
 PADDING_SIDES = ("right", "left")
 SCORED_TOP_IDS = "at the fixture's top-k ids"  # metadata["top_logprobs"] when score_top_ids acts
-
-
-@dataclass
-class ScoredSequence:
-    completion: np.ndarray  # selected-token logprobs of the completion
-    prompt: np.ndarray | None  # of the prompt (NaN first) when asked
-    # [tokens]: the most likely token at each completion position and its logprob; or
-    # [tokens, k]: the fixture's top-k ids there and this engine's logprobs at them
-    top_id: np.ndarray
-    top_logprob: np.ndarray
-    # with [tokens, k] ids only: the logprob of this engine's own most likely token
-    best_logprob: np.ndarray | None = None
-    # MoE models: int [prompt + completion - 1, MoE layers, k], the experts each position's
-    # router chose (pipeline.routing)
-    routed_experts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -208,51 +189,6 @@ def score_batches(
     if waiting is not None:
         scored.extend(finish_batch(waiting))
     return scored
-
-
-def micro_batch_where(fixture: TokenTable, indices, size: int) -> str:
-    indices = list(indices)
-    lengths = [len(fixture.prompt_of(i)) + len(fixture.completion_of(i)) for i in indices]
-    ids = fixture.sequence_ids
-    return (
-        f"micro-batch {indices[0] // size + 1} of {-(-fixture.num_sequences // size)} "
-        f"(sequences {ids[indices[0]]!r} to {ids[indices[-1]]!r}, {len(indices)} x "
-        f"{max(lengths)} tokens padded)"
-    )
-
-
-def replay_table(
-    fixture: TokenTable, scored: list[ScoredSequence], metadata: dict, with_prompt: bool
-) -> TokenTable:
-    """A replay of `fixture` from one ScoredSequence per fixture sequence, in fixture order."""
-    indices = range(fixture.num_sequences)
-    channels = {REPLAY_CHANNEL: [s.completion for s in scored]}
-    if scored and scored[0].best_logprob is not None:  # top_ids are the fixture's ids
-        channels[REPLAY_TOP1_CHANNEL] = [s.best_logprob for s in scored]
-    table = table_from_sequences(
-        "replay",
-        fixture.sequence_ids,
-        [fixture.prompt_of(i) for i in indices],
-        [fixture.completion_of(i) for i in indices],
-        channels,
-        masks=np.split(fixture.completion_mask, fixture.completion_offsets[1:-1]),
-        prompt_logprobs=[s.prompt for s in scored] if with_prompt else None,
-        metadata=metadata,
-    )
-    if scored:
-        top_ids = np.concatenate([s.top_id for s in scored])
-        top_logprobs = np.concatenate([s.top_logprob for s in scored])
-        if top_ids.ndim == 1:  # the engine's own top-1
-            top_ids, top_logprobs = top_ids[:, None], top_logprobs[:, None]
-        table.top_ids = top_ids.astype(np.int32)
-        table.top_logprobs = top_logprobs.astype(np.float32)
-    if scored and scored[0].routed_experts is not None:
-        table.routed_experts = np.concatenate([s.routed_experts for s in scored])
-        if "routing" not in metadata:
-            config = json.loads((Path(metadata["model"]["path"]) / "config.json").read_text())
-            engine = (metadata.get("engine") or {}).get("name", "replay")
-            table.metadata = {**metadata, "routing": routing_metadata(config, engine)}
-    return table
 
 
 def score_batch(

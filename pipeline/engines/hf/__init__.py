@@ -1,0 +1,1 @@
+"""The Hugging Face transformers engine: the training-side reference. model (loading a checkpoint, dtypes, logit processing), replay (teacher-forced scoring), rollout (sampling with a KV cache), decode (teacher-forced decoding through the cache), routing (the experts an MoE model's routers choose, and router replay)."""

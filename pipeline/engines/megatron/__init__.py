@@ -1,0 +1,1 @@
+"""The megatron-core engine: convert (HF weights to GPTModel shards and back, pure tensor functions), model (the GPTModel and megatron's process groups), replay (the scoring adapter on N ranks), routing (megatron's routers and router replay)."""

@@ -1,0 +1,1 @@
+"""The vLLM engine: knobs (creating the offline LLM and reading back what it applied), engine (rollout and teacher-forced scoring adapters), numerics (the reduced-precision numerics its layers run), routing (the experts its MoE routers choose)."""
