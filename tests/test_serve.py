@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pipeline.engines.logprob_server.replay.replay import LogprobServerEngine
+from pipeline.engines.logprob_server.replay import LogprobServerEngine
 
 from pipeline.engines.hf.model import load_model
 from pipeline.engines.hf.replay import HFScoringEngine, ReplayKnobs, score_batch

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from pipeline.engines.logprob_server.replay.replay import LogprobServerEngine
+from pipeline.engines.logprob_server.replay import LogprobServerEngine
 
 from pipeline import devices
 from pipeline.engines.hf.model import load_model
