@@ -16,22 +16,20 @@ import argparse
 import gc
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _commands import run_lpx
 
 from pipeline.engines.hf.model import load_model
 from pipeline.engines.hf.replay import ReplayKnobs, _padded_inputs, score_batches
 from pipeline.engines.metadata import model_metadata
-from pipeline.fixture.io import read_table, write_table  # noqa: E402
-from pipeline.fixture.table import table_from_sequences  # noqa: E402
-from pipeline.flows.smoke import default_model_dir, ensure_tiny_model  # noqa: E402
+from pipeline.fixture.io import read_table, write_table
+from pipeline.fixture.table import table_from_sequences
+from pipeline.flows.smoke import default_model_dir, ensure_tiny_model
 
 TARGET_HARNESS_RATIO = 1.05
 ENGINE_ARGS = {
@@ -116,13 +114,10 @@ def harness_vs_bare(model_dir: Path, pairs, dtype: str, micro_batch: int, repeat
 
 
 def whole_replay(fixture: Path, model_dir: Path, out: Path, engine: str, *extra: str) -> dict:
-    started = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline", "replay", str(fixture), "--model", str(model_dir),
-         "--engine", engine, *ENGINE_ARGS[engine], *extra, "--out", str(out)],
-        capture_output=True, text=True,
+    wall, done = run_lpx(
+        "replay", fixture, "--model", model_dir, "--engine", engine, *ENGINE_ARGS[engine],
+        *extra, "--out", out,
     )  # fmt: skip
-    wall = time.perf_counter() - started
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
     timing = read_table(out).metadata["timing"]

@@ -11,6 +11,8 @@ import json
 import shutil
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
+
 from pipeline.flows.smoke import default_model_dir, ensure_tiny_model
 
 CACHE = Path.home() / ".cache" / "lpx" / "bench-models"

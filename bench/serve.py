@@ -23,20 +23,18 @@ import contextlib
 import itertools
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pipeline.flows.smoke import default_model_dir, ensure_tiny_model  # noqa: E402
-from pipeline.serve.model_slot import ModelSlot  # noqa: E402
-from pipeline.serve.process import serving  # noqa: E402
+from pipeline.flows.smoke import default_model_dir, ensure_tiny_model
+from pipeline.serve.model_slot import ModelSlot
+from pipeline.serve.process import serving
 
 TARGET_SATURATION_RATIO = 0.9
 SEQUENCES_PER_REQUEST = 4

@@ -18,11 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
 import numpy as np
+from _commands import run_lpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pipeline.weights.store import publish, pull  # noqa: E402
+from pipeline.weights.store import publish, pull
 
 STEPS = (("1 %", 0.01), ("10 %", 0.10), ("all", 1.0))
 MODES = {"full": {}, "delta": {"delta": True}, "delta+compress": {"compress": True}}
@@ -150,14 +150,11 @@ def main() -> int:
 def commands(root: Path, models: list[Path]) -> None:
     """The whole user-facing commands (Python start included): lpx weights publish (full,
     then a 1 % delta), pull, ls, and a pull of a tampered version, which must exit 2."""
-    import subprocess
-
-    store, lpx = root / "store-cli", [sys.executable, "-m", "pipeline", "weights"]
+    store = root / "store-cli"
 
     def timed(*args) -> tuple[float, int]:
-        started = time.perf_counter()
-        done = subprocess.run([*lpx, *map(str, args)], capture_output=True)
-        return time.perf_counter() - started, done.returncode
+        seconds, done = run_lpx("weights", *args)
+        return seconds, done.returncode
 
     steps = [
         ("publish (full)", ("publish", models[0], "--to", store)),
