@@ -24,6 +24,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
+import models
 import numpy as np
 
 from pipeline.compare.run import compare_tables
@@ -33,7 +34,6 @@ from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.faults import FAULTS
 from pipeline.faults.inject import inject_fault
 from pipeline.prompts import smoke_prompt_texts, tokenize
-from pipeline.tinymodel.build import build_tiny_model
 
 SAMPLINGS = {
     "plain": {},
@@ -181,7 +181,7 @@ def run(archs, seeds, engines, out: Path) -> dict:
     timings = []
     for arch in archs:
         for seed in seeds:
-            model_dir = build_tiny_model(out / f"{arch}-{seed}", arch, seed)
+            model_dir = models.seeded_family(arch, seed, out / f"{arch}-{seed}")
             prompts = tokenize(model_dir, smoke_prompt_texts())
             for engine in engines:
                 label = f"{arch}/{seed} {engine}"

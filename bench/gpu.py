@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
+import models
 import numpy as np
 from _commands import run_lpx
 
@@ -29,7 +30,6 @@ from pipeline.engines.hf.replay import ReplayKnobs, _padded_inputs, score_batche
 from pipeline.engines.metadata import model_metadata
 from pipeline.fixture.io import read_table, write_table
 from pipeline.fixture.table import table_from_sequences
-from pipeline.flows.smoke import default_model_dir, ensure_tiny_model
 
 TARGET_HARNESS_RATIO = 1.05
 ENGINE_ARGS = {
@@ -41,28 +41,11 @@ ENGINE_ARGS = {
 
 
 def build_model(scale: str, root: Path) -> Path:
+    """The tiny model, or a random llama "LAYERSxWIDTH" in ``root``."""
     if scale == "tiny":
-        return ensure_tiny_model(default_model_dir())
+        return models.tiny()
     layers, width = (int(part) for part in scale.split("x"))
-    out = root / f"llama-{scale}"
-    if (out / "config.json").is_file():
-        return out
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=width,
-        intermediate_size=width * 8 // 3 // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=width // 64,
-        num_key_value_heads=max(1, width // 256),
-        max_position_embeddings=4096,
-        initializer_range=0.02,
-    )
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
+    return models.llama_without_tokenizer(root / f"llama-{scale}", layers, width)
 
 
 def workload(model_dir: Path, sequences: int, completion: int, seed: int = 0):

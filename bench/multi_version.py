@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
+import models
 import numpy as np
 from _commands import run_lpx
-from serve import scaled_model  # (bench/serve.py)
 
 from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.fixture.table import table_from_sequences
@@ -89,7 +89,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         os.environ["LPX_CACHE"] = str(root / "cache")
-        v1 = scaled_model(root / "v1", args.hidden, args.layers)
+        v1 = models.multi_head_llama(root / "v1", args.layers, args.hidden)
         v2 = stepped_copy(v1, root / "v2")
         store = root / "store"
         publish(v1, store)
