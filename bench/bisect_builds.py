@@ -16,20 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _bootstrap import ROOT
+from _commands import run_lpx
+from packaging.version import Version
 
-from packaging.version import Version  # noqa: E402
-
-from pipeline.faults.releases import norm_patch  # noqa: E402
+from pipeline.faults.releases import norm_patch
 
 WHEELS = ROOT / ".venv" / "engine-wheels"
 RELEASES = ["5.18.0", "5.19.0", "5.20.0", "5.20.1", "5.20.2", "5.21.0", "5.21.1", "5.22.0"]
@@ -56,18 +52,16 @@ def main() -> None:
         builds = root / "builds.yaml"
         builds.write_text(_builds(root))
         (root / "plan.yaml").write_text(PLAN)
-        env = {**os.environ, "LPX_CACHE": str(root / "cache")}
+        env = {"LPX_CACHE": str(root / "cache")}
         passes = 2 if options.warm else 1
         for number in range(passes):
             out = root / f"bisect-{number}"
-            argv = [str(ROOT / ".venv" / "bin" / "lpx"), "bisect", str(root / "plan.yaml")]
-            argv += ["--pair", "hf-fp32", "--builds", str(builds), "--wheelhouse", str(WHEELS)]
+            argv = ["bisect", root / "plan.yaml"]
+            argv += ["--pair", "hf-fp32", "--builds", builds, "--wheelhouse", WHEELS]
             argv += ["--good", f"pip:transformers=={RELEASES[0]}", "--bad", f"{RELEASES[-1]}+gemma"]
-            argv += ["--runs", str(options.runs), "--reconfirm", str(options.reconfirm)]
-            argv += ["--out", str(out)]
-            started = time.monotonic()
-            done = subprocess.run(argv, env=env, capture_output=True, text=True)
-            wall = time.monotonic() - started
+            argv += ["--runs", options.runs, "--reconfirm", options.reconfirm]
+            argv += ["--out", out]
+            wall, done = run_lpx(*argv, env=env)
             if done.returncode != 0:
                 sys.exit(f"lpx bisect failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
             if number == passes - 1:

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
+import _bootstrap
+
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--scales", default="tiny,16x1024,32x512")
-ARGS.add_argument("--lpx", type=Path, default=Path(__file__).resolve().parents[1])
+ARGS.add_argument("--lpx", type=Path, default=_bootstrap.ROOT)
 ARGS.add_argument("--json", type=Path, help="also write the numbers here")
 OPTIONS = ARGS.parse_args()
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(OPTIONS.lpx.resolve()))
+_bootstrap.put_first(OPTIONS.lpx)
 
 import models  # noqa: E402
 import numpy as np  # noqa: E402

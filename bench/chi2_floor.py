@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -53,9 +52,8 @@ ARGS.add_argument("--onsets", default="10,20,30,40,50", help="nights a shift sta
 ARGS.add_argument("--metrics", default="chi2_token,mean_abs_diff,k3")
 ARGS.add_argument("--json", type=Path, help="also write the numbers here")
 OPTIONS = ARGS.parse_args()
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _bootstrap  # noqa: E402, F401
 import models  # noqa: E402
 import numpy as np  # noqa: E402
 

@@ -18,35 +18,19 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).parents[1]
+from _bootstrap import ROOT
+from _commands import run_lpx
+
 PLAN = ROOT / "examples" / "smoke.yaml"
 IMAGES = ("lpx-train:cpu", "lpx-vllm:cpu")
 
 
 def timed_run(runner: str, work: Path) -> tuple[float, dict]:
     run_dir = work / f"run-{runner}"
-    start = time.monotonic()
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "run",
-            str(PLAN),
-            "--runner",
-            runner,
-            "--out",
-            str(run_dir),
-            "--db",
-            str(work / f"{runner}.db"),
-            "--report-out",
-            str(work / runner),
-        ],
-        cwd=work,
-        capture_output=True,
-        text=True,
-    )
-    seconds = time.monotonic() - start
+    seconds, result = run_lpx(
+        "run", PLAN, "--runner", runner, "--out", run_dir, "--db", work / f"{runner}.db",
+        "--report-out", work / runner, cwd=work,
+    )  # fmt: skip
     if result.returncode != 0:
         sys.exit(f"{runner} run failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
     manifest = json.loads((run_dir / "lpx-run.json").read_text())

@@ -20,15 +20,12 @@ import argparse
 import sys
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
+import models
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import models  # noqa: E402
-
-from pipeline.calibrate.run import sample_rows, score_ways  # noqa: E402
-from pipeline.fixture.io import read_table  # noqa: E402
+from pipeline.calibrate.run import sample_rows, score_ways
+from pipeline.fixture.io import read_table
 
 CACHE = Path.home() / ".cache" / "lpx" / "bench-calibration"  # bench/calibration.py's fixtures
 SCALES = {

@@ -23,18 +23,17 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
+import models
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pipeline.compare.run import compare_tables  # noqa: E402
-from pipeline.engines.base import SamplingParams  # noqa: E402
+from pipeline.compare.run import compare_tables
+from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.engines.hf.rollout import HFRolloutEngine
-from pipeline.faults import FAULTS  # noqa: E402
-from pipeline.faults.inject import inject_fault  # noqa: E402
-from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
-from pipeline.tinymodel.build import build_tiny_model  # noqa: E402
+from pipeline.faults import FAULTS
+from pipeline.faults.inject import inject_fault
+from pipeline.prompts import smoke_prompt_texts, tokenize
 
 SAMPLINGS = {
     "plain": {},
@@ -182,7 +181,7 @@ def run(archs, seeds, engines, out: Path) -> dict:
     timings = []
     for arch in archs:
         for seed in seeds:
-            model_dir = build_tiny_model(out / f"{arch}-{seed}", arch, seed)
+            model_dir = models.seeded_family(arch, seed, out / f"{arch}-{seed}")
             prompts = tokenize(model_dir, smoke_prompt_texts())
             for engine in engines:
                 label = f"{arch}/{seed} {engine}"

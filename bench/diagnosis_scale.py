@@ -32,30 +32,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
+import models
 import numpy as np
+from diagnosis import DATA_FAULTS, expected
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import models  # noqa: E402
-from diagnosis import DATA_FAULTS, expected  # noqa: E402
-
-from pipeline.calibrate.run import calibrate  # noqa: E402
-from pipeline.compare.run import compare_tables  # noqa: E402
-from pipeline.engines.base import SamplingParams  # noqa: E402
+from pipeline.calibrate.run import calibrate
+from pipeline.compare.run import compare_tables
+from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf.model import load_model
 from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.engines.hf.rollout import HFRolloutEngine
-from pipeline.faults import FAULTS  # noqa: E402
-from pipeline.faults.inject import inject_fault  # noqa: E402
-from pipeline.fixture.io import read_table, write_table  # noqa: E402
-from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
-from pipeline.verify import verify_report  # noqa: E402
+from pipeline.faults import FAULTS
+from pipeline.faults.inject import inject_fault
+from pipeline.fixture.io import read_table, write_table
+from pipeline.prompts import smoke_prompt_texts, tokenize
+from pipeline.verify import verify_report
 
 CACHE = Path(os.environ.get("LPX_ZOO_CACHE") or Path.home() / ".cache" / "lpx" / "bench-zoo")
 # Where the engines run: the CPU by default; `LPX_ZOO_DEVICE=cuda` on a GPU host (bf16 noise
@@ -84,7 +80,7 @@ SAMPLED = {
     "top_k_top_p": {"top_k": 8, "top_p": 0.8},
 }
 # Faults committed the way engines commit them (issue 30), not the way faults.py re-scores:
-# attended left padding over the engine's own batches (tests/engine_like.py), and a sampled
+# attended left padding over the engine's own batches (support/engine_like.py), and a sampled
 # rollout whose dump does not record its truncation.
 ENGINE_LIKE = {
     "pad_engine_counted": ("mask_padding", "longest first, batches of 3, pad 0, no mask"),
@@ -269,7 +265,7 @@ def _brief(finding) -> dict:
 
 def _engine_like(fixture, kind: str, model_dir: Path):
     """The rollout re-scored with attended left padding by independent code."""
-    from tests.engine_like import left_padded_rollout
+    from support.engine_like import left_padded_rollout
 
     lengths = [
         len(fixture.prompt_of(r)) + len(fixture.completion_of(r))

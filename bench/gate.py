@@ -34,30 +34,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from importlib import resources
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
+import models
 import numpy as np
+from _commands import run_lpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import models  # noqa: E402
-
-from pipeline.calibrate.run import calibrate  # noqa: E402
-from pipeline.compare.calibrated import TAU_MARGIN  # noqa: E402
-from pipeline.compare.floor import expect  # noqa: E402
-from pipeline.compare.noise_test import ALPHA, precision_gate  # noqa: E402
-from pipeline.engines.base import SamplingParams  # noqa: E402
+from pipeline.calibrate.run import calibrate
+from pipeline.compare.calibrated import TAU_MARGIN
+from pipeline.compare.floor import expect
+from pipeline.compare.noise_test import ALPHA, precision_gate
+from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.engines.hf.rollout import HFRolloutEngine
-from pipeline.fixture.io import read_table, write_table  # noqa: E402
-from pipeline.fixture.table import REPLAY_CHANNEL, select_sequences  # noqa: E402
-from pipeline.prompts import tokenize  # noqa: E402
+from pipeline.fixture.io import read_table, write_table
+from pipeline.fixture.table import REPLAY_CHANNEL, select_sequences
+from pipeline.prompts import tokenize
 
 CACHE = Path.home() / ".cache" / "lpx" / "bench-gate"
 SCALES = {
@@ -192,17 +187,14 @@ def build_pool(scale: str, work: Path, engines: set[str]) -> dict:
 
 def replay_with(engine: str, fixture: Path, dtype: str, out: Path) -> None:
     """A replay by another engine, through the CLI (each runs in its own processes)."""
-    command = [sys.executable, "-m", "pipeline", "replay", str(fixture), "--engine", engine,
-               "--dtype", dtype, "--out", str(out)]  # fmt: skip
+    command = ["replay", fixture, "--engine", engine, "--dtype", dtype, "--out", out]
     if engine == "megatron":
         command += ["--nproc", "2", "--set", "tensor_parallel_size=2"]
-    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    began = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=environment)
+    seconds, done = run_lpx(*command, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     if done.returncode != 0:
         print(f"  {out.stem}: {engine} replay failed, left out: {done.stderr.strip()[-300:]}")
         return
-    print(f"  {out.stem} in {time.perf_counter() - began:.0f} s", flush=True)
+    print(f"  {out.stem} in {seconds:.0f} s", flush=True)
 
 
 def stale_weight_replays(scale: str, work: Path, model_dir: Path, fixture_path: Path) -> dict:

@@ -16,22 +16,20 @@ import argparse
 import gc
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
+import models
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _commands import run_lpx
 
 from pipeline.engines.hf.model import load_model
 from pipeline.engines.hf.replay import ReplayKnobs, _padded_inputs, score_batches
 from pipeline.engines.metadata import model_metadata
-from pipeline.fixture.io import read_table, write_table  # noqa: E402
-from pipeline.fixture.table import table_from_sequences  # noqa: E402
-from pipeline.flows.smoke import default_model_dir, ensure_tiny_model  # noqa: E402
+from pipeline.fixture.io import read_table, write_table
+from pipeline.fixture.table import table_from_sequences
 
 TARGET_HARNESS_RATIO = 1.05
 ENGINE_ARGS = {
@@ -43,28 +41,11 @@ ENGINE_ARGS = {
 
 
 def build_model(scale: str, root: Path) -> Path:
+    """The tiny model, or a random llama "LAYERSxWIDTH" in ``root``."""
     if scale == "tiny":
-        return ensure_tiny_model(default_model_dir())
+        return models.tiny()
     layers, width = (int(part) for part in scale.split("x"))
-    out = root / f"llama-{scale}"
-    if (out / "config.json").is_file():
-        return out
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=width,
-        intermediate_size=width * 8 // 3 // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=width // 64,
-        num_key_value_heads=max(1, width // 256),
-        max_position_embeddings=4096,
-        initializer_range=0.02,
-    )
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
+    return models.llama_without_tokenizer(root / f"llama-{scale}", layers, width)
 
 
 def workload(model_dir: Path, sequences: int, completion: int, seed: int = 0):
@@ -116,13 +97,10 @@ def harness_vs_bare(model_dir: Path, pairs, dtype: str, micro_batch: int, repeat
 
 
 def whole_replay(fixture: Path, model_dir: Path, out: Path, engine: str, *extra: str) -> dict:
-    started = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline", "replay", str(fixture), "--model", str(model_dir),
-         "--engine", engine, *ENGINE_ARGS[engine], *extra, "--out", str(out)],
-        capture_output=True, text=True,
+    wall, done = run_lpx(
+        "replay", fixture, "--model", model_dir, "--engine", engine, *ENGINE_ARGS[engine],
+        *extra, "--out", out,
     )  # fmt: skip
-    wall = time.perf_counter() - started
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
     timing = read_table(out).metadata["timing"]

@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
 import numpy as np
+from _bootstrap import ROOT
+from _commands import run_lpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.synthetic_runs import BASE_METRICS, pair_report, write_run  # noqa: E402
+from support.synthetic_runs import BASE_METRICS, pair_report, write_run
 
 TARGET_RECORD_S = 10.0
 TARGET_RENDER_S = 10.0
@@ -92,16 +89,9 @@ def _moved(name: str, value: float, factor: float) -> float:
 
 
 def lpx(*args) -> tuple[float, subprocess.CompletedProcess]:
-    """One whole `lpx` command as a user runs it (Python start and imports included)."""
-    started = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "pipeline", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "CI": "true"},
-    )
-    return time.perf_counter() - started, result
+    """One whole `lpx` command as a user runs it (Python start and imports included), with CI
+    set as a nightly job has it (no progress bars)."""
+    return run_lpx(*args, cwd=ROOT, env={"CI": "true"})
 
 
 def measure(url: str, runs: list[Path], site: Path, tmp: Path) -> dict:

@@ -27,20 +27,17 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bootstrap  # noqa: F401
+from models import random_llama, random_moe, tiny
 
-from models import random_llama, random_moe, tiny  # noqa: E402
-
-from pipeline.faults.capture import FAULTS, expected_boundary  # noqa: E402
-from pipeline.fixture.table import table_from_sequences  # noqa: E402
-from pipeline.localize.run import localize  # noqa: E402
-from pipeline.localize.verdict import MARGIN, STEP_MARGIN  # noqa: E402
+from pipeline.faults.capture import FAULTS, expected_boundary
+from pipeline.fixture.table import table_from_sequences
+from pipeline.localize.run import localize
+from pipeline.localize.verdict import MARGIN, STEP_MARGIN
 
 # Where the captures run: the CPU, or `LPX_LOCALIZE_DEVICE=cuda` on a GPU host.
 DEVICE = os.environ.get("LPX_LOCALIZE_DEVICE", "cpu")

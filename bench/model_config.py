@@ -28,19 +28,17 @@ import time
 from importlib import resources
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bootstrap  # noqa: F401
+import models
 
-import models  # noqa: E402
-
-from pipeline.compare.run import compare_tables  # noqa: E402
-from pipeline.engines.base import SamplingParams  # noqa: E402
+from pipeline.compare.run import compare_tables
+from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.engines.metadata import model_metadata
-from pipeline.fixture.io import read_table, write_table  # noqa: E402
-from pipeline.prompts import tokenize  # noqa: E402
-from pipeline.verify import verify_report  # noqa: E402
+from pipeline.fixture.io import read_table, write_table
+from pipeline.prompts import tokenize
+from pipeline.verify import verify_report
 
 CACHE = Path.home() / ".cache" / "lpx" / "bench-model-config"
 SCALES = {

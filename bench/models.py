@@ -1,8 +1,10 @@
-"""Models the benchmarks build offline, deterministically: the tiny model lpx trains (and its
-sibling of every family, `lpx make-model --arch`), random llamas at a given depth, width and
-init scale, and random MoEs of both Qwen families (routing under bf16).
+"""The one place bench/ builds models, offline and deterministically: the tiny model lpx
+trains (and its sibling of every family, `lpx make-model --arch`, at any seed), random llamas
+at a given depth, width and init scale, random MoEs of both Qwen families (routing under
+bf16), and the token-id-only llamas the serving, weights and GPU benches size by their options.
 
-The larger ones share the tiny model's tokenizer, so the bundled prompts tokenize for them.
+The random llamas and MoEs share the tiny model's tokenizer, so the bundled prompts tokenize
+for them; the token-id-only ones have none (their benches feed token ids).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+
+import _bootstrap  # noqa: F401
 
 from pipeline.flows.smoke import default_model_dir, ensure_tiny_model
 
@@ -28,6 +32,14 @@ def family(arch: str) -> Path:
     if not (out / "config.json").is_file():
         install_tiny_model(out, arch=arch, seed=0)
     return out
+
+
+def seeded_family(arch: str, seed: int, out: Path) -> Path:
+    """The tiny model of a family trained from ``seed`` (`lpx make-model --arch --seed`),
+    built in ``out``: the fault zoo's models, one per architecture and seed."""
+    from pipeline.tinymodel.build import build_tiny_model
+
+    return build_tiny_model(out, arch, seed)
 
 
 def random_llama(layers: int, width: int, std: float = 0.02, vocab: int | None = None) -> Path:
@@ -53,7 +65,42 @@ def random_qwen3(layers: int, width: int, std: float = 0.02) -> Path:
     return _save(Qwen3ForCausalLM, config, out, True)
 
 
-def _dense(layers: int, width: int, std: float, vocab: int | None = None) -> dict:
+def llama_without_tokenizer(out: Path, layers: int, width: int, vocab: int = 32_000) -> Path:
+    """`random_llama`'s shape (std 0.02) over ``vocab`` token ids, with LlamaConfig's own
+    special tokens and no tokenizer, built in ``out`` unless it is there: the GPU bench's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (out / "config.json").is_file():
+        return out
+    config = LlamaConfig(**_dense(layers, width, 0.02, vocab, special_tokens=False))
+    return _save(LlamaForCausalLM, config, out, False)
+
+
+def multi_head_llama(
+    out: Path, layers: int, width: int, vocab: int = 4096, positions: int | None = 4096
+) -> Path:
+    """A random-init llama with a KV head per attention head and an MLP 8/3 as wide, over
+    ``vocab`` token ids (no tokenizer), built in ``out``: the serving and weights benches'
+    models (throughput and bytes need no trained weights). ``positions`` None keeps
+    LlamaConfig's own maximum."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = dict(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=width * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, width // 64),
+        num_key_value_heads=max(1, width // 64),
+    )
+    if positions is not None:
+        fields["max_position_embeddings"] = positions
+    return _save(LlamaForCausalLM, LlamaConfig(**fields), out, False)
+
+
+def _dense(
+    layers: int, width: int, std: float, vocab: int | None = None, special_tokens: bool = True
+) -> dict:
     """A dense decoder's shape: 64-wide heads, a KV head per 4 of them, SwiGLU at 8/3."""
     return dict(
         vocab_size=vocab or _tiny_vocab(),
@@ -64,7 +111,7 @@ def _dense(layers: int, width: int, std: float, vocab: int | None = None) -> dic
         num_key_value_heads=max(1, width // 256),
         max_position_embeddings=4096,
         initializer_range=std,
-        **_special_tokens(),
+        **(_special_tokens() if special_tokens else {}),
     )
 
 

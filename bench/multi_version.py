@@ -13,22 +13,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
+import models
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from serve import scaled_model  # noqa: E402  (bench/serve.py)
+from _commands import run_lpx
 
 from pipeline.engines.hf.replay import HFScoringEngine
-from pipeline.fixture.table import table_from_sequences  # noqa: E402
-from pipeline.weights.multi_version import replay_by_version  # noqa: E402
-from pipeline.weights.store import publish  # noqa: E402
+from pipeline.fixture.table import table_from_sequences
+from pipeline.weights.multi_version import replay_by_version
+from pipeline.weights.store import publish
 
 TARGET_RATIO = 2.0
 
@@ -92,7 +89,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         os.environ["LPX_CACHE"] = str(root / "cache")
-        v1 = scaled_model(root / "v1", args.hidden, args.layers)
+        v1 = models.multi_head_llama(root / "v1", args.layers, args.hidden)
         v2 = stepped_copy(v1, root / "v2")
         store = root / "store"
         publish(v1, store)
@@ -138,16 +135,13 @@ def commands(root: Path, fixture, v1: Path, store: Path, repeats: int) -> None:
     `lpx replay` with one --model vs with --weights-store, then `lpx compare` of each (the
     single-version one drifts on every version-1 token: the failing input; the
     multi-version one is clean)."""
-    import subprocess
-
     from pipeline.fixture.io import write_table
 
-    lpx = [sys.executable, "-m", "pipeline"]
     path = write_table(fixture, root / "fixture.parquet")
     common = ["--micro-batch-size", "16"]
 
     def run(*args):
-        subprocess.run([*lpx, *map(str, args)], check=True, capture_output=True)
+        run_lpx(*args, timed=False).check_returncode()
 
     single = best_of(
         repeats, lambda: run("replay", path, "--model", v1, *common, "--out", root / "one.parquet")
@@ -165,13 +159,13 @@ def commands(root: Path, fixture, v1: Path, store: Path, repeats: int) -> None:
     )
     for name in ("one", "multi"):
         out = root / f"cmp-{name}"
-        compare = [*lpx, "compare", str(path), str(root / f"{name}.parquet"), "--out", str(out)]
-        start = time.perf_counter()
-        done = subprocess.run([*compare, "--allow-weight-mismatch"], capture_output=True)
-        verdict = done.stdout.decode().strip().splitlines()[-1] if done.stdout else ""
+        seconds, done = run_lpx(
+            "compare", path, root / f"{name}.parquet", "--out", out, "--allow-weight-mismatch"
+        )
+        verdict = done.stdout.strip().splitlines()[-1] if done.stdout else ""
         print(
             f"lpx compare of the {'single' if name == 'one' else 'multi'}-version replay: "
-            f"{time.perf_counter() - start:.2f} s, exit {done.returncode} ({verdict})"
+            f"{seconds:.2f} s, exit {done.returncode} ({verdict})"
         )
 
 

@@ -30,34 +30,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
+import models
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import models  # noqa: E402
-
-from pipeline.calibrate.run import calibrate  # noqa: E402
-from pipeline.compare.calibrated import TAU_MARGIN  # noqa: E402
-from pipeline.compare.floor import expect  # noqa: E402
-from pipeline.compare.noise_test import precision_gate  # noqa: E402
-from pipeline.compare.run import compare_tables  # noqa: E402
-from pipeline.contracts.numerics import Numerics, parse_kv_cache, parse_quantization  # noqa: E402
-from pipeline.engines.base import SamplingParams  # noqa: E402
+from pipeline.calibrate.run import calibrate
+from pipeline.compare.calibrated import TAU_MARGIN
+from pipeline.compare.floor import expect
+from pipeline.compare.noise_test import precision_gate
+from pipeline.compare.run import compare_tables
+from pipeline.contracts.numerics import Numerics, parse_kv_cache, parse_quantization
+from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf.model import load_model
 from pipeline.engines.hf.replay import HFScoringEngine, ReplayKnobs, score_batches
 from pipeline.engines.hf.rollout import HFRolloutEngine
-from pipeline.faults import FaultSettings, rescore  # noqa: E402
-from pipeline.fixture.io import read_table, write_table  # noqa: E402
-from pipeline.fixture.table import REPLAY_CHANNEL, select_sequences  # noqa: E402
-from pipeline.prompts import tokenize  # noqa: E402
-from pipeline.verify import verify_report  # noqa: E402
+from pipeline.faults import FaultSettings, rescore
+from pipeline.fixture.io import read_table, write_table
+from pipeline.fixture.table import REPLAY_CHANNEL, select_sequences
+from pipeline.prompts import tokenize
+from pipeline.verify import verify_report
 
 CACHE = Path.home() / ".cache" / "lpx" / "bench-numerics"
 # init std 0.02: bf16's own floor there is what trained models show (0.008 mean |d| at

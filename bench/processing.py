@@ -22,25 +22,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
+import models
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import models  # noqa: E402
-
-from pipeline.calibrate.run import calibrate  # noqa: E402
-from pipeline.compare.run import compare_tables  # noqa: E402
-from pipeline.engines.base import SamplingParams  # noqa: E402
+from pipeline.calibrate.run import calibrate
+from pipeline.compare.run import compare_tables
+from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.engines.hf.rollout import HFRolloutEngine
-from pipeline.fixture.io import read_table, write_table  # noqa: E402
-from pipeline.verify import verify_report  # noqa: E402
-from tests.engine_like import PresenceFrequency, SoftCap, generated_rollout  # noqa: E402
+from pipeline.fixture.io import read_table, write_table
+from pipeline.verify import verify_report
+from support.engine_like import PresenceFrequency, SoftCap, generated_rollout
 
 CACHE = Path(os.environ.get("LPX_PROCESSING_CACHE") or Path.home() / ".cache/lpx/bench-processing")
 SCALES = {

@@ -18,23 +18,19 @@ more on a random Qwen3-MoE 8 x 512 where the forward, not Python, dominates.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bootstrap  # noqa: F401
+import models
+from _commands import run_lpx
+from run import bench_replay
 
-import models  # noqa: E402
-from run import bench_replay  # noqa: E402
-
-from pipeline.engines.base import SamplingParams  # noqa: E402
+from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf.rollout import HFRolloutEngine
-from pipeline.families import families  # noqa: E402
-from pipeline.fixture.io import read_table, write_table  # noqa: E402
-from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
+from pipeline.families import families
+from pipeline.fixture.io import read_table, write_table
+from pipeline.prompts import smoke_prompt_texts, tokenize
 
 TWO_RANKS = ["--nproc", "2"]
 R3 = ["--set", "router_replay=true"]
@@ -66,12 +62,10 @@ def replay_rows(model: Path, engines, samples: int, tokens: int) -> tuple[int, d
         fixture_path = write_table(fixture, Path(tmp) / "fixture.parquet")
         for label, extra in engines:
             out = Path(tmp) / f"{label.replace(' ', '_')}.parquet"
-            command = [sys.executable, "-m", "pipeline", "replay", str(fixture_path),
-                       "--engine", label.split()[0], "--micro-batch-size", "8", *extra,
-                       "--out", str(out)]  # fmt: skip
-            started = time.perf_counter()
-            done = subprocess.run(command, capture_output=True, text=True)
-            wall = time.perf_counter() - started
+            wall, done = run_lpx(
+                "replay", fixture_path, "--engine", label.split()[0], "--micro-batch-size", "8",
+                *extra, "--out", out,
+            )  # fmt: skip
             if done.returncode:
                 print(f"  {label}: exit {done.returncode}: {done.stderr.strip()[-300:]}")
                 continue

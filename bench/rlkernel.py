@@ -31,10 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import _bootstrap
 import numpy as np
+from _commands import run_lpx
 
-HERE = Path(__file__).resolve().parent
-LPX = Path(sys.executable).parent / "lpx"
+HERE = _bootstrap.BENCH
 N_SEQ, PROMPT_LEN, COMPLETION_LEN = 20_000, 4, 50
 
 
@@ -89,7 +90,6 @@ def main() -> None:
             f"{args.rlk_src}: not an RL-Kernel checkout (no "
             "rl_engine/benchmarks/logprob_cross_engine.py)"
         )
-    env = dict(os.environ)
     args.work = args.work or Path(tempfile.mkdtemp(prefix="lpx-rlk-"))
 
     from pipeline.compare.run import compare_tables
@@ -117,22 +117,8 @@ def main() -> None:
     for i in range(args.repeats):
         out = work / f"lpx-out-{i}"
         shutil.rmtree(out, ignore_errors=True)
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [
-                str(LPX),
-                "compare",
-                str(fixture_path),
-                str(replay_path),
-                "--out",
-                str(out),
-                "--quiet",
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        cli.append(time.perf_counter() - t0)
+        seconds, proc = run_lpx("compare", fixture_path, replay_path, "--out", out, "--quiet")
+        cli.append(seconds)
         if proc.returncode not in (0, 1):
             sys.exit(f"lpx compare exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
         print(

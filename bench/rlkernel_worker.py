@@ -18,9 +18,10 @@ import json
 import sys
 import time
 
+import _bootstrap
 import numpy as np
 
-sys.path.insert(0, sys.argv[1])  # an RL-Kernel checkout at commit 71f0e7c2
+_bootstrap.put_first(sys.argv[1])  # an RL-Kernel checkout at commit 71f0e7c2
 _IMPORT_T0 = time.perf_counter()
 
 from rl_engine.benchmarks.logprob_cross_engine import (  # noqa: E402

@@ -31,27 +31,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
+import models
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import models  # noqa: E402
-
-import pipeline.engines.hf.replay as hf_replay  # noqa: E402
-from pipeline.calibrate.run import calibrate  # noqa: E402
-from pipeline.compare.run import compare_tables  # noqa: E402
-from pipeline.engines.base import SamplingParams  # noqa: E402
+import pipeline.engines.hf.replay as hf_replay
+from pipeline.calibrate.run import calibrate
+from pipeline.compare.run import compare_tables
+from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.engines.hf.rollout import HFRolloutEngine
-from pipeline.families import routing  # noqa: E402
-from pipeline.fixture.io import read_table, write_table  # noqa: E402
-from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
-from pipeline.verify import verify_report  # noqa: E402
+from pipeline.families import routing
+from pipeline.fixture.io import read_table, write_table
+from pipeline.prompts import smoke_prompt_texts, tokenize
+from pipeline.verify import verify_report
 
 CACHE = Path.home() / ".cache" / "lpx" / "bench-routing"
 SCALES = {

@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -23,9 +21,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+import _bootstrap  # noqa: E402, F401
 import numpy as np  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _commands import run_lpx  # noqa: E402
 
 from pipeline.compare.metrics import batch_metrics, sequence_metrics  # noqa: E402
 from pipeline.fixture.io import read_table, write_table  # noqa: E402
@@ -138,7 +136,6 @@ def bench_compare(tokens: int, mean_lengths=(512, 32), repeats: int = 3) -> list
 def bench_compare_command(tokens: int, mean_length: int = 512) -> list[dict]:
     """The whole `lpx compare` command (Python start, reading both files, the comparison,
     writing report.json, tokens.parquet and summary.md) on a clean and a drifting batch."""
-    lpx = Path(sys.executable).with_name("lpx")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for drifting in (False, True):
@@ -150,13 +147,7 @@ def bench_compare_command(tokens: int, mean_length: int = 512) -> list[dict]:
             write_table(replay, replay_path)
             del fixture, replay
             out = Path(tmp) / f"{name}-out"
-            start = time.perf_counter()
-            done = subprocess.run(
-                [str(lpx), "compare", str(fixture_path), str(replay_path), "--out", str(out)],
-                capture_output=True,
-                text=True,
-            )
-            seconds = time.perf_counter() - start
+            seconds, done = run_lpx("compare", fixture_path, replay_path, "--out", out)
             if done.returncode not in (0, 1):
                 raise SystemExit(f"lpx compare failed ({done.returncode}): {done.stderr}")
             rows.append({"drifting": drifting, "seconds": seconds, "exit": done.returncode})
@@ -204,13 +195,13 @@ def bench_replay(
     routing each router chose, recorded as replay records it) vs a bare
     ``model(input_ids, attention_mask)`` forward over the same micro-batches, on a second
     copy of the model that carries no routing hooks. The tiny model unless ``model_dir``."""
+    import models
     import torch
 
     from pipeline.engines.hf.model import load_model
     from pipeline.engines.hf.replay import ReplayKnobs, _padded_inputs, score_batch
-    from pipeline.flows.smoke import default_model_dir, ensure_tiny_model
 
-    model_dir = model_dir or ensure_tiny_model(default_model_dir())
+    model_dir = model_dir or models.tiny()
     model, bare_model = load_model(model_dir), load_model(model_dir)
     rng = np.random.default_rng(2)
     pairs = [

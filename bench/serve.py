@@ -23,20 +23,18 @@ import contextlib
 import itertools
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
+import models
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pipeline.flows.smoke import default_model_dir, ensure_tiny_model  # noqa: E402
-from pipeline.serve.model_slot import ModelSlot  # noqa: E402
-from pipeline.serve.process import serving  # noqa: E402
+from pipeline.serve.model_slot import ModelSlot
+from pipeline.serve.process import serving
 
 TARGET_SATURATION_RATIO = 0.9
 SEQUENCES_PER_REQUEST = 4
@@ -53,26 +51,6 @@ def workload(sequences: int, prompt: int, completion: int, vocab: int, seed: int
         )
         for _ in range(sequences)
     ]
-
-
-def scaled_model(out: Path, hidden: int, layers: int) -> Path:
-    """A random-weight llama of the given size (throughput needs no trained weights), built
-    offline and deterministically: the tiny model hides batching gains behind HTTP costs."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 64),
-        max_position_embeddings=4096,
-    )
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
 
 
 def in_process(
@@ -344,9 +322,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.hidden:
         tmp = tempfile.TemporaryDirectory()
-        model_dir = scaled_model(Path(tmp.name) / "model", args.hidden, args.layers)
+        model_dir = models.multi_head_llama(Path(tmp.name) / "model", args.layers, args.hidden)
     else:
-        model_dir = ensure_tiny_model(default_model_dir())
+        model_dir = models.tiny()
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     pairs = workload(args.sequences, args.prompt, args.completion, vocab)
     tokens = sum(len(c) for _, c in pairs)

@@ -18,16 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import models  # noqa: E402
-from replay_engines import replay_rows  # noqa: E402
+import _bootstrap  # noqa: F401
+import models
+from replay_engines import replay_rows
 
 from pipeline.engines.sglang import api as sglang_api
 from pipeline.engines.sglang.knobs import SGLangKnobs, server_arguments

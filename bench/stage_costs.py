@@ -34,20 +34,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-AFTER = HERE.parent
-sys.path.insert(0, str(AFTER))
-sys.path.insert(0, str(HERE))
+import _bootstrap
+import models
+import numpy as np
+from _commands import lpx_environment, run_lpx
 
-import models  # noqa: E402
-import numpy as np  # noqa: E402
+AFTER = _bootstrap.ROOT  # this checkout: the "after" of a before and after
 
 CACHE = Path.home() / ".cache" / "lpx" / "bench-stages"
 SCALES = {
@@ -67,11 +64,7 @@ FAULTS = {  # kind: (sequences faulted, first position)
 
 def lpx(checkout: Path, *args, cwd: Path) -> tuple[float, int, str]:
     """One whole `lpx` command of ``checkout``: seconds, exit code, the output's tail."""
-    env = dict(os.environ, PYTHONPATH=str(checkout))
-    command = [sys.executable, "-c", "from pipeline.entry import main; main()", *map(str, args)]
-    began = time.perf_counter()
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - began
+    seconds, done = run_lpx(*args, checkout=checkout, cwd=cwd)
     if done.returncode not in (0, 1):
         print(done.stdout[-2000:], done.stderr[-3000:], file=sys.stderr)
         raise SystemExit(f"{checkout}: lpx {' '.join(map(str, args[:2]))} exited {done.returncode}")
@@ -94,7 +87,7 @@ def own_mapped_packages(checkout: Path) -> None:
 
 def imported_from(checkout: Path) -> list[Path]:
     """Where `lpx()` imports pipeline/ and its mapped packages from."""
-    env = dict(os.environ, PYTHONPATH=str(checkout))
+    env = lpx_environment(checkout)
     names = ["pipeline", *(f"pipeline.{p}" for p in MAPPED)]
     command = [
         sys.executable, "-c",

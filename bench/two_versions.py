@@ -29,18 +29,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _bootstrap import ROOT
+from _commands import run_lpx
 
-from pipeline.environments import (  # noqa: E402
-    Environment,
-    description,
-    ensure,
-    python_of,
-)
-from pipeline.history import queries  # noqa: E402
-from pipeline.history.database import open_history  # noqa: E402
-from tests.chromium import headless_chromium, open_page  # noqa: E402
+from pipeline.environments import Environment, description, ensure, python_of
+from pipeline.history import queries
+from pipeline.history.database import open_history
+from support.chromium import headless_chromium, open_page
 
 # Oldest first: the nights of the first build come before those of the second, an upgrade.
 BUILDS = {
@@ -195,11 +190,9 @@ def run_night(python: Path, plan: Path, out: Path, name: str, database: Path) ->
 
 
 def lpx(python, *argv, log: Path, allowed: tuple[int, ...] = (0,)) -> int:
-    with open(log, "w", encoding="utf-8") as output:
-        command = [str(python), "-m", "pipeline", *map(str, argv)]
-        code = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    code = run_lpx(*argv, timed=False, python=python, cwd=ROOT, log=log).returncode
     if code not in allowed:
-        sys.exit(f"{' '.join(command)}: exit {code}; see {log}")
+        sys.exit(f"{python} -m pipeline {' '.join(map(str, argv))}: exit {code}; see {log}")
     return code
 
 

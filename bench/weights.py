@@ -18,36 +18,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import _bootstrap  # noqa: F401
+import models
 import numpy as np
+from _commands import run_lpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pipeline.weights.store import publish, pull  # noqa: E402
+from pipeline.weights.store import publish, pull
 
 STEPS = (("1 %", 0.01), ("10 %", 0.10), ("all", 1.0))
 MODES = {"full": {}, "delta": {"delta": True}, "delta+compress": {"compress": True}}
 SCALING_TOLERANCE = 0.1  # a delta within 10 % of the changed tensors' bytes scales with them
-
-
-def random_llama(out: Path, hidden: int, layers: int, vocab: int) -> Path:
-    """A random-weight llama saved by save_pretrained (one fp32 safetensors file)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 64),
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(out, max_shard_size="10GB")
-    return out
 
 
 def stepped(previous: Path, out: Path, share: float, seed: int) -> tuple[Path, int, int]:
@@ -79,13 +59,17 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="lpx-bench-weights-") as temp:
         root = Path(temp)
-        models = [random_llama(root / "v1", args.hidden, args.layers, args.vocab)]
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        first = models.multi_head_llama(root / "v1", args.layers, args.hidden, args.vocab, None)
+        versions = [first]
         changes = [
-            (len(_tensor_names(models[0])), (models[0] / "model.safetensors").stat().st_size)
+            (len(_tensor_names(versions[0])), (versions[0] / "model.safetensors").stat().st_size)
         ]
         for number, (_, share) in enumerate(STEPS, start=2):
-            model, count, nbytes = stepped(models[-1], root / f"v{number}", share, number)
-            models.append(model)
+            model, count, nbytes = stepped(versions[-1], root / f"v{number}", share, number)
+            versions.append(model)
             changes.append((count, nbytes))
         total_tensors, model_bytes = changes[0]
         print(
@@ -96,7 +80,7 @@ def main() -> int:
         results = {}  # (mode, version) -> (publish s, stored bytes, pull s)
         for mode, options in MODES.items():
             store = root / f"store-{mode}"
-            for number, model in enumerate(models, start=1):
+            for number, model in enumerate(versions, start=1):
                 started = time.perf_counter()
                 manifest = publish(model, store, **(options if number > 1 else {}))
                 published_in = time.perf_counter() - started
@@ -111,7 +95,7 @@ def main() -> int:
             f"{'version':<18} {'mode':<15} {'publish s':>9} {'stored MiB':>11} "
             f"{'/ full':>7} {'/ changed':>9} {'pull s':>7}"
         )
-        for number in range(1, len(models) + 1):
+        for number in range(1, len(versions) + 1):
             label = "1 (the model)" if number == 1 else f"{number} ({STEPS[number - 2][0]} step)"
             count, changed = changes[number - 1]
             for mode in MODES:
@@ -143,25 +127,22 @@ def main() -> int:
             + f" (within {SCALING_TOLERANCE:.0%} of the changed tensors' bytes at 1 % and 10 %)"
         )
         print()
-        commands(root, models[:2])
+        commands(root, versions[:2])
     return 0
 
 
-def commands(root: Path, models: list[Path]) -> None:
+def commands(root: Path, versions: list[Path]) -> None:
     """The whole user-facing commands (Python start included): lpx weights publish (full,
     then a 1 % delta), pull, ls, and a pull of a tampered version, which must exit 2."""
-    import subprocess
-
-    store, lpx = root / "store-cli", [sys.executable, "-m", "pipeline", "weights"]
+    store = root / "store-cli"
 
     def timed(*args) -> tuple[float, int]:
-        started = time.perf_counter()
-        done = subprocess.run([*lpx, *map(str, args)], capture_output=True)
-        return time.perf_counter() - started, done.returncode
+        seconds, done = run_lpx("weights", *args)
+        return seconds, done.returncode
 
     steps = [
-        ("publish (full)", ("publish", models[0], "--to", store)),
-        ("publish --delta (1 % step)", ("publish", models[1], "--to", store, "--delta")),
+        ("publish (full)", ("publish", versions[0], "--to", store)),
+        ("publish --delta (1 % step)", ("publish", versions[1], "--to", store, "--delta")),
         ("pull latest (through the chain)", ("pull", store, "--into", root / "cli-pull")),
         ("ls", ("ls", store)),
     ]

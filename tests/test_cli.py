@@ -232,7 +232,7 @@ def test_rollout_and_replay_commands_write_files(tiny_model, tmp_path):
 def test_the_history_database_comes_from_lpx_db_or_the_commands_own_variable(command, tmp_path):
     from datetime import datetime
 
-    from tests.synthetic_runs import pair_report, write_run
+    from support.synthetic_runs import pair_report, write_run
 
     run = write_run(tmp_path / "run", {"c": pair_report()}, started_at=datetime(2026, 1, 1))
     args = {"history": [], "gate": [], "report": ["--out", tmp_path / "site"], "record": [run]}

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from pipeline.cli import cli
 from pipeline.compare.outputs import report_json
 from pipeline.contracts.report import Report, contradictions
-from tests.synthetic_runs import nightly_history, pair_report, write_run
+from support.synthetic_runs import nightly_history, pair_report, write_run
 
 START = datetime(2026, 3, 1, 3, 0)
 

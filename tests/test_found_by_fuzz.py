@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
+from support.synthetic_runs import pair_report, write_run
 from tests.helpers import run_lpx
-from tests.synthetic_runs import pair_report, write_run
 
 
 def test_a_pass_without_its_mean_or_max_drift_is_an_error_run_never_a_pass(tmp_path):

@@ -454,7 +454,7 @@ def _gate_after_record(root: Path, run: Path, db: Path):
 
 @given(data=st.data())
 def test_a_damaged_report_is_refused_or_never_passes_the_gate(data):
-    from tests.synthetic_runs import pair_report, write_run
+    from support.synthetic_runs import pair_report, write_run
 
     honest = pair_report(metrics={"max_abs_diff": 0.02})
     honest["policy"]["limits"] = {"max_abs_diff": 1.0, "k3": 0.001}
@@ -470,7 +470,7 @@ def test_a_damaged_report_is_refused_or_never_passes_the_gate(data):
 
 @given(data=st.data())
 def test_a_damaged_run_manifest_is_refused_or_recorded_as_it_says(data):
-    from tests.synthetic_runs import pair_report, write_run
+    from support.synthetic_runs import pair_report, write_run
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -544,7 +544,7 @@ def own_files(run_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def history_with_alerts(tmp_path_factory) -> Path:
-    from tests.synthetic_runs import nightly_history
+    from support.synthetic_runs import nightly_history
 
     root = tmp_path_factory.mktemp("alerts")
     db = root / "h.db"
@@ -725,7 +725,7 @@ def _workspace(root: Path, run_dir: Path, history: Path, own_files: Path) -> Pat
     (work / "policy.yaml").write_text("version: 1\nprofiles: {float32: {tau: 1.0e-4}}\n")
     (work / "garbage.bin").write_bytes(bytes(range(256)))
     os.mkfifo(work / "fifo")
-    from tests.synthetic_runs import pair_report, write_run
+    from support.synthetic_runs import pair_report, write_run
 
     write_run(work / "night", {"compare": pair_report()}, started_at=START)
     shutil.copy(history, work / "history.db")
@@ -1028,8 +1028,8 @@ def localize_is_valid(doc) -> bool:
 def test_a_localize_result_is_recorded_as_written_or_refused(data):
     from pipeline.db.models import LocalizeBoundary, Run
 
+    from support.synthetic_runs import pair_report, write_run
     from tests.helpers import count
-    from tests.synthetic_runs import pair_report, write_run
 
     honest = data.draw(localize_results())
     result = data.draw(damaged_documents(honest))
@@ -1123,8 +1123,8 @@ def test_localize_runs_what_belongs_to_the_fixture_or_what_is_allowed(
 
 
 def _another_runs_report(root: Path) -> Path:
-    """A report.json of another run (another prompt set and weights): tests/synthetic_runs."""
-    from tests.synthetic_runs import pair_report
+    """A report.json of another run (another prompt set and weights): support/synthetic_runs."""
+    from support.synthetic_runs import pair_report
 
     path = root / "another-report.json"
     path.write_text(dumps_line(pair_report(verdict="fail")))

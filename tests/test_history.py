@@ -22,8 +22,8 @@ from pipeline.history.database import (
     schema_revision,
 )
 from pipeline.history.record import record_runs
+from support.synthetic_runs import BASE_METRICS, nightly_history, pair_report, write_run
 from tests.helpers import count, run_lpx
-from tests.synthetic_runs import BASE_METRICS, nightly_history, pair_report, write_run
 
 START = datetime(2026, 1, 1, 3, 0)
 

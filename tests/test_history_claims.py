@@ -9,8 +9,8 @@ import pytest
 from pipeline.history.claims import claim_of, failing_claims, summary
 from pipeline.history.gate import OpenAlert, decide
 from pipeline.report.pages import finding_rows
+from support.synthetic_runs import CLAIMED_FINDINGS, STALE_WEIGHTS_GUESS, claimed_history
 from tests.helpers import run_lpx
-from tests.synthetic_runs import CLAIMED_FINDINGS, STALE_WEIGHTS_GUESS, claimed_history
 from tests.test_history import record
 
 VERIFIED, PLAUSIBLE, RULED_OUT, UNEXPLAINED = CLAIMED_FINDINGS

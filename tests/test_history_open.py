@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
+from support.synthetic_runs import pair_report, write_run
 from tests.helpers import run_lpx
-from tests.synthetic_runs import pair_report, write_run
 
 # The commands that only read or annotate the history, with what each needs besides --db.
 READ_ONLY = {

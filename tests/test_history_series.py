@@ -15,7 +15,7 @@ from pipeline.history import keys
 from pipeline.history.attribution import summary
 from pipeline.history.database import _create_engine, open_history, schema_revision
 from pipeline.history.rekey import rekey
-from tests.synthetic_runs import BASE_METRICS, pair_report, write_run
+from support.synthetic_runs import BASE_METRICS, pair_report, write_run
 from tests.test_history import alerts, record, statuses_of
 
 START = datetime(2026, 3, 1, 3, 0)

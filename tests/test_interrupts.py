@@ -295,8 +295,8 @@ def test_record_killed_at_random_keeps_all_of_the_runs_or_none(tmp_path):
     none of them, never some; a rerun then records each once (issue 22)."""
     from pipeline.db.models import Run
 
+    from support.synthetic_runs import nightly_history
     from tests.helpers import count
-    from tests.synthetic_runs import nightly_history
 
     runs = nightly_history(tmp_path / "runs", 40)
     url = f"sqlite:///{tmp_path / 'h.db'}"
@@ -313,7 +313,7 @@ def test_record_killed_at_random_keeps_all_of_the_runs_or_none(tmp_path):
 
 
 def test_report_killed_at_random_leaves_the_old_site_or_the_new_one(tmp_path):
-    from tests.synthetic_runs import nightly_history
+    from support.synthetic_runs import nightly_history
 
     url = f"sqlite:///{tmp_path / 'h.db'}"
     _run(["record", *nightly_history(tmp_path / "a", 6), "--db", url], tmp_path)

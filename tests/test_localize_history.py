@@ -19,8 +19,8 @@ from pipeline.db.models import Comparison, LocalizeBoundary, MetricValue, Run
 from sqlalchemy import select
 
 from pipeline.history.database import open_history, schema_revision
+from support.synthetic_runs import pair_report, write_run
 from tests.helpers import count, run_lpx
-from tests.synthetic_runs import pair_report, write_run
 
 START = datetime(2026, 3, 1, 3, 0)
 PAIR = "compare/0-hf-bfloat16"

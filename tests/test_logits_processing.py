@@ -15,7 +15,7 @@ import pytest
 from pipeline.compare.contradicted import contradiction, rule_out_contradicted
 from pipeline.contracts.report import Finding
 from pipeline.fixture.io import read_table, write_table
-from tests.engine_like import PresenceFrequency, SoftCap, generated_rollout
+from support.engine_like import PresenceFrequency, SoftCap, generated_rollout
 from tests.helpers import read_report, run_lpx
 
 

@@ -25,8 +25,8 @@ from pipeline.db.models import Comparison, Run
 from sqlalchemy import func, select
 
 from pipeline.history.database import WRITE_LOCK_ID, open_history
+from support.synthetic_runs import nightly_history
 from tests.helpers import count, run_lpx
-from tests.synthetic_runs import nightly_history
 
 PAIRS = tuple(f"pair-{i:02d}" for i in range(20))
 

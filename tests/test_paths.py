@@ -84,7 +84,7 @@ def test_an_output_under_a_file_is_one_line(tmp_path):
     """Found by the fuzz suite's long profile: `report --out FILE/x` was a NotADirectoryError."""
     from datetime import datetime
 
-    from tests.synthetic_runs import pair_report, write_run
+    from support.synthetic_runs import pair_report, write_run
 
     (tmp_path / "afile").write_text("x")
     run = write_run(tmp_path / "run", {"c": pair_report()}, started_at=datetime(2026, 1, 1))

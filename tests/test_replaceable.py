@@ -26,7 +26,7 @@ def _lpx_files(root):
     from pipeline.fixture.io import write_table
     from pipeline.fixture.table import table_from_sequences
     from pipeline.localize.chart import drift_chart
-    from tests.synthetic_runs import pair_report
+    from support.synthetic_runs import pair_report
 
     table = table_from_sequences("fixture", ["a"], [[1]], [[2]], {"rollout": [[-0.5]]})
     write_table(table, root / "fixture.parquet")

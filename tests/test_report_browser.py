@@ -14,9 +14,9 @@ from pipeline.history.collect import collect_run
 from pipeline.history.database import open_history
 from pipeline.history.record import record_runs
 from pipeline.report.site import build_site
+from support.chromium import CHROMIUM, headless_chromium, new_page
+from support.synthetic_runs import BASE_METRICS, claimed_history, pair_report, write_run
 from tests import test_localize_history
-from tests.chromium import CHROMIUM, headless_chromium, new_page
-from tests.synthetic_runs import BASE_METRICS, claimed_history, pair_report, write_run
 from tests.test_localize_history import PAIR, localized_run
 
 pytestmark = pytest.mark.browser

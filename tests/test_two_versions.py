@@ -16,7 +16,7 @@ from sqlalchemy import select
 from pipeline.environments import Environment, ensure, python_of
 from pipeline.history import queries
 from pipeline.history.database import open_history
-from tests.chromium import CHROMIUM, headless_chromium, open_page
+from support.chromium import CHROMIUM, headless_chromium, open_page
 from tests.helpers import run_lpx
 
 pytestmark = [pytest.mark.engine, pytest.mark.browser]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.fixture.io import read_table, write_table
-from tests.engine_like import (
+from support.engine_like import (
     cached_positions,
     labels_unshifted,
     left_padded_rollout,
