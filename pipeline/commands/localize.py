@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from pipeline.contracts.report import Report
 
 
-@click.command()
+@click.command(short_help="Name the first layer and op where two engines part.")
 @click.argument("fixture_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--a", "spec_a", required=True, metavar="SPEC",
               help="Side A: ENGINE[:knob=value,...], e.g. hf or vllm:dtype=bf16.")  # fmt: skip
