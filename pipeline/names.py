@@ -27,6 +27,11 @@ EXTRA_FOR_ENGINE = {
     "fsdp": "fsdp",
     "sglang": "sglang",
 }
+# Engines that an extra does not install by itself, and how they are set up instead.
+SETUP_FOR_ENGINE = {
+    "sglang": "SGLang runs in an environment of its own: ./scripts/setup makes it, or "
+    "--set python=PATH names an interpreter that has it",
+}
 
 
 def canonical_dtype(name: str) -> str:
