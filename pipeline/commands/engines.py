@@ -35,7 +35,8 @@ def engines(as_json: bool) -> None:
         for roles, knobs in _knob_lines(entry.knobs):
             label = f"  {roles} knobs: "
             listed = " ".join(f"{knob.name}={_shown(knob.default)}" for knob in knobs or ())
-            text = listed or "none declared (the adapter has no `knobs` dataclass)"
+            unknown = "unknown until it imports" if entry.installed is False else None
+            text = listed or unknown or "none declared (the adapter has no `knobs` dataclass)"
             click.echo(textwrap.fill(text, width, initial_indent=label,
                                      subsequent_indent=" " * len(label)))  # fmt: skip
     click.echo(
