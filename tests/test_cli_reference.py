@@ -208,3 +208,23 @@ def test_a_plugin_engine_is_a_choice_and_listed_with_its_knobs(toy_plugin, tmp_p
     assert "  rollout knobs: dtype=float32 chunk=4" in text
     assert "broken: scoring; installs with the plug-in lpx-toy-engine, not installed" in text
     assert "  scoring knobs: unknown until it imports" in text
+
+
+def test_a_capture_spec_spells_megatron_knobs_as_the_replay_and_reads_the_short_names():
+    from pipeline.errors import BadInput
+    from pipeline.localize.adapters.megatron import capture_settings, parallel_of
+
+    long = capture_settings({"tensor_parallel_size": "4", "expert_model_parallel_size": "2"})
+    short = capture_settings({"tp": "4", "ep": "2"})
+    assert long == short and (long.tensor_parallel_size, long.expert_model_parallel_size) == (4, 2)
+    assert parallel_of(capture_settings({"etp": "1"})).expert_tp == 1
+    with pytest.raises(BadInput, match="megatron:tp=2: tp and tensor_parallel_size both set"):
+        capture_settings({"tp": "2", "tensor_parallel_size": "2"}, "megatron:tp=2")
+    with pytest.raises(BadInput, match="known: tensor_parallel_size, expert_model_parallel_size"):
+        capture_settings({"nproc": "2"})
+
+
+def test_docs_spell_the_tensor_parallel_knob_one_way():
+    for path in (ROOT / "docs").glob("*.md"):
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"megatron:[^ `\"]*\btp=", text), path
