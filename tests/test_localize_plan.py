@@ -39,15 +39,25 @@ def plan_of(**changes) -> Plan:
         ("hf", "bf16", {}, "hf:dtype=bf16"),
         ("fsdp", "float32", {"micro_batch_size": 4}, "fsdp:dtype=fp32"),
         ("deepspeed", "bf16", {}, "deepspeed:dtype=bf16"),
-        ("megatron", "bf16", {"tensor_parallel_size": 2}, "megatron:dtype=bf16,tp=2"),
-        ("megatron", "fp16", {"tensor_parallel_size": 1}, "megatron:dtype=fp16,tp=1"),
+        (
+            "megatron",
+            "bf16",
+            {"tensor_parallel_size": 2},
+            "megatron:dtype=bf16,tensor_parallel_size=2",
+        ),
+        (
+            "megatron",
+            "fp16",
+            {"tensor_parallel_size": 1},
+            "megatron:dtype=fp16,tensor_parallel_size=1",
+        ),
         (
             "megatron",
             "bf16",
             {"tensor_parallel_size": 1, "expert_model_parallel_size": 2},
-            "megatron:dtype=bf16,tp=1,ep=2",
+            "megatron:dtype=bf16,tensor_parallel_size=1,expert_model_parallel_size=2",
         ),  # fmt: skip
-        ("vllm", "fp32", {"tensor_parallel_size": 4}, "vllm:dtype=fp32,tp=4"),
+        ("vllm", "fp32", {"tensor_parallel_size": 4}, "vllm:dtype=fp32,tensor_parallel_size=4"),
         ("logprob-server", "bf16", {}, "logprob-server:dtype=bf16"),
     ],
 )

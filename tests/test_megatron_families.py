@@ -357,5 +357,5 @@ def test_capture_knobs_are_checked(runs):
     with pytest.raises(BadInput, match="needs a mixture-of-experts model"):
         open_side("megatron:tp=2,ep=2", model)
     with pytest.raises(BadInput, match="unknown megatron capture knob"):
-        open_side("megatron:expert_model_parallel_size=2", model)
+        open_side("megatron:nproc=2", model)
     assert Shape.from_hf_config(json.loads((model / "config.json").read_text())).qk_norm

@@ -5,7 +5,7 @@ import click
 from pipeline.commands.options import db_option
 
 
-@click.command()
+@click.command(short_help="Acknowledge an alert with a note; a new baseline starts.")
 @click.argument("alert_id", type=int)
 @click.option("--note", required=True, help="Why: shown beside the alert in the report.")
 @click.option(

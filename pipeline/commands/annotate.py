@@ -5,7 +5,7 @@ import click
 from pipeline.commands.options import db_option
 
 
-@click.command()
+@click.command(short_help="Mark a series point: a distribution change, or an outlier.")
 @click.argument("series_ref", metavar="SERIES")
 @click.option("--change", "change_run", metavar="RUN", help="A distribution change begins at RUN.")
 @click.option("--exclude", "exclude_run", metavar="RUN", help="Leave RUN's point out of detection.")

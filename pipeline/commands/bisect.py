@@ -7,7 +7,7 @@ import click
 from pipeline.commands.options import OUTPUT_DIR, db_option, runner_option
 
 
-@click.command("bisect")
+@click.command("bisect", short_help="Find the first bad engine build between good and bad.")
 @click.argument("plan_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--pair", required=True, help="The replay of the plan whose comparison failed.")
 @click.option(

@@ -7,7 +7,7 @@ import click
 from pipeline.commands.options import COUNT, OUTPUT_FILE, db_option, device_option
 
 
-@click.command()
+@click.command(short_help="Measure the model's precision noise floor on a fixture.")
 @click.argument("fixture_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--model",

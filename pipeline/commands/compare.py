@@ -107,7 +107,7 @@ def compare_options(function):
     return function
 
 
-@click.command()
+@click.command(short_help="Compare replays with their fixture token by token.")
 @compare_options
 @click.option(
     "--model",
@@ -145,7 +145,7 @@ def compare(model_dir, **options):
     run_compare(model_dir=model_dir, **options)
 
 
-@click.command()
+@click.command(short_help="Compare, then verify each finding by reproducing it.")
 @compare_options
 @click.option(
     "--model",

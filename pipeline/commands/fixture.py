@@ -14,7 +14,7 @@ def fixture() -> None:
     """Inspect fixtures and replays."""
 
 
-@fixture.command("show")
+@fixture.command("show", short_help="Summarise a fixture or replay: schema, metadata, sequences.")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--sequence", "sequence_id", help="Show this sequence token by token.")
 @click.option("--limit", type=COUNT, default=10, show_default=True, help="Sequences to list.")

@@ -5,7 +5,7 @@ import click
 from pipeline.commands.options import db_option
 
 
-@click.command()
+@click.command(short_help="Exit 1 when the latest run has what --fail-on names.")
 @db_option("gate")
 @click.option(
     "--fail-on",

@@ -9,7 +9,7 @@ from pipeline.commands.options import db_option
 VIEWS = ("runs", "series", "alerts")
 
 
-@click.command()
+@click.command(short_help="The run history in the terminal: runs, series, alerts.")
 @click.argument("view", type=click.Choice(VIEWS), default="runs")
 @click.argument("ref", required=False)
 @click.option(

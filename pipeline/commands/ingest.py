@@ -4,11 +4,11 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import OUTPUT_FILE
+from pipeline.commands.options import OUTPUT_FILE, dtype_option
 from pipeline.fixture.ingest import PRESETS
 
 
-@click.command()
+@click.command(short_help="Convert another RL framework's JSONL rollouts to a fixture.")
 @click.argument("jsonl_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--out", "out_path", required=True, type=OUTPUT_FILE)
 @click.option(
@@ -37,9 +37,7 @@ from pipeline.fixture.ingest import PRESETS
     "--engine-name", default="unknown", show_default=True, help="Engine that produced the dump."
 )
 @click.option("--engine-version", default="unknown", show_default=True)
-@click.option(
-    "--dtype", default="bfloat16", show_default=True, help="Dtype the rollout engine ran in."
-)
+@dtype_option("Dtype the rollout engine ran in.", default="bfloat16")
 def ingest(
     jsonl_path, out_path, preset, fields, model_dir, engine_name, engine_version, dtype
 ) -> None:
@@ -57,17 +55,13 @@ def ingest(
 
     check_output(out_path, [jsonl_path])
     from pipeline.commands.options import parse_knobs
-    from pipeline.errors import BadInput
     from pipeline.fixture.ingest import ingest_jsonl
     from pipeline.fixture.io import validate_table, write_table
     from pipeline.names import canonical_dtype
 
     overrides = parse_knobs(fields, option="--field", example="mask=loss_mask")
     field_map = PRESETS[preset].with_overrides(overrides)
-    try:
-        dtype = canonical_dtype(dtype)
-    except ValueError as error:
-        raise BadInput(str(error)) from None
+    dtype = canonical_dtype(dtype)  # --dtype is one of its spellings (a click.Choice)
     metadata = {
         "engine": {
             "name": engine_name,

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import NON_NEGATIVE, OUTPUT_FILE, device_option
+from pipeline.commands.options import NON_NEGATIVE, OUTPUT_FILE, device_option, dtype_option
 from pipeline.faults.inject import FAULT_KINDS
 
 
-@click.command()
+@click.command(short_help="Copy a fixture with a planted fault for compare to catch.")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--kind", required=True, type=click.Choice(FAULT_KINDS))
 @click.option(
@@ -32,12 +32,9 @@ from pipeline.faults.inject import FAULT_KINDS
     type=click.Path(file_okay=False, path_type=Path),
     help="For the kinds that re-score with the model [default: the recorded model].",
 )
-@click.option(
-    "--dtype",
-    default="fp32",
-    show_default=True,
-    help="Model kinds: the precision the bug is re-scored in (a bf16 engine's bug carries "
-    "bf16 noise too).",
+@dtype_option(
+    "Model kinds: the precision the bug is re-scored in (a bf16 engine's bug carries "
+    "bf16 noise too)."
 )
 @device_option
 def inject(path, kind, sequence_ids, from_position, out_path, model_dir, dtype, device) -> None:
@@ -65,17 +62,13 @@ def inject(path, kind, sequence_ids, from_position, out_path, model_dir, dtype, 
     from pipeline.paths import check_output
 
     check_output(out_path, [path])
-    from pipeline.errors import BadInput
     from pipeline.faults.inject import inject_fault
     from pipeline.fixture.io import read_table, write_table
     from pipeline.names import canonical_dtype
 
     table = read_table(path)
     chosen = "all" if "all" in sequence_ids else list(sequence_ids)
-    try:
-        dtype = canonical_dtype(dtype)
-    except ValueError as error:
-        raise BadInput(f"--dtype: {error}") from None
+    dtype = canonical_dtype(dtype)  # --dtype is one of its spellings (a click.Choice)
     faulted = inject_fault(
         table, kind, chosen, from_position, model_dir, device=device, dtype=dtype
     )

@@ -12,12 +12,12 @@ if TYPE_CHECKING:
     from pipeline.contracts.report import Report
 
 
-@click.command()
+@click.command(short_help="Name the first layer and op where two engines part.")
 @click.argument("fixture_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--a", "spec_a", required=True, metavar="SPEC",
               help="Side A: ENGINE[:knob=value,...], e.g. hf or vllm:dtype=bf16.")  # fmt: skip
 @click.option("--b", "spec_b", required=True, metavar="SPEC",
-              help="Side B, e.g. megatron:tp=2,dtype=bf16.")  # fmt: skip
+              help="Side B, e.g. megatron:tensor_parallel_size=2,dtype=bf16.")  # fmt: skip
 @click.option("--sequence", "sequence_ids", multiple=True, metavar="ID",
               help="A sequence to capture, repeatable [default: the worst of --report, else "
               "--sequences spread over the fixture].")  # fmt: skip
@@ -71,7 +71,8 @@ def localize(
     \b
     Example:
       lpx localize run/fixture.parquet --a hf --b vllm --out run/localize
-      lpx localize run/fixture.parquet --a hf:dtype=bf16 --b megatron:tp=2,dtype=bf16 \\
+      lpx localize run/fixture.parquet --a hf:dtype=bf16 \\
+          --b megatron:tensor_parallel_size=2,dtype=bf16 \\
           --report run/compare/report.json --out run/localize
       lpx localize run/fixture.parquet --a fsdp:nproc=2 --b hf --exact --out run/localize
     """

@@ -8,7 +8,7 @@ from pipeline.commands.options import OUTPUT_DIR
 from pipeline.families import families
 
 
-@click.command("make-model")
+@click.command("make-model", short_help="Build a tiny deterministic model + tokenizer, offline.")
 @click.argument("out_dir", type=OUTPUT_DIR)
 @click.option("--arch", type=click.Choice(list(families())), default="llama", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import click
 
+from pipeline import plugins
 from pipeline.errors import BadInput
+from pipeline.names import DTYPE_SPELLINGS
 from pipeline.paths import written_by_lpx
 
 
@@ -19,8 +21,47 @@ def knob_options(function):
         "knob_pairs",
         multiple=True,
         metavar="KNOB=VALUE",
-        help="Engine knob, repeatable (e.g. --set padding_side=left --set packing=true).",
+        help="A knob of the --engine, repeatable (e.g. --set dtype=bf16); `lpx engines` "
+        "lists each engine's knobs and defaults.",
     )(function)
+
+
+class EngineChoice(click.Choice):
+    """The engines of a plug-in group: the built-ins and every registered plug-in. Read from
+    the plug-in table when shown or checked, never at import, and naming them imports no
+    engine."""
+
+    def __init__(self, group: str):
+        # click.Choice.__init__ would store a fixed tuple; these choices are read each time
+        self.group = group
+        self.case_sensitive = True
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(plugins.names(self.group))
+
+
+def engine_option(group: str, default: str, help_text: str):
+    """`--engine NAME`, one of ``group``'s engines."""
+    return click.option(
+        "--engine",
+        type=EngineChoice(group),
+        default=default,
+        show_default=True,
+        help=f"{help_text} `lpx engines` lists each with its knobs.",
+    )
+
+
+def dtype_option(help_text: str = "Precision the model computes in.", default: str = "fp32"):
+    """`--dtype`, a dtype or its short name (fp32, bf16, fp16, half), spelled as
+    pipeline.names.canonical_dtype takes it."""
+    return click.option(
+        "--dtype",
+        type=click.Choice(DTYPE_SPELLINGS),
+        default=default,
+        show_default=True,
+        help=help_text,
+    )
 
 
 def device_option(function):

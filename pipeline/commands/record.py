@@ -7,7 +7,7 @@ import click
 from pipeline.commands.options import db_option
 
 
-@click.command()
+@click.command(short_help="Import finished runs into the history.")
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @db_option("record")
 @click.option(

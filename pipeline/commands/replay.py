@@ -12,14 +12,17 @@ from pipeline.commands.options import (
     REPLAY_TEMPERATURE,
     device_knobs,
     device_option,
+    dtype_option,
+    engine_option,
     knob_options,
     parse_knobs,
 )
+from pipeline.plugins import SCORING
 
 
-@click.command()
+@click.command(short_help="Teacher-force a fixture's tokens through a scoring engine.")
 @click.argument("fixture_path", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--engine", default="hf", show_default=True)
+@engine_option(SCORING, "hf", "Scoring engine.")
 @click.option(
     "--model",
     "model_dir",
@@ -41,7 +44,7 @@ from pipeline.commands.options import (
     "it claims, so compare can name a fleet that served another version than it claims.",
 )
 @click.option("--out", "out_path", required=True, type=OUTPUT_FILE)
-@click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16.")
+@dtype_option()
 @click.option("--micro-batch-size", type=COUNT, default=8, show_default=True)
 @click.option(
     "--temperature",
@@ -85,8 +88,9 @@ def replay(
 ) -> None:
     """Teacher-force the fixture's exact tokens through a scoring engine; write a replay.
 
-    Engines: hf, vllm, fsdp, deepspeed, megatron (docs/engines.md). hf/fsdp/deepspeed
-    knobs (--set): padding_side=right|left, packing=true|false, attn_implementation=sdpa|eager,
+    Engines: hf, vllm, sglang, fsdp, deepspeed, megatron, logprob-server (an `lpx serve`
+    endpoint), and any plug-in; `lpx engines` lists each one's knobs and their defaults,
+    docs/engines.md says what they do. hf/fsdp/deepspeed knobs (--set): padding_side=right|left, packing=true|false, attn_implementation=sdpa|eager,
     lm_head_fp32=true|false (hf), top_k=N, top_p=P, allow_tf32=true|false (TF32 matmuls in
     fp32 on CUDA; off unless asked), router_replay=true|false (MoE: route every position
     to the fixture's recorded experts, R3; also megatron); fsdp: reduce_dtype; deepspeed:

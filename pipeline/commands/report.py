@@ -5,7 +5,7 @@ import click
 from pipeline.commands.options import OUTPUT_DIR, db_option
 
 
-@click.command()
+@click.command(short_help="Render the history as a static HTML site (opens from disk).")
 @db_option("report")
 @click.option(
     "--out",

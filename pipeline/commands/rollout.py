@@ -12,15 +12,16 @@ from pipeline.commands.options import (
     TOP_P,
     device_knobs,
     device_option,
+    dtype_option,
+    engine_option,
     knob_options,
     parse_knobs,
 )
+from pipeline.plugins import ROLLOUT
 
 
-@click.command()
-@click.option(
-    "--engine", default="hf", show_default=True, help="Rollout engine (see `lpx rollout --help`)."
-)
+@click.command(short_help="Sample completions from a rollout engine; write a fixture.")
+@engine_option(ROLLOUT, "hf", "Rollout engine.")
 @click.option(
     "--model", "model_dir", required=True, type=click.Path(file_okay=False, path_type=Path)
 )
@@ -47,7 +48,7 @@ from pipeline.commands.options import (
     help="Which logprob the `rollout` channel holds: of the model's distribution, or of the "
     "one sampled from (after temperature/top-k/top-p). The other is kept too.",
 )
-@click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16 or fp16.")
+@dtype_option()
 @device_option
 @knob_options
 def rollout(

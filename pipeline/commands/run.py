@@ -8,7 +8,7 @@ import click
 from pipeline.commands.options import OUTPUT_DIR, db_option, runner_option
 
 
-@click.command("run")
+@click.command("run", short_help="Run a plan: rollout, replays, compare, record, report.")
 @click.argument("plan_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--out",

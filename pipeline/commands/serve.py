@@ -9,8 +9,10 @@ from pipeline.commands.options import RANKS, device_option, knob_options, parse_
 ENGINES = ("hf", "fsdp", "megatron")
 
 
-@click.command("serve")
-@click.option("--engine", type=click.Choice(ENGINES), default="hf", show_default=True)
+@click.command("serve", short_help="Serve selected-token logprobs over HTTP (/score).")
+@click.option("--engine", type=click.Choice(ENGINES), default="hf", show_default=True,
+              help="Engine that scores: hf in this process, fsdp or megatron on --nproc "
+              "ranks. Its knobs (--set) are its replay knobs (`lpx engines`).")  # fmt: skip
 @click.option(
     "--model",
     "model_dir",

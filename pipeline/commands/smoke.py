@@ -7,7 +7,7 @@ import click
 from pipeline.commands.options import OUTPUT_DIR, db_option
 
 
-@click.command()
+@click.command(short_help="End to end on CPU: tiny model, rollout, replay, compare.")
 @click.option(
     "--out",
     "out_dir",

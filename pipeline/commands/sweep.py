@@ -4,12 +4,13 @@ from pathlib import Path
 
 import click
 
-from pipeline.commands.options import COUNT, OUTPUT_DIR, TEMPERATURE
+from pipeline.commands.options import COUNT, OUTPUT_DIR, TEMPERATURE, engine_option
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
+from pipeline.plugins import ROLLOUT
 
 
-@click.command()
-@click.option("--engine", default="vllm", show_default=True, help="Rollout engine.")
+@click.command(short_help="Roll out under several knob settings, each vs the first.")
+@engine_option(ROLLOUT, "vllm", "Rollout engine.")
 @click.option(
     "--model", "model_dir", required=True, type=click.Path(file_okay=False, path_type=Path)
 )
@@ -55,8 +56,8 @@ def sweep(
           --setting baseline: --setting batch1:batch_size=1 \\
           --setting no-prefix-cache:enable_prefix_caching=false \\
           --setting chunk16:enable_chunked_prefill=true,max_num_batched_tokens=16
-      lpx sweep --engine sglang --model models/tiny --prompts prompts.txt --out run/sweep \
-          --setting baseline: --setting no-radix:radix_cache=false \
+      lpx sweep --engine sglang --model models/tiny --prompts prompts.txt --out run/sweep \\
+          --setting baseline: --setting no-radix:radix_cache=false \\
           --setting chunk64:chunked_prefill_size=64
     """
     from pipeline.engines import rollout_engine

@@ -11,7 +11,7 @@ from pipeline.commands.options import OUTPUT_DIR, FiniteFloat
 STORE_PATH = click.Path(file_okay=False, path_type=Path)
 
 
-@click.group()
+@click.group(short_help="Publish, pull and list policy weight versions.")
 def weights() -> None:
     """Publish policy weight versions to a store, pull them, list them.
 
@@ -28,7 +28,7 @@ def weights() -> None:
     """
 
 
-@weights.command("publish")
+@weights.command("publish", short_help="Publish MODEL_DIR's weights as the store's next version.")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--to", "store", type=STORE_PATH, required=True, help="The weight store.")
 @click.option("--delta", is_flag=True, help="Store only the tensors that changed since latest.")
@@ -84,7 +84,7 @@ def publish(
         click.echo(f"removed versions {', '.join(manifest['removed'])} (--keep {keep})")
 
 
-@weights.command("pull")
+@weights.command("pull", short_help="Write a version of STORE as a Hugging Face model directory.")
 @click.argument("store", type=STORE_PATH)
 @click.option("--version", help="The version to pull [default: latest].")
 @click.option("--into", type=OUTPUT_DIR, required=True, help="A new or empty directory.")
@@ -113,7 +113,7 @@ def pull(store: Path, version: str | None, into: Path) -> None:
     )
 
 
-@weights.command("ls")
+@weights.command("ls", short_help="List the store's versions, oldest first; * marks latest.")
 @click.argument("store", type=STORE_PATH)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def ls(store: Path, as_json: bool) -> None:
@@ -152,7 +152,7 @@ def ls(store: Path, as_json: bool) -> None:
         click.echo(for_terminal(line))
 
 
-@weights.command("hot-load")
+@weights.command("hot-load", short_help="Load a version into a running server without a restart.")
 @click.argument("store", type=STORE_PATH)
 @click.option(
     "--url", required=True, help="The server: SGLang, vLLM with its RL endpoints, or lpx serve."

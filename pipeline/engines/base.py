@@ -34,6 +34,9 @@ class SamplingParams:
 
 class RolloutEngine(Protocol):
     name: str
+    # Its knob dataclass: each field a `--set` knob, with the engine's default. `lpx engines`
+    # reads it without running the engine, so its module imports no engine library at the top.
+    knobs: type
 
     def rollout(
         self, model_dir: Path, prompts: list[list[int]], sampling: SamplingParams, knobs: dict
@@ -43,6 +46,7 @@ class RolloutEngine(Protocol):
 
 class ScoringEngine(Protocol):
     name: str
+    knobs: type  # as RolloutEngine.knobs
 
     def score(self, fixture: TokenTable, model_dir: Path, knobs: dict) -> TokenTable:
         """Teacher-forced logprobs of the fixture's exact tokens (kind 'replay')."""

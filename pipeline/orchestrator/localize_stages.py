@@ -19,27 +19,25 @@ from pipeline.orchestrator.plan import Plan, Replay
 from pipeline.orchestrator.stages import COMPARE, FIXTURE, MODEL, Stage
 
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-# Engines whose capture adapter takes the TP size as `tp` (the others run the whole model).
+# Engines whose capture adapter takes the TP size (the others run the whole model).
 TENSOR_PARALLEL = ("megatron", "vllm")
 
 
 def capture_spec(engine: str, dtype: str, knobs: dict) -> str:
-    """The capture spec for a side as the plan runs it: `megatron:dtype=bf16,tp=2`."""
+    """The capture spec for a side as the plan runs it, in the replay's knob names:
+    `megatron:dtype=bf16,tensor_parallel_size=2`."""
     parts = [f"dtype={SHORT_DTYPES[canonical_dtype(dtype)]}"]
     tp = knobs.get("tensor_parallel_size") or knobs.get("tp")
     # megatron's capture defaults to tp=2: the replay's size is passed even when it is 1,
     # with its expert parallelism, so the capture runs the layout the replay ran
     if engine == "megatron" and tp is not None:
-        parts.append(f"tp={int(tp)}")
+        parts.append(f"tensor_parallel_size={int(tp)}")
     elif engine in TENSOR_PARALLEL and tp is not None and int(tp) > 1:
-        parts.append(f"tp={int(tp)}")
+        parts.append(f"tensor_parallel_size={int(tp)}")
     if engine == "megatron":
-        for knob, short in (
-            ("expert_model_parallel_size", "ep"),
-            ("expert_tensor_parallel_size", "etp"),
-        ):
+        for knob in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
             if knobs.get(knob) is not None:
-                parts.append(f"{short}={int(knobs[knob])}")
+                parts.append(f"{knob}={int(knobs[knob])}")
     return f"{engine}:{','.join(parts)}"
 
 

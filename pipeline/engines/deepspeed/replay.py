@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import field
 from pathlib import Path
 
 from pipeline.devices import device_kind
@@ -15,8 +16,16 @@ from pipeline.errors import BadInput, EngineNotInstalled
 from pipeline.fingerprint import tensor_fingerprint
 
 
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedKnobs(ReplayKnobs):
+    """The HF replay's knobs, and the ZeRO stage the model is partitioned with."""
+
+    zero_stage: int = field(default=3, metadata={"max": 3})
+
+
 class DeepSpeedScoringEngine(DistributedScoringEngine):
     name = "deepspeed"
+    knobs = DeepSpeedKnobs
 
     def open(self, model_dir: Path, knobs: dict, rank: int, world_size: int):
         return DeepSpeedSession(model_dir, dict(knobs), world_size)
@@ -41,7 +50,7 @@ class DeepSpeedSession:
         deepspeed = import_deepspeed(str(knobs.get("device", "cpu")))
         import torch.distributed as dist
 
-        self.zero_stage = int(knobs.pop("zero_stage", 3))
+        self.zero_stage = int(knobs.pop("zero_stage", DeepSpeedKnobs.zero_stage))
         if self.zero_stage not in (0, 1, 2, 3):
             raise BadInput(f"deepspeed zero_stage must be 0-3, not {self.zero_stage}.")
         self.settings = ReplayKnobs.from_dict(knobs)

@@ -19,8 +19,16 @@ from pipeline.fingerprint import tensor_fingerprint
 from pipeline.names import canonical_dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class FSDPKnobs(ReplayKnobs):
+    """The HF replay's knobs, and the dtype FSDP's mixed-precision policy reduces in."""
+
+    reduce_dtype: str = "float32"
+
+
 class FSDPScoringEngine(DistributedScoringEngine):
     name = "fsdp"
+    knobs = FSDPKnobs
 
     def open(self, model_dir: Path, knobs: dict, rank: int, world_size: int):
         return FSDPSession(model_dir, dict(knobs), world_size)
@@ -32,7 +40,7 @@ class FSDPSession:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        reduce_dtype = _dtype_knob(knobs.pop("reduce_dtype", "float32"))
+        reduce_dtype = _dtype_knob(knobs.pop("reduce_dtype", FSDPKnobs.reduce_dtype))
         self.settings = ReplayKnobs.from_dict(knobs)
         if self.settings.lm_head_fp32:
             raise BadInput(

@@ -80,6 +80,7 @@ class ReplayKnobs:
 
 class HFScoringEngine:
     name = "hf"
+    knobs = ReplayKnobs
     takes_device = True  # --device places it (pipeline.devices)
 
     def score(self, fixture: TokenTable, model_dir: Path, knobs: dict) -> TokenTable:

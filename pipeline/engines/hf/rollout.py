@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,21 +24,28 @@ from pipeline.names import canonical_dtype
 from pipeline.progress import progress_bar
 from pipeline.routing import routing_metadata
 
-DEFAULT_KNOBS = {
-    "dtype": "float32",
-    "batch_size": 8,
-    "attn_implementation": "sdpa",
-    "device": "auto",
-    "allow_tf32": False,
+
+@dataclass(frozen=True)
+class RolloutKnobs:
+    """Every setting of the HF rollout that can change a logprob, with its default."""
+
+    dtype: str = "float32"
+    batch_size: int = 8
+    attn_implementation: str = "sdpa"
+    device: str = "auto"
+    allow_tf32: bool = False
     # reduced-precision numerics, emulated exactly (as hf replay's knobs of the same names)
-    "quantization": "",
-    "kv_cache_dtype": "auto",
-    "kv_scales": "",
-}
+    quantization: str = ""
+    kv_cache_dtype: str = "auto"
+    kv_scales: str = ""
+
+
+DEFAULT_KNOBS = asdict(RolloutKnobs())
 
 
 class HFRolloutEngine:
     name = "hf"
+    knobs = RolloutKnobs
     takes_device = True  # --device places it (pipeline.devices)
 
     def rollout(

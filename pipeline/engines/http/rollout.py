@@ -56,6 +56,7 @@ class HTTPKnobs:
 
 class HTTPRolloutEngine:
     name = "http"
+    knobs = HTTPKnobs
 
     def rollout(
         self, model_dir: Path, prompts: list[list[int]], sampling: SamplingParams, knobs: dict

@@ -59,6 +59,7 @@ class ServerKnobs:
 
 class LogprobServerEngine:
     name = "logprob-server"
+    knobs = ServerKnobs  # beside --dtype and --temperature, which it checks against the server
 
     def score(self, fixture: TokenTable, model_dir: Path, knobs: dict) -> TokenTable:
         knobs = dict(knobs)

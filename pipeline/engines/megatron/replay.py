@@ -14,6 +14,7 @@ before any rank starts. MoE models record each position's experts from megatron'
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -45,8 +46,19 @@ from pipeline.errors import BadInput, EngineNotInstalled
 from pipeline.fingerprint import tensor_fingerprint
 
 
+@dataclass(frozen=True)
+class MegatronKnobs(ReplayKnobs):
+    """The HF replay's knobs, and megatron's parallel layout and weight conversion."""
+
+    tensor_parallel_size: int | None = None  # None: every rank
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: the TP size, megatron's default
+    conversion: str = "correct"  # no_qkv_interleave: a deliberate bug, to prove it is caught
+
+
 class MegatronScoringEngine(DistributedScoringEngine):
     name = "megatron"
+    knobs = MegatronKnobs
 
     def score(self, fixture, model_dir: Path, knobs: dict):
         preflight(Path(model_dir), knobs, fixture)  # before torchrun starts a rank
@@ -56,11 +68,9 @@ class MegatronScoringEngine(DistributedScoringEngine):
         return MegatronSession(model_dir, dict(knobs), world_size)
 
 
-MEGATRON_KNOBS = (
-    "tensor_parallel_size",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-    "conversion",
+# The knobs megatron takes beyond the HF replay's, in MegatronKnobs' order
+MEGATRON_KNOBS = tuple(
+    f.name for f in fields(MegatronKnobs) if f.name not in ReplayKnobs.__dataclass_fields__
 )
 
 
@@ -140,7 +150,9 @@ class MegatronSession:
         for name in MEGATRON_KNOBS[:3]:
             knobs.pop(name, None)
         self.tp = self.parallel.tp
-        self.interleave_qkv = str(knobs.pop("conversion", "correct")) != "no_qkv_interleave"
+        self.interleave_qkv = (
+            str(knobs.pop("conversion", MegatronKnobs.conversion)) != "no_qkv_interleave"
+        )
         self.settings = ReplayKnobs.from_dict(knobs)
         unsupported = {
             "packing": self.settings.packing,

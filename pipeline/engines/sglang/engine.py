@@ -43,6 +43,7 @@ from pipeline.routing import ROUTING_DTYPE, routing_metadata
 
 class SGLangRolloutEngine:
     name = "sglang"
+    knobs = SGLangKnobs
     takes_device = True
     log_dir: Path | None = None  # where the server's log is kept (the command sets it)
 
@@ -249,6 +250,7 @@ def _sampling_applied(
 
 class SGLangScoringEngine:
     name = "sglang"
+    knobs = SGLangKnobs
     takes_device = True
     log_dir: Path | None = None
 

@@ -32,6 +32,7 @@ from pipeline.progress import progress_bar
 
 class VLLMRolloutEngine:
     name = "vllm"
+    knobs = VLLMKnobs
 
     def rollout(
         self, model_dir: Path, prompts: list[list[int]], sampling: SamplingParams, knobs: dict
@@ -175,6 +176,7 @@ def _sampled(completion, k: int) -> dict:
 
 class VLLMScoringEngine:
     name = "vllm"
+    knobs = VLLMKnobs
 
     def score(self, fixture: TokenTable, model_dir: Path, knobs: dict) -> TokenTable:
         knobs = dict(knobs)

@@ -1,7 +1,7 @@
 """Capture adapters, one per engine family, found like the scoring engines.
 
 An adapter is named in a SPEC, `ENGINE[:knob=value,...]` (`hf:dtype=bf16`,
-`megatron:tp=2,dtype=bf16`). `open_side(spec, model_dir)` returns a session with:
+`megatron:tensor_parallel_size=2,dtype=bf16`). `open_side(spec, model_dir)` returns a session with:
 
 - `name`, `dtype` (declared), `reference_dtype` (the precision its floor is measured against),
   `layout` (a dict written into localize.json), `boundaries` (names, in network order);

@@ -1,8 +1,10 @@
 """Capture from a megatron-core GPTModel with tensor (and expert) parallelism, un-sharded to
 the HF layout.
 
-Spec: `megatron:tp=2,dtype=fp32`; for MoE models also `ep=2` (expert parallelism) and `etp`
-(expert tensor parallelism, default tp). The ranks are lcm(tp, ep x etp) processes. The
+Spec: `megatron:tensor_parallel_size=2,dtype=fp32`; for MoE models also
+`expert_model_parallel_size=2` and `expert_tensor_parallel_size` (default: the TP size): the
+replay's knob names (`tp`, `ep` and `etp` are read too). The ranks are lcm(tp, ep x etp)
+processes. The
 model is built and its HF weights converted as for the Megatron replay
 (`pipeline.engines.megatron.convert`: local layer spec, RMSNorm, RoPE, gated SiLU MLP, q/k
 norms, megatron-core's own MoE layer), for every family lpx registers. Every rank runs the
@@ -46,9 +48,9 @@ from pipeline.localize.adapters.hf import REFERENCE, CaptureKnobs, HFCapture, ro
 
 @dataclass(frozen=True)
 class MegatronCaptureKnobs:
-    tp: int = field(default=2, metadata={"min": 1})  # tensor-parallel ranks
-    ep: int = field(default=1, metadata={"min": 1})  # expert-parallel ranks (MoE models)
-    etp: int = field(default=0, metadata={"min": 0})  # expert tensor parallelism; 0: as tp
+    tensor_parallel_size: int = field(default=2, metadata={"min": 1})
+    expert_model_parallel_size: int = field(default=1, metadata={"min": 1})  # MoE models
+    expert_tensor_parallel_size: int = field(default=0, metadata={"min": 0})  # 0: as TP
     dtype: str = "float32"
     # Seconds to wait for the ranks to start, or for any one reply during a capture.
     timeout: float = field(default=600.0, metadata={"min": 1})
@@ -58,7 +60,7 @@ def open_session(model_dir: Path, knobs: dict, device: str = "cpu", spec: str = 
     from pipeline import devices
     from pipeline.engines.model_dir import check_model_dir
 
-    settings = knobs_from_dict(MegatronCaptureKnobs, knobs, "megatron capture")
+    settings = capture_settings(knobs, spec)
     model_dir = Path(model_dir)
     check_model_dir(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
@@ -86,8 +88,33 @@ def open_session(model_dir: Path, knobs: dict, device: str = "cpu", spec: str = 
     )
 
 
+# The spec's knobs are named as the replay's; the short names earlier specs used still read.
+SHORT_NAMES = {
+    "tp": "tensor_parallel_size",
+    "ep": "expert_model_parallel_size",
+    "etp": "expert_tensor_parallel_size",
+}
+
+
+def capture_settings(knobs: dict, spec: str = "megatron") -> MegatronCaptureKnobs:
+    """The spec's knobs, a short name read as its long one; the same knob given under both
+    names is refused (which value was meant is the user's to say)."""
+    named: dict[str, str] = {}
+    given: dict[str, str] = {}
+    for key, value in knobs.items():
+        name = SHORT_NAMES.get(key, key)
+        if name in named:
+            raise BadInput(f"{spec}: {given[name]} and {key} both set {name}; give it once.")
+        named[name], given[name] = value, key
+    return knobs_from_dict(MegatronCaptureKnobs, named, "megatron capture")
+
+
 def parallel_of(settings: MegatronCaptureKnobs) -> Parallel:
-    return Parallel(tp=settings.tp, ep=settings.ep, etp=settings.etp or None)
+    return Parallel(
+        tp=settings.tensor_parallel_size,
+        ep=settings.expert_model_parallel_size,
+        etp=settings.expert_tensor_parallel_size or None,
+    )
 
 
 def open_rank(model_dir: Path, knobs: dict, device: str, world_size: int):
