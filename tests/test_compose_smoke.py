@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.synthetic_runs import pair_report, write_run
+from support.synthetic_runs import pair_report, write_run
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "docker"))

@@ -281,9 +281,9 @@ def test_compose_serve_profile_balances_replicas_with_nginx(cpu_images, run_dir,
     import urllib.request
 
     import numpy as np
-    from pipeline.engines.logprob_server.replay import LogprobServerEngine
 
     from pipeline.engines.hf.model import load_model
+    from pipeline.engines.logprob_server.replay import LogprobServerEngine
     from pipeline.fingerprint import tensor_fingerprint
     from pipeline.fixture.io import read_table
     from pipeline.serve.process import free_port

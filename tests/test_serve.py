@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pipeline.engines.logprob_server.replay import LogprobServerEngine
 
 from pipeline.engines.hf.model import load_model
 from pipeline.engines.hf.replay import HFScoringEngine, ReplayKnobs, score_batch
+from pipeline.engines.logprob_server.replay import LogprobServerEngine
 from pipeline.fingerprint import tensor_fingerprint
 from pipeline.fixture.io import read_table
 from pipeline.serve.process import ServerFailed, server_process, serving

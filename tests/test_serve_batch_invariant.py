@@ -13,11 +13,11 @@ import threading
 import numpy as np
 import pytest
 import torch
-from pipeline.engines.logprob_server.replay import LogprobServerEngine
 
 from pipeline import devices
 from pipeline.engines.hf.model import load_model
 from pipeline.engines.hf.replay import HFScoringEngine, ReplayKnobs, score_batch
+from pipeline.engines.logprob_server.replay import LogprobServerEngine
 from pipeline.fixture.io import read_table
 from tests.test_serve import VOCAB, call, served
 

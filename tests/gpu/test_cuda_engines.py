@@ -111,7 +111,6 @@ def test_tf32_fails_the_fp32_profile_only_as_precision(cpu_run, tmp_path):
 def test_serve_on_cuda_equals_the_in_process_cuda_replay_bit_for_bit(cpu_run, tmp_path):
     """One sequence per batch on both sides: the same shapes, so the same kernels."""
     from pipeline.engines.logprob_server.replay import LogprobServerEngine
-
     from pipeline.serve.process import serving
 
     fixture = read_table(cpu_run / "fixture.parquet")
