@@ -39,6 +39,7 @@ from pipeline.contracts.causes import Cause, Severity, Status
 from pipeline.contracts.metrics import PER_VERSION_METRICS
 from pipeline.contracts.report import Finding, Judgement, Report
 from pipeline.errors import BadInput
+from pipeline.fingerprint import prompt_set_fingerprint
 from pipeline.fixture.io import read_table, validate_table
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
 from pipeline.routing import agreement, unrecorded
@@ -393,13 +394,6 @@ def _missing_versions(replay: TokenTable, aligned: Aligned) -> list[Finding]:
             details={"missing": missing, "unscored_tokens": aligned.unscored_tokens},
         )
     ]
-
-
-def prompt_set_fingerprint(table: TokenTable) -> str:
-    """sha256 over the prompts' token ids in sequence order: the run history's prompt set."""
-    digest = hashlib.sha256(np.asarray(table.prompt_offsets, dtype=np.int64).tobytes())
-    digest.update(np.asarray(table.prompt_ids, dtype=np.int64).tobytes())
-    return "sha256:" + digest.hexdigest()
 
 
 def workload_of(fixture: TokenTable) -> dict:
