@@ -44,6 +44,7 @@ from pipeline.compare.report_parts import (
     workload_of,
     worst_tokens,
 )
+from pipeline.compare.sequence_table import sequence_columns
 from pipeline.compare.topk import topk_kl
 from pipeline.contracts.calibration import Calibration
 from pipeline.contracts.report import Finding, Judgement, Report
@@ -62,6 +63,9 @@ class Comparison:
     report: Report
     aligned: Aligned
     tau: float
+    # the per-sequence rows as columns (compare/sequence_table.py): written to
+    # sequences.parquet beside report.json, not into it
+    sequences: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,8 @@ def compare_tables(
     )  # fmt: skip
     report.correction = correction
     report.onset = onset
-    return Comparison(report, aligned, tau)
+    sequences = sequence_columns(aligned.sequence_ids, measured.per_sequence, tau)
+    return Comparison(report, aligned, tau, sequences)
 
 
 def _position_onset(fixture, aligned: Aligned, judging: Judging, dtypes: list[str]):
@@ -316,7 +321,7 @@ def assemble(
                 completion.train, completion.rollout, aligned.kl_channels
             ),
         },
-        sequences=_sequence_rows(aligned, measured.per_sequence, tau),
+        sequences=None,  # in sequences.parquet (compare/sequence_table.py)
         worst=worst_tokens(aligned, WORST_TOKENS),
         drift_map=drift_map_of(aligned, tau),
         routing=measured.routing,
@@ -379,29 +384,3 @@ def _routing(aligned: Aligned) -> dict | None:
 
 def _present(**fields) -> dict:
     return {name: value for name, value in fields.items() if value is not None}
-
-
-def _sequence_rows(aligned: Aligned, per_sequence: dict, tau: float) -> list[dict]:
-    names = (
-        "tokens",
-        "max_abs_diff",
-        "mean_abs_diff",
-        "sum_abs_diff",
-        "sum_diff",
-        "log_ppl_diff",
-        "chi2_seq",
-    )
-    columns = [list(aligned.sequence_ids)] + [_json_column(per_sequence[name]) for name in names]
-    columns.append((per_sequence["max_abs_diff"] > tau).tolist())
-    keys = ("sequence_id", *names, "over_tau")
-    return [dict(zip(keys, values, strict=True)) for values in zip(*columns, strict=True)]
-
-
-def _json_column(values: np.ndarray) -> list:
-    """A column as JSON-safe Python values: JSON has no NaN or inf, so those (rare) entries
-    become the strings a reader recognises, patched in place of a whole-report walk."""
-    column = values.tolist()
-    if values.dtype.kind == "f":
-        for index in np.flatnonzero(~np.isfinite(values)):
-            column[index] = str(float(values[index]))
-    return column

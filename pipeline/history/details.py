@@ -18,6 +18,7 @@ import numpy as np
 from pipeline.compare.drift_map import drift_map
 from pipeline.compare.onset import onset_words
 from pipeline.contracts.report import ModelInfo, Report, Side, WorstToken
+from pipeline.contracts.sequences import sequence_rows
 from pipeline.fingerprint import tokenizer_fingerprint
 
 SEQUENCE_ROWS = 200  # per-sequence metric rows kept, worst first
@@ -25,9 +26,14 @@ CONTEXT_TOKENS = 6  # tokens of left context decoded with each worst token
 _TOKENIZER_LOCK = threading.Lock()
 
 
-def comparison_details(report: Report, tokens_path: Path | None, tokenizers: dict) -> dict:
+def comparison_details(
+    report: Report, tokens_path: Path | None, tokenizers: dict, report_path: Path | None = None
+) -> dict:
     """The run page's view of one comparison, as the JSON the comparison row stores (the
-    report's own parts, as it wrote them, under the page's names)."""
+    report's own parts, as it wrote them, under the page's names). The per-sequence rows
+    come from the sequences.parquet beside ``report_path``, or inline from an older report;
+    the findings are stored as report.json has them (a count and a sample of their
+    sequences, or an older report's whole lists)."""
     meta = report.metadata
     fixture, replay = meta["fixture"], meta["replay"]
     heatmap = report.drift_map
@@ -39,7 +45,7 @@ def comparison_details(report: Report, tokens_path: Path | None, tokenizers: dic
             heatmap = _drift_map_from_tokens(tokens, report.policy.get("tau"))
     tokenizer = _tokenizer(fixture.get("model") or {}, tokenizers)
     sequences = sorted(
-        (row for row in report.sequences or [] if isinstance(row, dict)),
+        (row for row in sequence_rows(report, report_path) if isinstance(row, dict)),
         key=lambda row: -_number(row.get("max_abs_diff")),
     )
     return {
