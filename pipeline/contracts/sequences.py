@@ -66,12 +66,19 @@ def finding_count(finding: Finding | dict) -> int:
     return len(named) if isinstance(named, list) else 0
 
 
-def sequence_rows(report: Report, report_path: Path) -> list[dict]:
+def sequence_rows(report: Report, report_path: Path, worst: int | None = None) -> list[dict]:
     """Every per-sequence row, as report.json held them inline: dicts in compare's order,
-    non-finite numbers as the strings "nan"/"inf"/"-inf"."""
+    non-finite numbers as the strings "nan"/"inf"/"-inf". With ``worst``, only that many
+    rows, largest max |d| first (a non-finite one first of all: a broken sequence), ties in
+    compare's order; a run page keeps 200 of 320,000."""
     if not isinstance(report.sequence_table, dict):
-        return [row for row in report.sequences or [] if isinstance(row, dict)]
+        rows = [row for row in report.sequences or [] if isinstance(row, dict)]
+        return rows if worst is None else sorted(rows, key=_drift)[:worst]
     table = _read(report, report_path, SEQUENCE_COLUMNS)
+    if worst is not None:
+        drift = table.column("max_abs_diff").to_numpy(zero_copy_only=False).astype(np.float64)
+        drift[~np.isfinite(drift)] = np.inf
+        table = table.take(np.argsort(-drift, kind="stable")[:worst])
     columns = [_json_column(table.column(name).to_numpy(zero_copy_only=False))
                for name in SEQUENCE_COLUMNS]  # fmt: skip
     return [
@@ -117,6 +124,12 @@ def with_sequences(report: Report, report_path: Path) -> Report:
     return report.model_copy(
         update={"sequences": sequence_rows(report, report_path), "diagnosis": diagnosis}
     )
+
+
+def _drift(row: dict) -> float:
+    value = row.get("max_abs_diff")
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return -value if number and np.isfinite(value) else -np.inf
 
 
 def _read(report: Report, report_path: Path, names):

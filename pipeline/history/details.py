@@ -9,7 +9,6 @@ the tokens.parquet beside them, when it is there.
 
 from __future__ import annotations
 
-import math
 import threading
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import numpy as np
 from pipeline.compare.drift_map import drift_map
 from pipeline.compare.onset import onset_words
 from pipeline.contracts.report import ModelInfo, Report, Side, WorstToken
-from pipeline.contracts.sequences import sequence_rows
+from pipeline.contracts.sequences import sequence_count, sequence_rows
 from pipeline.fingerprint import tokenizer_fingerprint
 
 SEQUENCE_ROWS = 200  # per-sequence metric rows kept, worst first
@@ -44,18 +43,15 @@ def comparison_details(
         if heatmap is None and tokens is not None:
             heatmap = _drift_map_from_tokens(tokens, report.policy.get("tau"))
     tokenizer = _tokenizer(fixture.get("model") or {}, tokenizers)
-    sequences = sorted(
-        (row for row in sequence_rows(report, report_path) if isinstance(row, dict)),
-        key=lambda row: -_number(row.get("max_abs_diff")),
-    )
+    sequences = sequence_rows(report, report_path, worst=SEQUENCE_ROWS)
     return {
         "worst": [_decoded(row, tokens, tokenizer) for row in worst],
         "diagnosis": report.diagnosis or [],
         # whether compare re-scored the findings, or why not: the run page says so beside them
         "verification": report.verification or {},
         "policy": report.policy,
-        "sequences": sequences[:SEQUENCE_ROWS],
-        "sequence_count": len(sequences),
+        "sequences": sequences,
+        "sequence_count": sequence_count(report),
         "heatmap": heatmap,
         "by_region": {
             name: _scalars(values)
@@ -251,7 +247,3 @@ def _scalars(values: dict) -> dict:
         for k, v in values.items()
         if isinstance(v, (int, float, str)) and not isinstance(v, bool)
     }
-
-
-def _number(value) -> float:
-    return value if isinstance(value, (int, float)) and math.isfinite(value) else math.inf
