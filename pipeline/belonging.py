@@ -15,12 +15,11 @@ weight files (once per process and file state: ``model_weights``).
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import BadInput
-from pipeline.fingerprint import WEIGHT_PATTERNS, weights_fingerprint
+from pipeline.fingerprint import WEIGHT_PATTERNS, prompt_set_fingerprint, weights_fingerprint
 
 if TYPE_CHECKING:
     from pipeline.contracts.calibration import Calibration
@@ -139,14 +138,6 @@ def report_mismatch(fixture, report: Report) -> str | None:
         if other is not None:
             return other
     return None
-
-
-def prompt_set_fingerprint(table) -> str:
-    """sha256 over the prompts' token ids in sequence order: the run history's prompt set, as
-    compare records it (compare/run.py, same bytes; tests/test_belonging.py holds them equal)."""
-    digest = hashlib.sha256(table.prompt_offsets.astype("int64").tobytes())
-    digest.update(table.prompt_ids.astype("int64").tobytes())
-    return "sha256:" + digest.hexdigest()
 
 
 def model_weights(model_dir: Path) -> str:

@@ -1,4 +1,4 @@
-"""Fingerprints that tell whether two runs used the same weights and tokenizer."""
+"""Fingerprints that tell whether two runs used the same weights, tokenizer and prompts."""
 
 from __future__ import annotations
 
@@ -49,4 +49,15 @@ def tensor_fingerprint(named_tensors) -> str:
         digest.update(name.encode())
         digest.update(np.asarray(values.shape, dtype=np.int64).tobytes())
         digest.update(np.ascontiguousarray(values).tobytes())
+    return "sha256:" + digest.hexdigest()
+
+
+def prompt_set_fingerprint(table) -> str:
+    """sha256 over a token table's prompts (offsets, then ids, as int64) in sequence order:
+    the run history's prompt set. Compare records it in report.json and `lpx localize
+    --report` checks a fixture against it (belonging.py), so both must read the same bytes."""
+    import numpy as np
+
+    digest = hashlib.sha256(np.asarray(table.prompt_offsets, dtype=np.int64).tobytes())
+    digest.update(np.asarray(table.prompt_ids, dtype=np.int64).tobytes())
     return "sha256:" + digest.hexdigest()

@@ -384,3 +384,45 @@ def claimed_history(root: Path, start: datetime = datetime(2026, 4, 1, 3, 0)) ->
             )
         )
     return dirs
+
+
+def drifting_pair(sequences: int, seed: int = 0, drifting: float = 0.1):
+    """A fixture and its replay of ``sequences`` short sequences (prompts of 2-5 tokens,
+    completions of 2-7): bf16-like noise on every token and a 0.5 shift on a ``drifting``
+    share of the sequences, so compare finds one cause naming thousands of them. For the
+    report's size at scale (tests/test_sequence_table.py, bench/report_size.py)."""
+    from pipeline.fixture.table import TokenTable, offsets_from_lengths
+
+    rng = np.random.default_rng(seed)
+    prompt_lengths = rng.integers(2, 6, sequences)
+    completion_lengths = rng.integers(2, 8, sequences)
+    prompts, completions = (
+        offsets_from_lengths(prompt_lengths),
+        offsets_from_lengths(completion_lengths),
+    )
+    tokens = int(completions[-1])
+    rollout = -rng.exponential(1.0, tokens).astype(np.float32)
+    replay = np.minimum(rollout + rng.normal(0, 0.01, tokens).astype(np.float32), 0)
+    replay[np.repeat(rng.random(sequences) < drifting, completion_lengths)] -= 0.5
+    model = {"vocab_size": 1000, "weights_fingerprint": WEIGHTS}
+    common = dict(
+        sequence_ids=[f"seq-{i:06d}" for i in range(sequences)],
+        prompt_offsets=prompts,
+        prompt_ids=rng.integers(0, 1000, int(prompts[-1])).astype(np.int32),
+        completion_offsets=completions,
+        completion_ids=rng.integers(0, 1000, tokens).astype(np.int32),
+        completion_mask=np.ones(tokens, dtype=np.bool_),
+    )
+    fixture = TokenTable(
+        kind="fixture",
+        channels={"rollout": rollout},
+        metadata={"dtype": "bfloat16", "model": model},
+        **common,
+    )
+    scored = TokenTable(
+        kind="replay",
+        channels={"replay": replay},
+        metadata={"dtype": "float32", "model": model},
+        **common,
+    )
+    return fixture, scored

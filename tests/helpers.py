@@ -30,7 +30,29 @@ def count(url: str, model, *where) -> int:
 
 
 def read_report(out_dir: Path) -> dict:
-    return json.loads((Path(out_dir) / "report.json").read_text())
+    """report.json, with the per-sequence rows and each finding's whole list read back from
+    the sequences.parquet beside it (pipeline/contracts/sequences.py's loader)."""
+    from pipeline.contracts.report import Report
+    from pipeline.contracts.sequences import finding_sequences, sequence_rows
+
+    path = Path(out_dir) / "report.json"
+    data = json.loads(path.read_text())
+    if isinstance(data.get("sequence_table"), dict):
+        report = Report.model_construct(**data)
+        data["sequences"] = sequence_rows(report, path)
+        for finding, named in zip(data["diagnosis"], finding_sequences(report, path), strict=True):
+            finding["sequences"] = named
+    return data
+
+
+def inline_report(out_dir: Path) -> dict:
+    """report.json as lpx wrote it before sequences.parquet: every row and list inline."""
+    data = read_report(out_dir)
+    data.pop("sequence_table", None)
+    for finding in data.get("diagnosis") or []:
+        finding.pop("sequence_count", None)
+        finding.pop("sequences_column", None)
+    return data
 
 
 def publish_one_step(tiny_model: Path, fixture_path: Path, root: Path) -> tuple[Path, Path]:

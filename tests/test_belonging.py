@@ -8,17 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.belonging import (
-    check_calibration,
-    check_model,
-    check_report,
-    model_weights,
-    prompt_set_fingerprint,
-)
+from pipeline.belonging import check_calibration, check_model, check_report, model_weights
 from pipeline.contracts.calibration import Calibration, Key
 from pipeline.contracts.report import Report
 from pipeline.errors import BadInput
-from pipeline.fingerprint import weights_fingerprint
+from pipeline.fingerprint import prompt_set_fingerprint, weights_fingerprint
 from pipeline.fixture.table import table_from_sequences
 
 
@@ -144,11 +138,19 @@ def _report(fixture, **changes) -> Report:
     return _held(report)
 
 
-def test_the_prompt_set_fingerprint_is_computed_as_compare_records_it():
-    from pipeline.compare.run import prompt_set_fingerprint as compares
+def test_the_prompt_set_fingerprint_is_the_one_compare_records():
+    """One function (pipeline/fingerprint.py) for compare and this check; its digest is frozen:
+    history keys hold it, so a change would split every series in two."""
+    from pipeline.compare import run
 
     fixture = _fixture(None)
-    assert prompt_set_fingerprint(fixture) == compares(fixture)
+    assert run.prompt_set_fingerprint is prompt_set_fingerprint
+    assert prompt_set_fingerprint(fixture) == (
+        "sha256:0f07b480bbdfac7b59b8677acd20723be285642d13f0ba7f7b0053a23e5c29a7"
+    )
+    assert prompt_set_fingerprint(_fixture(None, prompts=((1, 2), (4,)))) != (
+        prompt_set_fingerprint(fixture)
+    )
 
 
 def test_a_report_of_this_fixture_chooses_its_sequences():

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pipeline.cli import cli
-from tests.helpers import run_lpx
+from tests.helpers import read_report, run_lpx
 
 COMMANDS = [
     [],
@@ -80,7 +80,7 @@ def test_smoke_end_to_end_as_a_user_runs_it(tiny_model, tmp_path):
     assert {d: v["verdict"] for d, v in verdicts.items()} == {"float32": "pass", "bfloat16": "pass"}
     for dtype in ("float32", "bfloat16"):
         compare_dir = out / f"compare-hf-{dtype}"
-        report = json.loads((compare_dir / "report.json").read_text())
+        report = read_report(compare_dir)
         assert set(report) >= {
             "verdict",
             "metrics",
@@ -91,6 +91,7 @@ def test_smoke_end_to_end_as_a_user_runs_it(tiny_model, tmp_path):
             "metadata",
         }
         assert len(report["sequences"]) == 16 and len(report["worst"]) == 20
+        assert report["sequence_table"] == {"file": "sequences.parquet", "rows": 16}
         assert report["metadata"]["replay"]["knobs"]["dtype"] == dtype
         assert (compare_dir / "tokens.parquet").stat().st_size > 0
         assert "# lpx compare: PASS" in (compare_dir / "summary.md").read_text()

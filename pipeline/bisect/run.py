@@ -40,6 +40,7 @@ from pipeline.contracts.files import BISECT as FILE
 from pipeline.contracts.files import REPORT
 from pipeline.contracts.problems import describe
 from pipeline.contracts.report import Finding, Report
+from pipeline.contracts.sequences import finding_count
 from pipeline.environments import DEFAULT_BUILD
 from pipeline.errors import BadInput
 from pipeline.orchestrator.plan import load_plan
@@ -225,7 +226,7 @@ def _explain(state: BisectState, plan, out: Path, runner_name: str) -> None:
         CauseOfBisect(
             cause=str(f.cause),
             status=str(f.status),
-            sequences=len(f.sequences),
+            sequences=finding_count(f),
             evidence=f.evidence,
         )
         for f in (Finding.model_validate(found) for found in report.diagnosis or [])

@@ -205,6 +205,7 @@ def _read_report(path: Path) -> Report:
     from pipeline.contracts.base import held_as_written
     from pipeline.contracts.problems import describe
     from pipeline.contracts.report import Report
+    from pipeline.contracts.sequences import SequencesUnreadable, with_sequences
     from pipeline.errors import BadInput
 
     try:
@@ -226,4 +227,7 @@ def _read_report(path: Path) -> Report:
             f"--report {path}: not a comparison report lpx can read: "
             f"{describe(error, count=3)}; rerun `lpx compare`."
         ) from None
-    return held_as_written(Report, report)
+    try:  # its per-sequence rows, from sequences.parquet or inline (an older report)
+        return with_sequences(held_as_written(Report, report), path)
+    except SequencesUnreadable as error:
+        raise BadInput(f"--report {path}: {error}") from None

@@ -9,7 +9,8 @@ import numpy as np
 
 from pipeline.compare.onset import onset_words
 from pipeline.compare.run import Comparison
-from pipeline.contracts.files import REPORT, SUMMARY, TOKENS
+from pipeline.compare.sequence_table import write_sequence_table
+from pipeline.contracts.files import REPORT, SEQUENCES, SUMMARY, TOKENS
 from pipeline.contracts.metrics import SUMMARY_METRICS
 from pipeline.contracts.report import Finding, Report
 from pipeline.paths import LOCK, output_lock, replacing, write_text_atomic
@@ -17,23 +18,37 @@ from pipeline.text import for_markdown as _md
 
 
 def write_outputs(comparison: Comparison, out_dir: Path) -> dict[str, Path]:
-    """The three outputs as a unit: an earlier report.json is removed first and the new one
+    """The four outputs as a unit (sequences.parquet holds the per-sequence rows and each
+    finding's whole list, report.json a count and a sample): an earlier report.json is removed first and the new one
     is written last, so an interrupted or failed write leaves the previous complete outputs
     (if it stopped before starting) or no report at all, never an old verdict beside new
     tokens. Each file is written to a temp name and renamed; temps never outlive a crash of
     Python (an interrupt included). Two writers into one directory: the second fails."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"report": out_dir / REPORT, "tokens": out_dir / TOKENS, "summary": out_dir / SUMMARY}
+    paths = {
+        "report": out_dir / REPORT,
+        "tokens": out_dir / TOKENS,
+        "sequences": out_dir / SEQUENCES,
+        "summary": out_dir / SUMMARY,
+    }
     with output_lock(out_dir):
         # Both verdict-bearing files go first: an interrupted write never leaves an old
         # verdict beside new tokens.
         paths["report"].unlink(missing_ok=True)
         paths["summary"].unlink(missing_ok=True)
         _write_tokens(comparison, paths["tokens"])
+        report = comparison.report
+        if comparison.sequences is not None:
+            table, findings = write_sequence_table(
+                comparison.sequences, report.diagnosis or [], paths["sequences"]
+            )
+            report = report.model_copy(update={"sequence_table": table, "diagnosis": findings})
+        else:  # rows inline (a report built by hand): no table of another comparison beside it
+            paths["sequences"].unlink(missing_ok=True)
         write_text_atomic(paths["summary"], render_summary(comparison.report))
         # The report goes last: its presence means the comparison finished.
-        write_text_atomic(paths["report"], report_json(comparison.report))
+        write_text_atomic(paths["report"], report_json(report))
     return paths
 
 
@@ -288,8 +303,8 @@ def _fmt(value) -> str:
 
 def report_json(report: Report) -> str:
     """report.json's text: the model's fields through orjson, with NaN and inf as strings.
-    The per-sequence rows (the bulk of a large report) are JSON-safe as built, so only the
-    rest is walked."""
+    Per-sequence rows held inline (a report of the older layout, read back) are JSON-safe
+    as read, so only the rest is walked."""
     import orjson
 
     fields = report.as_dict()

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from pipeline.compare.align import Aligned, Region, align
+from pipeline.compare.align import Aligned, align
 from pipeline.compare.calibrated import (
     as_calibration,
     calibrated_judging,
@@ -21,8 +19,14 @@ from pipeline.compare.calibrated import (
 from pipeline.compare.config_evidence import with_config_evidence
 from pipeline.compare.contradicted import evidence_on_file, rule_out_contradicted
 from pipeline.compare.correction import correction_view, flat_metrics
-from pipeline.compare.diagnosis import Context, diagnose_region
-from pipeline.compare.drift_map import drift_map
+from pipeline.compare.diagnosis import diagnose_region
+from pipeline.compare.diagnosis_context import diagnosis_context
+from pipeline.compare.extra_findings import (
+    beyond_precision,
+    missing_versions,
+    precision_over_user_limits,
+    routing_flips,
+)
 from pipeline.compare.hypotheses.batch import CALIBRATED_CEILING, NUMERIC_CEILING
 from pipeline.compare.metrics import (
     SIGN_CONVENTION,
@@ -33,20 +37,25 @@ from pipeline.compare.metrics import (
 )
 from pipeline.compare.onset import onset_of_comparison, with_onset
 from pipeline.compare.policy import Policy, judge, load_policy, profile_for
+from pipeline.compare.report_parts import (
+    by_weight_version,
+    drift_map_of,
+    unset_generation_defaults,
+    workload_of,
+    worst_tokens,
+)
+from pipeline.compare.sequence_table import sequence_columns
 from pipeline.compare.topk import topk_kl
 from pipeline.contracts.calibration import Calibration
-from pipeline.contracts.causes import Cause, Severity, Status
-from pipeline.contracts.metrics import PER_VERSION_METRICS
 from pipeline.contracts.report import Finding, Judgement, Report
 from pipeline.errors import BadInput
+from pipeline.fingerprint import prompt_set_fingerprint
 from pipeline.fixture.io import read_table, validate_table
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable
 from pipeline.routing import agreement, unrecorded
-from pipeline.routing import flipped as routing_flipped
 from pipeline.testbed import describe_testbed
 
 WORST_TOKENS = 20
-CONTEXT_TOKENS = 6  # left-context token ids kept with each worst token
 
 
 @dataclass
@@ -54,6 +63,9 @@ class Comparison:
     report: Report
     aligned: Aligned
     tau: float
+    # the per-sequence rows as columns (compare/sequence_table.py): written to
+    # sequences.parquet beside report.json, not into it
+    sequences: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -147,9 +159,7 @@ def compare_tables(
         policy, profile, measured.metrics, findings, judging.limits, options.exact, judging.gate
     )
     if judging.floor is not None:
-        findings += _precision_over_user_limits(
-            judgement, findings, judging.floor.expected, aligned
-        )
+        findings += precision_over_user_limits(judgement, findings, judging.floor.expected, aligned)
         judgement["calibrated"] = True
     report = assemble(
         fixture, replay, (fixture_path, replay_path), aligned, tau, measured, findings,
@@ -157,7 +167,8 @@ def compare_tables(
     )  # fmt: skip
     report.correction = correction
     report.onset = onset
-    return Comparison(report, aligned, tau)
+    sequences = sequence_columns(aligned.sequence_ids, measured.per_sequence, tau)
+    return Comparison(report, aligned, tau, sequences)
 
 
 def _position_onset(fixture, aligned: Aligned, judging: Judging, dtypes: list[str]):
@@ -260,7 +271,7 @@ def diagnose(
 ) -> list[Finding]:
     """The findings: the signatures' causes, missing weight versions, routing flips, drift
     beyond precision; then the claims the evidence on file contradicts ruled out."""
-    context = diagnosis_context(fixture, replay, aligned, dtypes, judging)
+    context = diagnosis_context(fixture, replay, aligned, dtypes, judging.floor, judging.gate)
     region = aligned.completion
     findings = diagnose_region(
         region.train,
@@ -272,12 +283,12 @@ def diagnose(
         judging.token_tau,
         context,
     )
-    findings += _missing_versions(replay, aligned)
+    findings += missing_versions(replay, aligned)
     forced = bool((replay.metadata.get("knobs") or {}).get("router_replay"))
     gate = judging.gate
-    findings += _routing_flips(measured.routing, gate, aligned, judging.token_tau, forced)
+    findings += routing_flips(measured.routing, gate, aligned, judging.token_tau, forced)
     if gate is not None and not gate["passed"]:
-        findings += _beyond_precision(gate, findings, aligned)
+        findings += beyond_precision(gate, findings, aligned)
     findings = rule_out_contradicted(findings, evidence_on_file(fixture, replay))
     return with_config_evidence(findings, fixture.metadata, replay.metadata)
 
@@ -305,14 +316,14 @@ def assemble(
         metrics={
             **measured.metrics,
             "by_region": measured.by_region,
-            **_by_weight_version(aligned, tau),
+            **by_weight_version(aligned, tau),
             "kl_input_drift": kl_input_drift(
                 completion.train, completion.rollout, aligned.kl_channels
             ),
         },
-        sequences=_sequence_rows(aligned, measured.per_sequence, tau),
+        sequences=None,  # in sequences.parquet (compare/sequence_table.py)
         worst=worst_tokens(aligned, WORST_TOKENS),
-        drift_map=_drift_map(aligned, tau),
+        drift_map=drift_map_of(aligned, tau),
         routing=measured.routing,
         diagnosis=findings,
         policy=judgement,
@@ -353,97 +364,6 @@ def rejudge(report: Report, policy: Policy) -> None:
     report.policy, report.verdict = judgement, judgement["verdict"]
 
 
-def _by_weight_version(aligned: Aligned, tau: float) -> dict:
-    """Drift per recorded weight version: a replay that scored each token under its own
-    version is clean per version; a stale or misclaimed one shows which version drifts."""
-    versions = aligned.weight_versions
-    if versions is None or len(versions) == 0:
-        return {}
-    region = aligned.completion
-    names = np.asarray([str(v) for v in versions], dtype=object)
-    seq = np.repeat(np.arange(len(region.offsets) - 1), np.diff(region.offsets))
-    rows = {}
-    for name in sorted(set(names.tolist())):
-        mine = names == name
-        metrics = batch_metrics(region.train[mine], region.rollout[mine], tau)
-        rows[name] = {
-            **{key: metrics[key] for key in PER_VERSION_METRICS if key in metrics},
-            "sequences": int(len(np.unique(seq[mine]))),
-        }
-    return {"by_weight_version": rows}
-
-
-def _missing_versions(replay: TokenTable, aligned: Aligned) -> list[Finding]:
-    """A finding for tokens a multi-version replay could not score: their version is not in
-    the store, so nothing vouches for them (never scored with another version)."""
-    from pipeline.weights.multi_version import named_counts
-
-    if not aligned.unscored_tokens:
-        return []
-    store = replay.metadata.get("weights_store") or {}
-    missing = store.get("missing") or {}
-    return [
-        Finding(
-            cause=Cause.MISSING_VERSION,
-            evidence=(
-                f"{aligned.unscored_tokens} completion tokens were not compared: their weight "
-                f"versions are not in the store {store.get('path')} ({named_counts(missing)}); "
-                "publish them or retain more versions (lpx weights publish --keep)"
-            ),
-            details={"missing": missing, "unscored_tokens": aligned.unscored_tokens},
-        )
-    ]
-
-
-def prompt_set_fingerprint(table: TokenTable) -> str:
-    """sha256 over the prompts' token ids in sequence order: the run history's prompt set."""
-    digest = hashlib.sha256(np.asarray(table.prompt_offsets, dtype=np.int64).tobytes())
-    digest.update(np.asarray(table.prompt_ids, dtype=np.int64).tobytes())
-    return "sha256:" + digest.hexdigest()
-
-
-def workload_of(fixture: TokenTable) -> dict:
-    """What was compared, as the history tells nights apart: the prompt set, and a digest of
-    the sampled tokens (sequence ids, completion lengths and ids). Two nights with the same
-    digest compared the same tokens; otherwise `lpx record` measures how much they share
-    (pipeline/history/workload.py)."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update("\0".join(map(str, fixture.sequence_ids)).encode())
-    digest.update(np.asarray(fixture.completion_offsets, dtype=np.int64).tobytes())
-    digest.update(np.asarray(fixture.completion_ids, dtype=np.int64).tobytes())
-    return {
-        "prompt_set": prompt_set_fingerprint(fixture),
-        "tokens_digest": digest.hexdigest(),
-        "sequences": int(fixture.num_sequences),
-        "completion_tokens": int(len(fixture.completion_ids)),
-    }
-
-
-def worst_tokens(aligned: Aligned, k: int) -> list[dict]:
-    """The k tokens with the largest |d| across the compared regions."""
-    rows = []
-    for region_name, region in _regions(aligned):
-        diff = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
-        top = np.argpartition(-diff, min(k, len(diff)) - 1)[:k] if len(diff) else []
-        sequence_of = np.searchsorted(region.offsets, top, side="right") - 1
-        for flat, seq in zip(top, sequence_of, strict=True):
-            context_start = max(int(region.offsets[seq]), int(flat) - CONTEXT_TOKENS)
-            rows.append(
-                {
-                    "sequence_id": aligned.sequence_ids[int(seq)],
-                    "position": int(region.positions[flat]),
-                    "token_id": int(region.token_ids[flat]),
-                    "region": region_name,
-                    "logprob_rollout": float(region.rollout[flat]),
-                    "logprob_train": float(region.train[flat]),
-                    "abs_diff": float(diff[flat]),
-                    # the tokens before it in the same region: decoded as context on run pages
-                    "context_ids": region.token_ids[context_start:flat].tolist(),
-                }
-            )
-    return sorted(rows, key=lambda row: -row["abs_diff"])[:k]
-
-
 def _routing(aligned: Aligned) -> dict | None:
     """Routing agreement per MoE layer over the compared completion tokens (both sides
     recorded routing), with the drift on tokens routed differently apart from the rest."""
@@ -462,244 +382,5 @@ def _routing(aligned: Aligned) -> dict | None:
     )
 
 
-def _routing_flips(
-    routing: dict | None, gate: dict | None, aligned: Aligned, tau, forced: bool = False
-) -> list[Finding]:
-    """A `routing_flip` claim where tokens went to other experts and the drift is beyond
-    precision (the gate failed; uncalibrated, a flipped token beyond tau), or where the
-    replay was told the rollout's experts (router replay, ``forced``) and used others: no
-    precision flips a forced router, so any flip there is the replay's router replay broken
-    (misaligned positions, experts misnumbered across EP ranks). Plausible until re-scoring
-    with the drifting side's experts forced reproduces that side (verification)."""
-    if not routing or not routing["tokens_with_flip"]:
-        return []
-    region = aligned.completion
-    diff = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
-    flipped = routing_flipped(aligned.routing_rollout, aligned.routing_train).any(axis=1)
-    beyond = flipped & (diff > tau)
-    # calibrated, the gate decides: bf16 alone flips near-tied routers (1.4 % of tokens on
-    # the tiny MoE; 11-16 % per layer at 16 x 1024 and 32 x 512, bench/routing.py), large on
-    # those tokens, and the calibration measured that
-    within = gate["passed"] if gate is not None else not beyond.any()
-    if within and not forced:
-        return []
-    sequence = np.repeat(np.arange(len(region.offsets) - 1), np.diff(region.offsets))
-    chosen = beyond if beyond.any() and not forced else flipped
-    ids = [aligned.sequence_ids[i] for i in np.unique(sequence[chosen])]
-    worst = max(routing["layers"], key=lambda layer: layer["flip_rate"])
-    on, rest = routing["drift_on_flipped"], routing["drift_on_rest"]
-    rest_text = f"{rest['mean_abs_diff']:.3g}" if rest["tokens"] else "none left"
-    return [
-        Finding(
-            cause=Cause.ROUTING_FLIP,
-            sequences=ids,
-            first_position=dict(routing["first_flip"]),
-            evidence=(
-                ("router replay forced the rollout's experts, yet " if forced else "")
-                + f"{routing['tokens_with_flip']} of {routing['tokens']} tokens "
-                f"({routing['flip_rate']:.2%}) were routed to other experts (most on layer "
-                f"{worst['layer']}: {worst['flip_rate']:.2%}); mean |d| {on['mean_abs_diff']:.3g} "
-                f"on them, {rest_text} on the rest"
-            ),
-            details={"layers": routing["layers"], "first_flip": routing["first_flip"]},
-            confidence=0.5,
-        )
-    ]
-
-
-def _drift_map(aligned: Aligned, tau: float) -> dict | None:
-    region = aligned.completion
-    lengths = np.diff(region.offsets)
-    sequence_index = np.repeat(np.arange(len(lengths)), lengths)
-    abs_diff = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
-    return drift_map(aligned.sequence_ids, sequence_index, region.positions, abs_diff, tau)
-
-
-def _regions(aligned: Aligned) -> list[tuple[str, Region]]:
-    regions = [("completion", aligned.completion)]
-    return regions + ([("prompt", aligned.prompt)] if aligned.prompt is not None else [])
-
-
-def _lengths(fixture: TokenTable, aligned: Aligned) -> dict:
-    """Prompt and whole-sequence lengths in the aligned order: padding and truncation bugs
-    pick their victims by length."""
-    index = fixture.index_of()
-    rows = np.array([index[s] for s in aligned.sequence_ids], dtype=np.int64)
-    prompt = np.diff(fixture.prompt_offsets)[rows]
-    return {
-        "prompt_lengths": prompt,
-        "sequence_lengths": prompt + np.diff(fixture.completion_offsets)[rows],
-    }
-
-
-def _beyond_precision(gate: dict, findings: list[Finding], aligned: Aligned) -> list[Finding]:
-    """The precision gate failed, yet no finding names a fault: the drift is small on every
-    token (none past its tau) and beyond precision over the batch. A fault all the same, to
-    be explained (verification tries every reproducible cause on it)."""
-    if any(f.is_fault for f in findings):
-        return []
-    failed = [t for t in gate["tests"] if not t["passed"]]
-    said = "; ".join(
-        f"{t['name']} {t['observed']:.3g} where noise gives {t['expected']:.3g} (at most "
-        f"{t['critical']:.3g}, z {t['z']:.1f})"
-        for t in failed
-    )
-    return [
-        Finding(
-            cause=Cause.UNEXPLAINED,
-            sequences=list(aligned.sequence_ids),
-            evidence=(
-                f"the batch's drift is beyond what precision gives at {gate['tokens']} tokens "
-                f"({said}), though no token passes its tau: a small change of every token, as "
-                "other weights give (a stale or differently converted checkpoint, another "
-                "router), or computing in another precision than declared"
-            ),
-            details={"precision_gate": [t["name"] for t in failed]},
-            confidence=0.0,
-        )
-    ]
-
-
-def _precision_over_user_limits(
-    judgement: Judgement, findings: list[Finding], expected: dict, aligned: Aligned
-) -> list[Finding]:
-    """A limit the user set, exceeded by drift the precision gate passes (no finding beyond
-    precision): propose precision, so the failure is not read as a semantic bug. A claim
-    like any other: verification re-scores in the declared precisions to verify it."""
-    gate_failed = any(
-        v.get("source", "").startswith("precision gate") for v in judgement["violations"]
-    )
-    if not judgement["violations"] or gate_failed or any(f.cause != Cause.DTYPE for f in findings):
-        return []
-    names = ", ".join(
-        f"{v['metric']} {v['value']:.3g} > {v['limit']:.3g} (noise alone: "
-        f"{expected.get(v['metric'], float('nan')):.3g})"
-        for v in judgement["violations"]
-    )
-    return [
-        Finding(
-            cause=Cause.DTYPE,
-            sequences=list(aligned.sequence_ids),
-            evidence=(
-                f"the drift passes the precision gate (what this model's calibrated noise "
-                f"gives at this token count), yet limits the policy sets are exceeded: "
-                f"{names}; if precision is the cause, raise the limit or compute in a higher "
-                "precision"
-            ),
-            severity=Severity.INFO,
-            details={"violations": judgement["violations"], "over_user_limits": True},
-            status=Status.PLAUSIBLE,
-        )
-    ]
-
-
-def diagnosis_context(
-    fixture: TokenTable, replay: TokenTable, aligned: Aligned, dtypes: list[str], judging: Judging
-) -> Context:
-    """What the diagnosis reads beside the logprobs, from both sides' records."""
-    fixture_meta, replay_meta = fixture.metadata, replay.metadata
-    sides = (side_precision(fixture_meta), side_precision(replay_meta))
-    reference = replay_meta.get("weight_version")
-    multi_version = replay_meta.get("weights_store") is not None  # each token its own version
-    if (
-        reference is None
-        and not multi_version
-        and aligned.weight_versions is not None
-        and len(aligned.weight_versions)
-    ):
-        reference = _agreeing_version(aligned)
-    sampling = fixture_meta.get("sampling") or {}
-    holds = str((fixture_meta.get("logprob_channels") or {}).get("rollout", ""))
-    replay_temperature = (replay_meta.get("knobs") or {}).get("temperature", 1.0)
-    rollout_temperature = sampling.get("temperature", 1.0) if holds.startswith("processed") else 1.0
-    hint = None
-    if sampling and rollout_temperature != replay_temperature:
-        hint = (
-            f"the fixture's rollout channel holds {holds or 'unknown'} (sampling temperature "
-            f"{sampling.get('temperature')}) and the replay applied temperature {replay_temperature}"
-        )
-    held = replay_meta.get("weights") or {}
-    calibrated = judging.floor is not None
-    return Context(
-        low_precision_dtype=profile_for(dtypes),
-        sampling=fixture_meta.get("sampling"),
-        tf32_side="float32+tf32" in sides,
-        reference_weight_version=reference,
-        temperature_hint=hint,
-        fixture_weights=(fixture_meta.get("model") or {}).get("weights_fingerprint"),
-        replay_weights=(replay_meta.get("model") or {}).get("weights_fingerprint"),
-        checkpoint_tensors=held.get("checkpoint_tensor_fingerprint"),
-        held_tensors=held.get("held_tensor_fingerprint"),
-        version_channels=aligned.version_channels,
-        **_lengths(fixture, aligned),
-        noise_expected=judging.floor.expected_mean if calibrated else None,
-        # the batch is beyond what precision gives at its size: precision cannot explain it
-        beyond_precision=calibrated and not judging.gate["passed"],
-    )
-
-
 def _present(**fields) -> dict:
     return {name: value for name, value in fields.items() if value is not None}
-
-
-def unset_generation_defaults(fixture_meta: dict) -> dict | None:
-    """The sampling fields the model's generation_config.json sets that the fixture's
-    recorded sampling leaves unset: an engine that applies the model's defaults (vLLM's
-    `--generation-config auto`, SGLang's chat API) then sampled, and may have returned
-    logprobs, under them. lpx's own rollouts send every field explicitly; a dump (`lpx
-    ingest`) or a table with no sampling record does not say. None when nothing is unset."""
-    config = (fixture_meta.get("model") or {}).get("generation_config") or {}
-    sampling = fixture_meta.get("sampling") or {}
-    if not config or (sampling and not fixture_meta.get("ingested_from")):
-        return None
-    unset = {name: value for name, value in config.items() if name not in sampling}
-    if not unset:
-        return None
-    return {
-        "unset": unset,
-        "logprobs": str((fixture_meta.get("logprob_channels") or {}).get("rollout", "unknown")),
-        "note": "the recorded sampling leaves "
-        + ", ".join(f"{k} unset (the model's generation config: {v})" for k, v in unset.items())
-        + "; an engine that applies the model's defaults sampled with them, and processed "
-        "logprobs carry them (re-scoring searches them first: lpx compare --model)",
-    }
-
-
-def _agreeing_version(aligned: Aligned):
-    """The weight version the replay scored with, when it records none: the one whose tokens
-    the replay agrees with best (ties: the most common)."""
-    region = aligned.completion
-    names = np.asarray([str(v) for v in aligned.weight_versions], dtype=object)
-    gap = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
-    counts = Counter(names.tolist())
-    scores = {name: float(np.nanmean(gap[names == name])) for name in counts}
-    best = min(scores.values())
-    tied = [name for name, score in scores.items() if score <= best * 1.0001]
-    choice = max(tied, key=counts.get)
-    return next(v for v in aligned.weight_versions if str(v) == choice)
-
-
-def _sequence_rows(aligned: Aligned, per_sequence: dict, tau: float) -> list[dict]:
-    names = (
-        "tokens",
-        "max_abs_diff",
-        "mean_abs_diff",
-        "sum_abs_diff",
-        "sum_diff",
-        "log_ppl_diff",
-        "chi2_seq",
-    )
-    columns = [list(aligned.sequence_ids)] + [_json_column(per_sequence[name]) for name in names]
-    columns.append((per_sequence["max_abs_diff"] > tau).tolist())
-    keys = ("sequence_id", *names, "over_tau")
-    return [dict(zip(keys, values, strict=True)) for values in zip(*columns, strict=True)]
-
-
-def _json_column(values: np.ndarray) -> list:
-    """A column as JSON-safe Python values: JSON has no NaN or inf, so those (rare) entries
-    become the strings a reader recognises, patched in place of a whole-report walk."""
-    column = values.tolist()
-    if values.dtype.kind == "f":
-        for index in np.flatnonzero(~np.isfinite(values)):
-            column[index] = str(float(values[index]))
-    return column

@@ -212,6 +212,15 @@ class SequenceRow(TypedDict, total=False):
 
 
 @with_config(OPEN)
+class SequenceTable(TypedDict, total=False):
+    """Where the per-sequence rows are (contracts/sequences.py): the file beside report.json
+    and how many rows it holds."""
+
+    file: Required[str]
+    rows: Required[Count]
+
+
+@with_config(OPEN)
 class WorstToken(TypedDict, total=False):
     sequence_id: str | None
     position: Index | None
@@ -332,7 +341,11 @@ class Finding(Open):
 
     # a cause a newer lpx names is kept as its string
     cause: Annotated[Cause | str, _named(Cause)]
+    # in report.json: the first ids (contracts/sequences.py SAMPLE), with the whole list's
+    # length and its sequences.parquet column; inline in full in reports before that layout
     sequences: list[str] = []
+    sequence_count: Count | None = None
+    sequences_column: str | None = None
     first_position: dict = {}
     evidence: str = ""
     severity: Annotated[Severity | str, _named(Severity)] = Severity.FAULT
@@ -370,7 +383,9 @@ class Report(Open):
     verdict: Verdict
     sign_convention: str | None = None
     metrics: Metrics
+    # inline in reports before sequences.parquet; ``sequence_table`` names that file now
     sequences: list[SequenceRow] | None = []
+    sequence_table: SequenceTable | None = None
     worst: list[WorstToken] | None = []
     drift_map: DriftMap | None = None
     routing: dict | None = None

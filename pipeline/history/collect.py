@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from pipeline.contracts.base import held_as_written
 from pipeline.contracts.files import LOCALIZE as LOCALIZE_FILE
-from pipeline.contracts.files import LOCALIZE_DIR, REPORT, SUMMARY, TOKENS
+from pipeline.contracts.files import LOCALIZE_DIR, REPORT, SEQUENCES, SUMMARY, TOKENS
 from pipeline.contracts.manifest import RunManifest, Stage
 from pipeline.contracts.problems import INT64_MAX, describe
 from pipeline.contracts.report import Report, contradictions
@@ -34,7 +34,7 @@ from pipeline.history.localized import localize_contradictions, read_localize
 from pipeline.run_manifest import MANIFEST, RUN_KINDS, read_manifest
 from pipeline.testbed import describe_testbed
 
-COMPARE_PARTS = (TOKENS, SUMMARY)  # written before report.json
+COMPARE_PARTS = (TOKENS, SEQUENCES, SUMMARY)  # written before report.json
 MAX_DEPTH = 4
 # What a run directory without lpx-run.json says of itself: nothing (every field unset).
 NO_MANIFEST = RunManifest.model_construct(run_id="")
@@ -223,6 +223,12 @@ def _find_reports(run_dir: Path) -> tuple[list[PairInput], list[Path]]:
             report = _load_report(report_path)
             if report is None:
                 continue  # a matrix: its pairs are single reports in subdirectories
+            if report.sequence_table is not None and SEQUENCES not in files:
+                raise BadInput(
+                    f"{directory / SEQUENCES}: missing; {REPORT} beside it keeps its "
+                    "per-sequence rows there. Copy it with the report, or rerun `lpx compare` "
+                    "for this directory; nothing was recorded."
+                )
             pairs.append(
                 PairInput(
                     pair=str(directory.relative_to(run_dir)) if directory != run_dir else ".",

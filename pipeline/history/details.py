@@ -9,7 +9,6 @@ the tokens.parquet beside them, when it is there.
 
 from __future__ import annotations
 
-import math
 import threading
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 from pipeline.compare.drift_map import drift_map
 from pipeline.compare.onset import onset_words
 from pipeline.contracts.report import ModelInfo, Report, Side, WorstToken
+from pipeline.contracts.sequences import sequence_count, sequence_rows
 from pipeline.fingerprint import tokenizer_fingerprint
 
 SEQUENCE_ROWS = 200  # per-sequence metric rows kept, worst first
@@ -25,9 +25,14 @@ CONTEXT_TOKENS = 6  # tokens of left context decoded with each worst token
 _TOKENIZER_LOCK = threading.Lock()
 
 
-def comparison_details(report: Report, tokens_path: Path | None, tokenizers: dict) -> dict:
+def comparison_details(
+    report: Report, tokens_path: Path | None, tokenizers: dict, report_path: Path | None = None
+) -> dict:
     """The run page's view of one comparison, as the JSON the comparison row stores (the
-    report's own parts, as it wrote them, under the page's names)."""
+    report's own parts, as it wrote them, under the page's names). The per-sequence rows
+    come from the sequences.parquet beside ``report_path``, or inline from an older report;
+    the findings are stored as report.json has them (a count and a sample of their
+    sequences, or an older report's whole lists)."""
     meta = report.metadata
     fixture, replay = meta["fixture"], meta["replay"]
     heatmap = report.drift_map
@@ -38,18 +43,15 @@ def comparison_details(report: Report, tokens_path: Path | None, tokenizers: dic
         if heatmap is None and tokens is not None:
             heatmap = _drift_map_from_tokens(tokens, report.policy.get("tau"))
     tokenizer = _tokenizer(fixture.get("model") or {}, tokenizers)
-    sequences = sorted(
-        (row for row in report.sequences or [] if isinstance(row, dict)),
-        key=lambda row: -_number(row.get("max_abs_diff")),
-    )
+    sequences = sequence_rows(report, report_path, worst=SEQUENCE_ROWS)
     return {
         "worst": [_decoded(row, tokens, tokenizer) for row in worst],
         "diagnosis": report.diagnosis or [],
         # whether compare re-scored the findings, or why not: the run page says so beside them
         "verification": report.verification or {},
         "policy": report.policy,
-        "sequences": sequences[:SEQUENCE_ROWS],
-        "sequence_count": len(sequences),
+        "sequences": sequences,
+        "sequence_count": sequence_count(report),
         "heatmap": heatmap,
         "by_region": {
             name: _scalars(values)
@@ -245,7 +247,3 @@ def _scalars(values: dict) -> dict:
         for k, v in values.items()
         if isinstance(v, (int, float, str)) and not isinstance(v, bool)
     }
-
-
-def _number(value) -> float:
-    return value if isinstance(value, (int, float)) and math.isfinite(value) else math.inf

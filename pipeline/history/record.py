@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from pipeline.contracts.files import TOKENS
 from pipeline.contracts.manifest import RunManifest, StageImage
 from pipeline.contracts.report import Side
+from pipeline.contracts.sequences import SequencesUnreadable, sequence_count
 from pipeline.db.models import (
     Case,
     Comparison,
@@ -327,14 +328,22 @@ class _Recorder:
             profile=str(policy.get("profile", "")),
             tau=_finite(policy.get("tau")) or 0.0,
             tokens=_int32(report.metrics.get("tokens") or 0, "metrics.tokens", p.pair),
-            sequences=len(report.sequences or []),
+            sequences=sequence_count(report),
             seed=(fixture.get("sampling") or {}).get("seed"),
             findings=report.diagnosis or [],
             violations=policy.get("violations") or [],
-            details=comparison_details(report, p.pair.tokens_path, self.tokenizers),
+            details=self._details(p),
             workload=self._workload(run, p),
             **_localize_columns(p.pair),
         )
+
+    def _details(self, p: _Pair) -> dict:
+        try:
+            return comparison_details(
+                p.pair.report, p.pair.tokens_path, self.tokenizers, p.pair.report_path
+            )
+        except SequencesUnreadable as error:  # in the transaction: nothing is recorded
+            raise BadInput(f"{error} Nothing was recorded.") from None
 
     def _workload(self, run: RunInput, p: _Pair) -> dict | None:
         """The report's workload, with its agreement with the series' previous point: read

@@ -12,6 +12,7 @@ import math
 import statistics
 from collections import defaultdict
 
+from pipeline.contracts.sequences import finding_count
 from pipeline.history.attribution import stack_difference, summary
 from pipeline.history.changepoints import change_points
 from pipeline.history.claims import claim_of
@@ -255,7 +256,7 @@ def finding_rows(diagnosis) -> list[dict]:
         sequences = [str(s) for s in sequences] if isinstance(sequences, list) else []
         if sequences:
             shown = ", ".join(sequences[:FINDING_SEQUENCES])
-            more = len(sequences) - FINDING_SEQUENCES
+            more = finding_count(finding) - FINDING_SEQUENCES
             where.append(f"sequences {shown}" + (f" and {more:,} more" if more > 0 else ""))
         first = finding.get("first_position")
         if isinstance(first, dict) and first.get("position") is not None:
