@@ -1,7 +1,7 @@
 """lpx benchmark: report.json's size and `lpx report`'s time with per-sequence data in
 sequences.parquet, against the layout before it (every row and list inline in report.json).
 
-Builds one synthetic comparison (tests/synthetic_runs.py:drifting_pair, a tenth of the
+Builds one synthetic comparison (support/synthetic_runs.py:drifting_pair, a tenth of the
 sequences drifting, so one finding names tens of thousands), writes it as `lpx compare`
 does now and as it did before (the same report with the rows and lists read back inline),
 records each into its own history and times `lpx report` on both (whole commands, Python
@@ -18,16 +18,14 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _bootstrap import ROOT
+from _commands import run_lpx
 
-from tests.synthetic_runs import drifting_pair  # noqa: E402
+from support.synthetic_runs import drifting_pair
 
 TARGET_REPORT_BYTES = 1_000_000
 
@@ -108,13 +106,10 @@ def write_both(root: Path, sequences: int) -> float:
 
 
 def timed(argv: list[str]) -> float:
-    started = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "pipeline", *argv], cwd=ROOT, capture_output=True, text=True
-    )
+    seconds, result = run_lpx(*argv, cwd=ROOT)
     if result.returncode != 0:
         raise SystemExit(f"lpx {' '.join(argv)} failed: {result.stderr.strip()[-400:]}")
-    return time.perf_counter() - started
+    return seconds
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ from pipeline.contracts.sequences import (
     sequence_count,
     sequence_rows,
 )
+from support.synthetic_runs import drifting_pair
 from tests.helpers import inline_report, run_lpx
-from tests.synthetic_runs import drifting_pair
 
 LARGE = 40_000
 
