@@ -17,35 +17,30 @@ def parse_yaml(text: str, source: str, loader: type = yaml.SafeLoader):
 
 
 def yaml_error_line(source: str, error: yaml.YAMLError, text: str = "") -> str:
-    """``SOURCE:LINE: not valid YAML at line L, column C: PROBLEM (CONTEXT from line M).``
+    """``SOURCE line N: not valid YAML (PROBLEM; CONTEXT from line M).``
 
-    PyYAML's own message spans four lines (context, its mark, problem, its mark), each
-    mark naming the stream again; a user wants the file, the line and what is wrong there.
-    The line is said twice on purpose: ``file:line:`` is what editors jump to, and the
-    words are what a reader looks for."""
-    problem = getattr(error, "problem", None)
-    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    PyYAML's own message spans four lines (context, its mark, problem, its mark), each mark
+    naming the stream again; a user wants the file, the line and what is wrong there. The
+    shape is the one plans and policies have always had."""
     if isinstance(error, yaml.reader.ReaderError):
         # a byte or character YAML does not allow: the reader knows only its offset
         line = text.count("\n", 0, error.position) + 1 if text else None
         character = error.character  # a code point read from text, a byte from bytes
         what = repr(chr(character)) if isinstance(character, int) else f"byte {character!r}"
-        return _line(source, line, None, f"{what} is not allowed in YAML ({error.reason})")
+        return _line(source, line, f"{what} is not allowed in YAML: {error.reason}")
+    problem = getattr(error, "problem", None)
     if problem is None:
-        return _line(source, None, None, " ".join(str(error).split()))
+        return _line(source, None, " ".join(str(error).split()))
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
     context = getattr(error, "context", None)
     context_mark = getattr(error, "context_mark", None)
     said = str(problem)
     if context:
         since = f" from line {context_mark.line + 1}" if context_mark is not None else ""
-        said += f" ({context}{since})"
-    if mark is None:
-        return _line(source, None, None, said)
-    return _line(source, mark.line + 1, mark.column + 1, said)
+        said += f"; {context}{since}"
+    return _line(source, None if mark is None else mark.line + 1, said)
 
 
-def _line(source: str, line: int | None, column: int | None, said: str) -> str:
-    if line is None:
-        return f"{source}: not valid YAML: {said}."
-    at = f"line {line}" + (f", column {column}" if column is not None else "")
-    return f"{source}:{line}: not valid YAML at {at}: {said}."
+def _line(source: str, line: int | None, said: str) -> str:
+    where = "" if line is None else f" line {line}"
+    return f"{source}{where}: not valid YAML ({said})."

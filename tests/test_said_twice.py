@@ -74,8 +74,8 @@ def _plan(tmp_path, text: str):
     "text, message",
     [
         ("replays:\n  - {name: a, engine: hf, knobs: {micro_batch_size: 2, micro_batch_size: 4}}\n",
-         ":6: not valid YAML at line 6, column 56: 'micro_batch_size' is given twice in one "
-         "mapping ('2' and '4'); give it once."),
+         "line 6: not valid YAML ('micro_batch_size' is given twice in one mapping ('2' and "
+         "'4'); give it once)."),
         ("replays:\n  - {name: a, engine: hf, dtype: bf16, knobs: {dtype: fp32}}\n",
          "replays.0: Value error, knobs.dtype 'fp32' contradicts dtype: 'bf16'; give one dtype, "
          "as dtype: (see docs/orchestrator.md)."),

@@ -82,7 +82,7 @@ def load_builds(path: Path) -> list[Build]:
         raise BadInput(f"--builds {path}: not UTF-8 text; save it as UTF-8 YAML.") from None
     except OSError as error:
         raise BadInput(f"--builds {path}: cannot read it ({error.strerror}).") from None
-    data = parse_yaml(text, str(path))
+    data = parse_yaml(text, f"--builds {path}")
     if not isinstance(data, list) or not data:
         raise BadInput(f"--builds {path}: write a YAML list of builds, oldest first.")
     builds = [_entry(item, Path(path), number) for number, item in enumerate(data, 1)]
