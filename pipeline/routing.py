@@ -168,3 +168,25 @@ def routing_metadata(config: dict, source: str) -> dict | None:
         return None
     return {"layers": sorted(spec.layers), "top_k": spec.top_k,
             "num_experts": spec.num_experts, "source": source}  # fmt: skip
+
+
+def routing_misfit(table, config: dict, model: str = "the model") -> str | None:
+    """Why a table's routed experts cannot have come from ``model`` (its HF ``config``): it
+    has no experts, or other MoE layers or top-k; None when they fit or the table has none.
+
+    A fixture's routing is its rollout model's own: a model that routes otherwise (a dense
+    one above all) is not the model that sampled it, and its replay would score another
+    model's logprobs beside routing it can neither compare nor force."""
+    from pipeline.families import routing
+
+    if table.routed_experts is None:
+        return None
+    layers, k = (int(n) for n in table.routed_experts.shape[1:])
+    carries = f"carries MoE routing for {layers} layer{'s' * (layers != 1)} (top-{k})"
+    spec = routing(config)
+    if spec is None:
+        kind = config.get("model_type") or "unnamed"
+        return f"{carries}, but {model} has no experts (config.json: model_type {kind!r}, no expert count)"
+    if len(spec.layers) != layers or spec.top_k != k:
+        return f"{carries}, but {model} routes {len(spec.layers)} MoE layers (top-{spec.top_k})"
+    return None

@@ -354,6 +354,21 @@ def test_a_missing_environment_or_a_dying_server_is_one_clear_error(tiny_model, 
         )
 
 
+def test_a_server_that_refuses_an_argument_is_named_by_argparse_s_sentence(tiny_model):
+    """SGLang prints ~480 lines of usage before the sentence that says why; the error is that
+    sentence (it was the usage's last lines, then the sentence)."""
+    with pytest.raises(BadInput) as refused:
+        SGLangRolloutEngine().rollout(
+            tiny_model, [[1, 2]], SAMPLING, {"server_args": "--attention-backend nonsense"}
+        )
+    message = refused.value.format_message()
+    assert message.startswith(
+        "SGLang's server exited (2) before it was ready: error: argument --attention-backend: "
+        "invalid choice: 'nonsense' (choose from "
+    )
+    assert "usage" not in message and "--tool-call-parser" not in message and "\n" not in message
+
+
 # Stands in for SGLang's interpreter in the port test: it binds --port as uvicorn would and
 # answers /health, so the bind that fails is the kernel's own "Address already in use".
 STAND_IN_SERVER = """#!{python}

@@ -29,6 +29,7 @@ else:
 
 from pipeline.engines.vllm.engine import VLLMRolloutEngine, VLLMScoringEngine  # noqa: E402
 from pipeline.flows.sweep import Setting, run_sweep  # noqa: E402
+from tests.helpers import run_lpx  # noqa: E402
 
 SAMPLING = SamplingParams(max_tokens=24, temperature=1.0, seed=0, samples_per_prompt=2)
 
@@ -112,6 +113,24 @@ def test_processed_logprobs_need_the_same_temperature(tiny_model, prompts):
     report = compare_tables(fixture, matched, "vllm-processed", "hf-T0.7").report
     # Measured here: max 5.6e-6.
     assert report.verdict == "pass" and report.metrics["max_abs_diff"] < 2e-5
+
+
+def test_settings_vllm_refuses_are_one_line_with_its_sentence(tiny_model, tmp_path):
+    """vLLM's config classes refuse with pydantic's header ("1 validation error for
+    SchedulerConfig") first; the line says the sentence after it."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    result = run_lpx(
+        "rollout", "--engine", "vllm", "--model", tiny_model, "--prompts", prompts,
+        "--set", "max_num_batched_tokens=8", "--set", "enable_chunked_prefill=false",
+        "--out", tmp_path / "f.parquet",
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert line.startswith("Error: vLLM ") and "refused its settings: max_num_batched_tokens (8)" \
+        " is smaller than max_model_len (1024)" in line, line  # fmt: skip
+    assert line.endswith("; docs/engines.md lists the vllm knobs.")
+    assert "validation error" not in line and not (tmp_path / "f.parquet").exists()
 
 
 def test_sweep_batch_and_prefix_cache_settings(tiny_model, prompts, tmp_path):

@@ -24,10 +24,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from packaging.version import InvalidVersion, Version
 
 from pipeline.errors import BadInput
+from pipeline.yaml_text import parse_yaml
 
 KINDS = ("pip", "image", "git")
 PINNED = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*([^\s;,]+)\s*$")
@@ -77,11 +77,12 @@ def parse_build(text: str, where: str = "") -> Build:
 def load_builds(path: Path) -> list[Build]:
     """The builds of a --builds file, in order; a patch path is relative to the file."""
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise BadInput(f"--builds {path}: not UTF-8 text; save it as UTF-8 YAML.") from None
     except OSError as error:
         raise BadInput(f"--builds {path}: cannot read it ({error.strerror}).") from None
-    except yaml.YAMLError as error:
-        raise BadInput(f"--builds {path}: not valid YAML ({error}).") from None
+    data = parse_yaml(text, f"--builds {path}")
     if not isinstance(data, list) or not data:
         raise BadInput(f"--builds {path}: write a YAML list of builds, oldest first.")
     builds = [_entry(item, Path(path), number) for number, item in enumerate(data, 1)]

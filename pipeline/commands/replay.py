@@ -134,6 +134,8 @@ def replay(
     if weights_store is None:
         check_model_dir(model_dir)
     validate_table(fixture, fixture_path, (fixture.metadata.get("model") or {}).get("vocab_size"))
+    if weights_store is None:
+        _check_routing_fits(fixture, fixture_path, Path(model_dir))
     scorer = scoring_engine(engine)
     knobs = {
         "dtype": dtype,
@@ -190,6 +192,27 @@ def replay(
         raise BadInput(
             f"{dropped}; {out_path} records the numerics it ran with. Set what this engine "
             "build runs (docs/reduced-precision.md), or drop the knob."
+        )
+
+
+def _check_routing_fits(fixture, fixture_path: Path, model_dir: Path) -> None:
+    """Refuse a fixture whose MoE routing the model cannot have made (exit 2): no engine's
+    replay could use it, and a replay that dropped it silently would pass for a fair one."""
+    import json
+
+    from pipeline.errors import BadInput
+    from pipeline.routing import routing_misfit
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # check_model_dir has said what it needs; an engine reads it its own way
+    misfit = routing_misfit(fixture, config, str(model_dir)) if isinstance(config, dict) else None
+    if misfit:
+        recorded = (fixture.metadata.get("model") or {}).get("path") or "DIR"
+        raise BadInput(
+            f"{fixture_path} {misfit}: it is not the model that rolled this fixture out; "
+            f"replay it against the MoE model it came from (--model {recorded})."
         )
 
 

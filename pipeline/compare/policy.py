@@ -8,7 +8,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from pipeline.compare.correction import CorrectionSettings, health_violations
@@ -17,6 +16,7 @@ from pipeline.contracts.causes import KNOWN_CAUSES, Severity
 from pipeline.contracts.metrics import LIMITED_METRICS
 from pipeline.contracts.report import Finding, Judgement
 from pipeline.errors import BadInput
+from pipeline.yaml_text import parse_yaml
 
 PRECISION_ORDER = ("float32", "float16", "bfloat16")  # most to least precise
 VERDICT_PASS, VERDICT_FAIL = "pass", "fail"
@@ -56,14 +56,7 @@ def load_policy(path: Path | None = None) -> Policy:
             raise BadInput(f"{path}: not UTF-8 text; save the policy as UTF-8 YAML.") from None
         except OSError as error:
             raise BadInput(f"{path}: cannot read the policy file ({error.strerror}).") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise BadInput(
-            f"{source}{where}: not valid YAML ({getattr(error, 'problem', error)})."
-        ) from None
+    data = parse_yaml(text, source)
     try:
         parsed = PolicyFile.model_validate(data)
     except ValidationError as error:

@@ -1,5 +1,5 @@
 """JSON over HTTP for the HTTP engine adapters: stdlib only, a timeout, retries with
-backoff on transient statuses, and errors that name the URL."""
+backoff on transient statuses, and errors that name the URL and what answered there."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 
+from pipeline.engines.answered import describe_answer, describe_unreachable
 from pipeline.errors import BadInput
 
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
@@ -32,11 +33,12 @@ def json_request(
         wait = backoff_s * 2**attempt
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                return json.loads(response.read())
+                raw = response.read()
+                return json.loads(raw)
         except urllib.error.HTTPError as error:
-            detail = error.read().decode(errors="replace")[:200]
             if error.code not in RETRY_STATUS or attempt == retries:
-                raise BadInput(f"{url}: HTTP {error.code} {detail}") from None
+                said = describe_answer(error.code, error.headers.get("Content-Type"), error.read())
+                raise BadInput(f"{url}: {said}") from None
             retry_after = error.headers.get("Retry-After")
             if retry_after and retry_after.isdigit():
                 wait = max(wait, float(retry_after))
@@ -49,11 +51,12 @@ def json_request(
             http.client.HTTPException,
         ) as error:
             if attempt == retries:
-                reason = getattr(error, "reason", error)
                 raise BadInput(
-                    f"{url}: {reason} after {retries + 1} attempt(s) (timeout {timeout_s:g} s)"
+                    f"{url}: {describe_unreachable(error)} after {retries + 1} attempt(s) "
+                    f"(timeout {timeout_s:g} s)"
                 ) from None
-        except json.JSONDecodeError:
-            raise BadInput(f"{url}: the server did not answer JSON.") from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            said = describe_answer(response.status, response.headers.get("Content-Type"), raw)
+            raise BadInput(f"{url}: {said}, not JSON.") from None
         time.sleep(wait)
     raise AssertionError("unreachable")

@@ -22,6 +22,7 @@ from pydantic import (
 from pipeline.errors import BadInput
 from pipeline.names import DTYPE_ALIASES, DTYPES, canonical_dtype, engine_names
 from pipeline.paths import safe_name
+from pipeline.yaml_text import parse_yaml
 
 Dtype = Literal[DTYPES + tuple(DTYPE_ALIASES)]
 Device = Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")]  # pipeline.devices
@@ -253,16 +254,12 @@ def load_plan(path: Path) -> Plan:
     """Read and validate PLAN.yaml; relative paths in it are relative to the plan's folder."""
     path = Path(path)
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeys)
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise BadInput(f"{path}: not UTF-8 text; save the plan as UTF-8 YAML.") from None
     except OSError as error:
         raise BadInput(f"{path}: cannot read the plan ({error.strerror}).") from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        problem = getattr(error, "problem", error)
-        raise BadInput(f"{path}{where}: not valid YAML ({problem}).") from None
+    data = parse_yaml(text, str(path), _UniqueKeys)
     try:
         plan = Plan.model_validate(data)
     except ValidationError as error:

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pipeline.engines.answered import describe_json
 from pipeline.engines.base import SamplingParams, knobs_from_dict, trajectories
 from pipeline.engines.http_json import json_request
 from pipeline.engines.metadata import model_metadata, software_versions
@@ -157,7 +158,13 @@ class _Client:
         return {"endpoint": None, "version": "unknown"}
 
     def first_model(self) -> str:
-        models = self._request("GET", "/v1/models").get("data") or []
+        answer = self._request("GET", "/v1/models")
+        models = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(models, list):
+            raise BadInput(
+                f"{self.base}/v1/models answered {describe_json(answer)}, not an OpenAI model "
+                "list; is it an OpenAI-compatible server (for SGLang's /generate: --set api=sglang)?"
+            )
         if not models:
             raise BadInput(f"{self.base}/v1/models lists no model; pass --set model=NAME.")
         return models[0]["id"]

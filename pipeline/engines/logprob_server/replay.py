@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.engines.answered import describe_json
 from pipeline.engines.base import knobs_from_dict
 from pipeline.engines.http_json import json_request
 from pipeline.engines.metadata import model_metadata, software_versions
@@ -126,7 +127,8 @@ class LogprobServerEngine:
                     scored[i] = _scored(fixture, i, result, settings.prompt_logprobs)
             except (KeyError, TypeError, ValueError) as error:
                 raise BadInput(
-                    f"{url}/score: unexpected answer ({error}); is it an lpx serve?"
+                    f"{url}/score: unexpected answer ({error!r} in {describe_json(answer)}); "
+                    "is it an lpx serve (docs/logprob-server.md)?"
                 ) from None
             versions.setdefault(key, []).append(url)
         # The weights decide; replicas may name the same weights differently.
@@ -173,9 +175,15 @@ class LogprobServerEngine:
 
     @staticmethod
     def _get(settings: ServerKnobs, url: str) -> dict:
-        return json_request(
+        answer = json_request(
             "GET", url, None, settings.timeout_s, settings.retries, settings.backoff_s
         )
+        if not isinstance(answer, dict):
+            raise BadInput(
+                f"{url} answered {describe_json(answer)}, not an object; is it an lpx serve "
+                "(docs/logprob-server.md)?"
+            )
+        return answer
 
 
 def batch_mode(health: list[dict]) -> tuple[bool, str]:

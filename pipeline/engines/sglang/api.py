@@ -24,10 +24,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.engines.answered import describe_json
 from pipeline.engines.http_json import json_request
 from pipeline.errors import BadInput
 
 SHAPE_ERRORS = (KeyError, IndexError, TypeError, ValueError)
+# what SGLang's /get_server_info always holds (older releases nest the arguments)
+SERVER_INFO_KEYS = {"version", "server_args", "model_path"}
 
 
 @dataclass(frozen=True)
@@ -116,11 +119,16 @@ def generate_trajectory(
             body["return_sampling_mask"] = True
         if asked.routed_experts:
             body["return_routed_experts"] = True
+        answer = None
         try:
-            meta = connection.request("POST", "/generate", body)["meta_info"]
-            added = _add_piece(trajectory, meta, len(body["input_ids"]), asked)
+            answer = connection.request("POST", "/generate", body)
+            added = _add_piece(trajectory, answer["meta_info"], len(body["input_ids"]), asked)
         except SHAPE_ERRORS as error:
-            trajectory.error = f"unexpected response shape: {error!r}"
+            # what answered, so another API's JSON reads as such
+            trajectory.error = (
+                f"unexpected response shape: {error!r} in {connection.url}/generate's answer, "
+                f"{describe_json(answer)}"
+            )
             trajectory.finish_reason = "error"
             return trajectory
         except BadInput as error:
@@ -246,10 +254,18 @@ def score(
 
 
 def server_info(connection: Connection) -> dict:
-    """GET /get_server_info: the resolved server arguments and the version."""
-    info = connection.request("GET", "/get_server_info", retries=0)
-    if not isinstance(info, dict):
-        raise BadInput(f"{connection.url}/get_server_info did not answer an object.")
+    """GET /get_server_info: the resolved server arguments and the version. The first
+    request to a server, so what answers a url that is not SGLang is named here."""
+    hint = "is an SGLang server listening there (python -m sglang.launch_server)?"
+    try:
+        info = connection.request("GET", "/get_server_info", retries=0)
+    except BadInput as error:
+        raise BadInput(f"{error.format_message().rstrip('.')}; {hint}") from None
+    if not isinstance(info, dict) or not SERVER_INFO_KEYS & set(info):
+        raise BadInput(
+            f"{connection.url}/get_server_info answered {describe_json(info)}, not SGLang's "
+            f"server info; {hint}"
+        )
     return info
 
 

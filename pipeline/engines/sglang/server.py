@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import environments
+from pipeline.engines.launch_failure import launch_failure_reason
 from pipeline.errors import BadInput, EngineNotInstalled
 
 SGLANG_RELEASE = "0.5.23"  # what setup installs and the tests check; docs/engines.md
@@ -187,8 +188,8 @@ def _wait_healthy(url: str, process, log: Path, startup_s: float, say) -> None:
     while True:
         if process.poll() is not None:
             raise BadInput(
-                f"SGLang's server exited ({process.returncode}) before it was ready; its log "
-                f"{log} ends: {log_tail(log)}"
+                f"SGLang's server exited ({process.returncode}) before it was ready: "
+                f"{_why_it_exited(log)} (its log: {log})"
             )
         try:
             with urllib.request.urlopen(url + HEALTH_PATH, timeout=5) as answer:
@@ -215,6 +216,15 @@ def _bind_failed(log: Path) -> bool:
         return PORT_TAKEN in Path(log).read_text(encoding="utf-8", errors="replace").lower()
     except OSError:
         return False
+
+
+def _why_it_exited(log: Path) -> str:
+    """The sentence of the log that says why, not the usage text SGLang prints before it."""
+    try:
+        text = Path(log).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+    return launch_failure_reason(text) or "it printed nothing"
 
 
 def log_tail(log: Path, lines: int = 6) -> str:

@@ -110,6 +110,13 @@ def create_llm(model_dir: Path, knobs: VLLMKnobs, seed: int = 0):
     try:
         return _llm(LLM, model_dir, knobs, seed, in_process, optional)
     except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
+        if not numerics and isinstance(error, ValueError | TypeError):
+            # vLLM's config classes refuse a setting with pydantic's header first: the
+            # sentence that says why is the line after it
+            raise BadInput(
+                f"vLLM {_release()} refused its settings: {_reason(error).rstrip('.')}; "
+                "docs/engines.md lists the vllm knobs."
+            ) from None
         if not numerics:
             raise
         said = ", ".join(f"{k}={v}" for k, v in numerics.items())

@@ -15,6 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.engines.answered import describe_answer, describe_unreachable
 from pipeline.engines.base import knobs_from_dict
 from pipeline.engines.http_json import json_request
 from pipeline.errors import BadInput
@@ -96,11 +97,11 @@ class ServerCapture:
                         return
                 raise BadInput(f"{where}: the answer ended before its last boundary.")
         except urllib.error.HTTPError as error:
-            detail = error.read().decode(errors="replace")[:300]
-            raise BadInput(f"{where}: HTTP {error.code} {detail}") from None
+            said = describe_answer(error.code, error.headers.get("Content-Type"), error.read())
+            raise BadInput(f"{where}: {said}") from None
         except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
-            reason = getattr(error, "reason", error)
-            raise BadInput(f"{where}: {reason} (timeout {self.settings.timeout_s:g} s)") from None
+            said = describe_unreachable(error)
+            raise BadInput(f"{where}: {said} (timeout {self.settings.timeout_s:g} s)") from None
         except (http.client.HTTPException, json.JSONDecodeError, KeyError, ValueError) as error:
             raise BadInput(f"{where}: unreadable answer ({error}); is it an lpx serve?") from None
 
