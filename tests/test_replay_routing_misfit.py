@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_rollout import HFRolloutEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.fixture.io import read_table, write_table
 from pipeline.routing import routing_misfit
 from tests.helpers import run_lpx

@@ -19,7 +19,7 @@ import pytest
 
 from pipeline.engines.answered import describe_answer, describe_json, describe_unreachable
 from pipeline.engines.base import SamplingParams
-from pipeline.engines.hf_rollout import HFRolloutEngine
+from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.fixture.io import write_table
 from pipeline.serve.process import free_port
 from tests.helpers import run_lpx
