@@ -168,7 +168,7 @@ class SeriesJudge:
 
     def outside(self, report: Report) -> list[str]:
         from pipeline.history.bisects import outside_bands, series_bands, series_of_report
-        from pipeline.history.record import tracked_values
+        from pipeline.history.values import tracked_values
 
         series = series_of_report(report)
         if series not in self.bands:

@@ -123,3 +123,22 @@ def boundary_rows(result: dict) -> list[tuple]:
         )
         for row in result["boundaries"]
     ]
+
+
+def localize_columns(pair) -> dict:
+    """The comparison's localize_verdict, localize_boundary and localize summary, from a
+    `collect.PairInput` (not imported: collect reads localize results through this module)."""
+    if pair.localize is not None:
+        first = pair.localize.get("first") or {}
+        return dict(
+            localize_verdict=pair.localize["verdict"],
+            localize_boundary=first.get("boundary"),
+            localize=summary(pair.localize, pair.localize_path),
+        )
+    if pair.localize_stage is not None:
+        return dict(
+            localize_verdict=pair.localize_stage["verdict"],
+            localize_boundary=None,
+            localize=stage_summary(pair.localize_stage["message"]),
+        )
+    return dict(localize_verdict=None, localize_boundary=None, localize=None)

@@ -9,19 +9,15 @@ same run twice — even at the same moment from two processes — stores it once
 from __future__ import annotations
 
 import gc
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from operator import itemgetter
 from pathlib import Path
 
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from pipeline.contracts.files import TOKENS
-from pipeline.contracts.manifest import RunManifest, StageImage
-from pipeline.contracts.report import Side
 from pipeline.contracts.sequences import SequencesUnreadable, sequence_count
 from pipeline.db.models import (
     Case,
@@ -35,6 +31,7 @@ from pipeline.db.models import (
 )
 from pipeline.errors import BadInput
 from pipeline.history import keys
+from pipeline.history.bulk import bind_value, insert_plain_rows, new_ids
 from pipeline.history.calibrations import store_calibration
 from pipeline.history.claims import failing_claims
 from pipeline.history.collect import PairInput, RunInput
@@ -51,8 +48,14 @@ from pipeline.history.evaluate import (
     utc_now,
 )
 from pipeline.history.localized import BOUNDARY_COLUMNS as LOCALIZE_BOUNDARY_COLUMNS
-from pipeline.history.localized import boundary_rows, stage_summary
-from pipeline.history.localized import summary as localize_summary
+from pipeline.history.localized import boundary_rows, localize_columns
+from pipeline.history.values import (
+    finite_or_none,
+    image_of,
+    int32_value,
+    stage_images,
+    tracked_values,
+)
 from pipeline.history.workload import agreement, read_tokens, same_token_values
 
 METRIC_COLUMNS = (
@@ -89,8 +92,6 @@ COMPARISON_COLUMNS = (
 )
 COMPARISON_JSON = ("findings", "violations", "details")  # sent as JSON text
 LOCALIZE_COLUMNS = ("comparison_id", "series_id", "started_at", *LOCALIZE_BOUNDARY_COLUMNS)
-NOT_METRICS = ("tokens", "tau")  # context, not drift: stored on the comparison instead
-NON_FINITE = ("nan", "inf", "-inf")  # how report.json writes non-finite metrics
 
 
 @dataclass
@@ -132,23 +133,6 @@ def _gc_skips_the_runs() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-def tracked_values(metrics: dict) -> dict[str, float | None]:
-    """A report's scalar metrics (completion region, plus prompt.* when scored), with
-    non-finite values as None (SQLite cannot store NaN; detection treats None as a
-    violation)."""
-    values = {}
-    prompt = (metrics.get("by_region") or {}).get("prompt") or {}
-    for prefix, region in (("", metrics), ("prompt.", prompt)):
-        for name, value in region.items():
-            if name in NOT_METRICS:
-                continue
-            if type(value) is float:  # nearly every value: skip the general checks
-                values[prefix + name] = value if math.isfinite(value) else None
-            elif _is_number(value) or value in NON_FINITE:
-                values[prefix + name] = _finite(value)
-    return values
 
 
 @dataclass
@@ -229,14 +213,16 @@ class _Recorder:
                 strict=True,
             )
         )
-        started_at = _bound(session, MetricValue.__table__.c.started_at, run.started_at)
+        started_at = bind_value(session, MetricValue.__table__.c.started_at, run.started_at)
         metric_rows = []
         for series, point in points:
             late = series.last_started_at is not None and run.started_at < series.last_started_at
             bound = None if late else bounds.get(point.comparison_id, {})
             metric_rows += self._judge(run, series, point, bound, started_at)
         if metric_rows:
-            self._insert_plain_rows(MetricValue.__table__, METRIC_COLUMNS, metric_rows)
+            insert_plain_rows(
+                self.session, self.statements, MetricValue.__table__, METRIC_COLUMNS, metric_rows
+            )
         return Recorded(str(run.run_dir), run_id, run.status, len(run.pairs), new=True)
 
     def finish(self) -> None:
@@ -245,7 +231,7 @@ class _Recorder:
             reevaluate_series(self.session, self.session.get(Series, series_id), self.config)
 
     def _describe(self, run: RunInput, testbed: Testbed) -> list[_Pair]:
-        images = _stage_images(run.manifest)
+        images = stage_images(run.manifest)
         labels = run.manifest.cases or {}
         pairs = []
         for pair in run.pairs:
@@ -256,8 +242,8 @@ class _Recorder:
             series_key = keys.series_key(
                 case_key, keys.engine_name(fixture), keys.engine_name(replay), testbed.key
             )
-            rollout_build = keys.build_description(fixture, _image(images, fixture))
-            replay_build = keys.build_description(replay, _image(images, replay))
+            rollout_build = keys.build_description(fixture, image_of(images, fixture))
+            replay_build = keys.build_description(replay, image_of(images, replay))
             pairs.append(
                 _Pair(
                     pair,
@@ -326,15 +312,15 @@ class _Recorder:
             replay_build_id=self.cache[(EngineBuild, p.replay_build_key)].id,
             verdict=report.verdict,
             profile=str(policy.get("profile", "")),
-            tau=_finite(policy.get("tau")) or 0.0,
-            tokens=_int32(report.metrics.get("tokens") or 0, "metrics.tokens", p.pair),
+            tau=finite_or_none(policy.get("tau")) or 0.0,
+            tokens=int32_value(report.metrics.get("tokens") or 0, "metrics.tokens", p.pair),
             sequences=sequence_count(report),
             seed=(fixture.get("sampling") or {}).get("seed"),
             findings=report.diagnosis or [],
             violations=policy.get("violations") or [],
             details=self._details(p),
             workload=self._workload(run, p),
-            **_localize_columns(p.pair),
+            **localize_columns(p.pair),
         )
 
     def _details(self, p: _Pair) -> dict:
@@ -367,7 +353,7 @@ class _Recorder:
                         "why": f"tokens differ; {missing} tokens.parquet is not on disk",
                     }
                 else:
-                    tau = _finite(p.pair.report.policy.get("tau")) or 0.0
+                    tau = finite_or_none(p.pair.report.policy.get("tau")) or 0.0
                     workload["agreement"] = agreement(before, now, tau)
         return workload
 
@@ -402,9 +388,9 @@ class _Recorder:
             rows += [(*head, None, *row) for row in boundary_rows(p.pair.localize)]
         if rows:
             table = LocalizeBoundary.__table__
-            started_at = _bound(self.session, table.c.started_at, comparisons[0]["started_at"])
+            started_at = bind_value(self.session, table.c.started_at, comparisons[0]["started_at"])
             rows = [(row[0], row[1], started_at, *row[3:]) for row in rows]
-            self._insert_plain_rows(table, LOCALIZE_COLUMNS, rows)
+            insert_plain_rows(self.session, self.statements, table, LOCALIZE_COLUMNS, rows)
 
     def _point(self, run_id: int, run: RunInput, p: _Pair, comparison: dict):
         series = self.cache[(Series, p.series_key)]
@@ -468,10 +454,10 @@ class _Recorder:
         psycopg re-parsed every time."""
         table = Comparison.__table__
         for comparison, comparison_id in zip(
-            comparisons, self._new_ids(table, len(comparisons)), strict=True
+            comparisons, new_ids(self.session, table, len(comparisons)), strict=True
         ):
             comparison["id"] = comparison_id
-        started_at = _bound(self.session, table.c.started_at, comparisons[0]["started_at"])
+        started_at = bind_value(self.session, table.c.started_at, comparisons[0]["started_at"])
         rows = []
         for comparison in comparisons:
             values = comparison | {"started_at": started_at}
@@ -480,51 +466,7 @@ class _Recorder:
                 if comparison[name] is not None:
                     values[name] = json_dumps(comparison[name])
             rows.append(tuple(values[name] for name in COMPARISON_COLUMNS))
-        self._insert_plain_rows(table, COMPARISON_COLUMNS, rows)
-
-    def _new_ids(self, table, count: int) -> list[int]:
-        """``count`` primary keys for ``table``: PostgreSQL takes them from the column's
-        sequence; SQLite's next rowids are safe to take since this transaction holds the
-        write lock (BEGIN IMMEDIATE) from its start."""
-        connection = self.session.connection()
-        if connection.dialect.name == "postgresql":
-            return list(
-                connection.exec_driver_sql(
-                    f"SELECT nextval(pg_get_serial_sequence('{table.name}', 'id')) "
-                    "FROM generate_series(1, %(count)s)",
-                    {"count": count},
-                ).scalars()
-            )
-        (last,) = connection.exec_driver_sql(f"SELECT coalesce(max(id), 0) FROM {table.name}").one()
-        return list(range(last + 1, last + 1 + count))
-
-    def _insert_plain_rows(self, table, columns: tuple[str, ...], rows: list[tuple]) -> None:
-        """executemany straight to the driver. Metric rows are plain numbers and strings
-        (the one datetime is bound by the caller), and SQLAlchemy's per-row parameter
-        processing cost several times SQLite's own insert (bench/history.py)."""
-        connection = self.session.connection()
-        if connection.dialect.name == "postgresql":
-            # Binary COPY with the column types declared: PostgreSQL's bulk path, and psycopg
-            # dumps each value without looking at it first.
-            cursor = connection.connection.dbapi_connection.cursor()
-            statement = f"COPY {table.name} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)"
-            with cursor.copy(statement) as copy:
-                copy.set_types([_PG_TYPES[type(table.c[name].type).__name__] for name in columns])
-                for row in rows:
-                    copy.write_row(row)
-            return
-        key = (table.name, columns, connection.dialect.name)
-        if key not in self.statements:
-            self.statements[key] = insert(table).compile(
-                dialect=connection.dialect, column_keys=list(columns)
-            )
-        compiled = self.statements[key]
-        if compiled.positional:
-            reorder = itemgetter(*[columns.index(name) for name in compiled.positiontup])
-            parameters = [reorder(row) for row in rows]
-        else:
-            parameters = [dict(zip(columns, row, strict=True)) for row in rows]
-        connection.exec_driver_sql(compiled.string, parameters)
+        insert_plain_rows(self.session, self.statements, table, COMPARISON_COLUMNS, rows)
 
     def _testbed(self, testbed: dict) -> Testbed:
         key = keys.testbed_key(testbed)
@@ -545,88 +487,8 @@ class _Recorder:
         return self.cache[(Testbed, key)]
 
 
-def _localize_columns(pair: PairInput) -> dict:
-    """The comparison's localize_verdict, localize_boundary and localize summary."""
-    if pair.localize is not None:
-        first = pair.localize.get("first") or {}
-        return dict(
-            localize_verdict=pair.localize["verdict"],
-            localize_boundary=first.get("boundary"),
-            localize=localize_summary(pair.localize, pair.localize_path),
-        )
-    if pair.localize_stage is not None:
-        return dict(
-            localize_verdict=pair.localize_stage["verdict"],
-            localize_boundary=None,
-            localize=stage_summary(pair.localize_stage["message"]),
-        )
-    return dict(localize_verdict=None, localize_boundary=None, localize=None)
-
-
 def _new_case(p: _Pair) -> Case:
     case = p.case
     label = case["label"] or case["model"].rstrip("/").split("/")[-1]
     fields = {k: v for k, v in case.items() if k != "label"}
     return Case(key=p.case_key, label=label, **fields)
-
-
-# Binary COPY types by column type; a JSON column's binary form is its text.
-_PG_TYPES = {
-    "Integer": "int4",
-    "Float": "float8",
-    "String": "varchar",
-    "BigInteger": "int8",
-    "Boolean": "bool",
-    "DateTime": "timestamp",
-    "JSON": "text",
-}
-
-
-def _bound(session: Session, column, value):
-    """``value`` as the driver takes it for ``column`` (SQLite stores datetimes as text)."""
-    processor = column.type._cached_bind_processor(session.connection().dialect)
-    return processor(value) if processor else value
-
-
-def _stage_images(manifest: RunManifest) -> dict[str, StageImage]:
-    """Output path -> {ref, digest} from the manifest's containerised stages."""
-    images = {}
-    for stage in manifest.stages or []:
-        image = stage.get("image")
-        if isinstance(image, dict):
-            for output in stage.get("outputs") or []:
-                images[str(output)] = image
-                images[str(output).rstrip("/").rsplit("/", 1)[-1]] = image
-    return images
-
-
-def _image(images: dict[str, StageImage], side: Side) -> StageImage | None:
-    path = str(side.get("path") or "")
-    return images.get(path) or images.get(path.rstrip("/").rsplit("/", 1)[-1])
-
-
-INT32_MAX = 2**31 - 1
-
-
-def _int32(value, field: str, pair: PairInput) -> int:
-    """An integer for an INTEGER column: PostgreSQL's binary COPY would wrap a larger one
-    silently, so it is refused here, naming the report."""
-    value = int(value)
-    if not -INT32_MAX <= value <= INT32_MAX:
-        raise BadInput(
-            f"{pair.report_path}: `{field}` is {value}, beyond what the history stores "
-            f"(|n| <= {INT32_MAX}); rerun `lpx compare` for this directory or fix the file; "
-            "nothing was recorded."
-        )
-    return value
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _finite(value) -> float | None:
-    if not _is_number(value):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
