@@ -46,7 +46,7 @@ import models  # noqa: E402
 from pipeline.calibrate.run import calibrate  # noqa: E402
 from pipeline.compare.calibrated import TAU_MARGIN  # noqa: E402
 from pipeline.compare.floor import expect  # noqa: E402
-from pipeline.compare.noise_test import precision_gate  # noqa: E402
+from pipeline.compare.precision_gate import precision_gate  # noqa: E402
 from pipeline.compare.run import compare_tables  # noqa: E402
 from pipeline.contracts.numerics import Numerics, parse_kv_cache, parse_quantization  # noqa: E402
 from pipeline.engines.base import SamplingParams  # noqa: E402
