@@ -4,8 +4,9 @@
 - `forward.py`: the reference model's forward as the faults commit it, which the verifier's
   families score their hypotheses with;
 - `zoo.py`: the kinds themselves, registered in the order the zoo plants them;
-- `processing.py`: a rollout's logits processing; `inject.py`: `lpx inject`; `capture.py`:
-  faults seeded for the localiser; `releases.py`: the builds `lpx bisect` is proven on.
+- `processing.py`: what an engine does between the logits and the logprobs, as one value;
+- `inject.py`: `lpx inject`; `capture.py`: faults committed in a capture adapter, to prove
+  localisation on; `releases.py`: faults patched into real engine releases, to prove bisect.
 """
 
 from __future__ import annotations
