@@ -15,7 +15,7 @@ the HF engine, and scores the pool teacher-forced:
 
 The model is calibrated (`lpx calibrate`'s function) on the pool's first 32 sequences. Then
 random batches of held-out sequences at 128, 1,024, 4,096 and 10,240 tokens are judged by the
-precision gate alone (no model: `noise_test.precision_gate`), and the rates printed: a clean
+precision gate alone (no model: `precision_gate.precision_gate`), and the rates printed: a clean
 pair should fail at most at the gate's false-alarm rate (1e-3), a fault as often as its size
 allows. Batches of one size overlap (the pool is finite), so the trials are not independent:
 the rates are estimates, and at 10,240 tokens most trials share most sequences.
@@ -46,7 +46,7 @@ from _commands import run_lpx
 from pipeline.calibrate.run import calibrate
 from pipeline.compare.calibrated import TAU_MARGIN
 from pipeline.compare.floor import expect
-from pipeline.compare.noise_test import ALPHA, precision_gate
+from pipeline.compare.precision_gate import ALPHA, precision_gate
 from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.engines.hf.rollout import HFRolloutEngine

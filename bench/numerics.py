@@ -42,7 +42,7 @@ import numpy as np
 from pipeline.calibrate.run import calibrate
 from pipeline.compare.calibrated import TAU_MARGIN
 from pipeline.compare.floor import expect
-from pipeline.compare.noise_test import precision_gate
+from pipeline.compare.precision_gate import precision_gate
 from pipeline.compare.run import compare_tables
 from pipeline.contracts.numerics import Numerics, parse_kv_cache, parse_quantization
 from pipeline.engines.base import SamplingParams

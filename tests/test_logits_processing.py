@@ -424,7 +424,7 @@ def test_a_smooth_knob_that_moves_only_a_boundary_token_is_not_needed_a_truncati
     at most IMPOSSIBLE_SHARE of the tokens beyond the noise is not needed; a truncation that
     binds on a few tokens is (the old code kept both)."""
     from pipeline.faults.processing import Processing
-    from pipeline.verify.families.processing import needed
+    from pipeline.verify.processing_fit import needed
 
     logits = BoundaryTokensStandIn()
     found = Processing(min_p=0.1, frequency_penalty=-1.9e-6, top_k=20)

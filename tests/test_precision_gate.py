@@ -1,4 +1,4 @@
-"""The precision gate (`pipeline/compare/noise_test.py`) on seeded synthetic noise: its false
+"""The precision gate (`pipeline/compare/precision_gate.py`) on seeded synthetic noise: its false
 alarms stay at the stated rate at every token count, faults of 1.5x and more fail once the
 batch is large enough, the design effect is measured, and precision is called verified only
 where the data rule out a fault of FAULT_SIZE. Real engines and faults: test_precision_real.py."""
@@ -11,7 +11,7 @@ import pytest
 from pipeline.calibrate.run import fit_pair
 from pipeline.compare.calibrated import TAU_MARGIN
 from pipeline.compare.floor import expect
-from pipeline.compare.noise_test import (
+from pipeline.compare.precision_gate import (
     ALPHA,
     FAULT_SIZE,
     bucket_level_tests,

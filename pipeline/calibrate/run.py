@@ -38,7 +38,7 @@ from pipeline.compare.calibrated import (
     pair_key,
 )
 from pipeline.compare.floor import bucket_of, expect, fit_floor
-from pipeline.compare.noise_test import design_of
+from pipeline.compare.precision_gate import design_of
 from pipeline.contracts.numerics import canonical_precision, split_precision
 from pipeline.fixture.table import TokenTable
 
@@ -230,7 +230,7 @@ def fit_pair(variants: dict[str, np.ndarray], surprisal, positions, lengths) -> 
     HF's widest, vLLM-CPU fp32 1.25x; docs/compare.md): each wide variant is scaled to the
     widest mean times that ``allowance`` (widest over narrowest of the wide half). ``spread``
     says how far the widest lies above the mean of all. The design
-    (`noise_test.design_of`) and how often a token passes its tau are measured on the same
+    (`precision_gate.design_of`) and how often a token passes its tau are measured on the same
     scaled samples."""
     surprisal = np.asarray(surprisal, dtype=np.float64)
     positions = np.asarray(positions)

@@ -3,7 +3,7 @@
 A calibration holds, for each pair of precisions, how far correct scorings of the same tokens
 differ (`floor.py`). For a comparison whose two sides' precisions it covers, this module gives
 each token its own mismatch threshold (tau, from its bucket's q999) and expected |d|, runs the
-precision gate (`noise_test.py`: the batch's mean |d| and tail counts against their
+precision gate (`precision_gate.py`: the batch's mean |d| and tail counts against their
 distribution under noise alone, at this token count), and gives the value each limited
 metric reaches under noise alone at the gate's false-alarm rate: a bundled limit that noise
 reaches further than is replaced by it. Without a usable calibration the report says why,
@@ -25,7 +25,7 @@ from pipeline.compare.calibration_file import (
     read_calibration,
 )
 from pipeline.compare.floor import expect
-from pipeline.compare.noise_test import ALPHA, noise_limits, precision_gate
+from pipeline.compare.precision_gate import ALPHA, noise_limits, precision_gate
 from pipeline.contracts.files import CALIBRATION as CALIBRATION_FILE
 from pipeline.contracts.numerics import numerics_of, precision_text
 
@@ -188,7 +188,7 @@ def expected_mean_abs(
 
 
 def floor_table(calibration: Calibration | dict, pair: str) -> dict:
-    """One pair's floor as floor.py and noise_test.py take it: a dict, as the file wrote it
+    """One pair's floor as floor.py and precision_gate.py take it: a dict, as the file wrote it
     (unknown fields kept, no default added)."""
     return as_calibration(calibration).pairs[pair].model_dump(exclude_unset=True)
 

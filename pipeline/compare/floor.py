@@ -4,7 +4,7 @@ per bucket of token surprisal and position, and what that predicts for a compare
 Pure numpy. `fit_floor` turns |d| samples (from `lpx calibrate`'s re-scorings) into a small
 JSON-able table; `expect` reads it back for each token of a comparison: the floor's mean and
 spread, its tail quantiles, and a sketch of its distribution, from which the precision gate
-(`noise_test.py`) gives any batch statistic's distribution under pure noise.
+(`precision_gate.py`) gives any batch statistic's distribution under pure noise.
 
 Tokens are bucketed by surprisal (-logprob of the reference) and by completion position:
 low-probability tokens and long contexts drift more under low precision. A cell with too

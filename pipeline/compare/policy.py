@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from pipeline.compare.correction import CorrectionSettings, health_violations
-from pipeline.compare.noise_test import failed_tests
+from pipeline.compare.precision_gate import failed_tests
 from pipeline.contracts.causes import KNOWN_CAUSES, Severity
 from pipeline.contracts.metrics import LIMITED_METRICS
 from pipeline.contracts.report import Finding, Judgement
@@ -158,7 +158,7 @@ def judge(
 ) -> Judgement:
     """Verdict plus every violated limit and failing finding. ``limits`` replaces the
     profile's (a calibrated comparison's, `calibrated.effective_limits`); ``gate`` is a
-    calibrated comparison's precision gate (`noise_test.precision_gate`), whose failed tests
+    calibrated comparison's precision gate (`precision_gate.precision_gate`), whose failed tests
     are violations too.
 
     A limited metric these inputs cannot give (top1_flip_rate without top-k alternatives on

@@ -91,7 +91,7 @@ class Cell(Open):
 
 
 class Design(Open):
-    """How strongly one sequence's tokens share their noise (noise_test.design_of)."""
+    """How strongly one sequence's tokens share their noise (precision_gate.design_of)."""
 
     icc: Fraction
     icc_tail: Fraction

@@ -47,7 +47,8 @@ class Family:
     """A hypothesis family: the bugs of one kind, their parameter space, and how to commit
     them in the reference model. The shared flow asks it for hypotheses, lets it search its
     space on the observation, and re-scores, judges and reports for it; it knows no family
-    by name, so a family is its module and its place in `families.FAMILIES` (`register`).
+    by name, so a family is its module and its place in `families.registry.FAMILIES`
+    (`register`).
 
     What a family declares:
     - ``causes``: the findings whose hypotheses it gives; ``kinds``: the fault kinds it

@@ -4,7 +4,7 @@ try came, or gathered as unexplained; and the merges of findings one reproductio
 
 from __future__ import annotations
 
-from pipeline.compare.noise_test import FAULT_SIZE
+from pipeline.compare.precision_gate import FAULT_SIZE
 from pipeline.contracts.causes import Cause, Severity, Status
 from pipeline.contracts.report import Finding
 from pipeline.verify.families import family_of

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from pipeline.faults import completion_logits, select_processed
+from pipeline.faults.forward import completion_logits, select_processed
 
 SEARCH_LOGITS = 1 << 26  # fp32 logits (256 MiB) kept for a search that re-processes them
 GOLDEN_STEPS = 45  # golden-section steps: to ~1e-9 of the interval, an fp32 reproduction

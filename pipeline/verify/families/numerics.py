@@ -27,7 +27,7 @@ import numpy as np
 
 from pipeline.compare.calibrated import TAU_MARGIN, side_precision
 from pipeline.compare.floor import expect
-from pipeline.compare.noise_test import precision_gate
+from pipeline.compare.precision_gate import precision_gate
 from pipeline.contracts.causes import Cause, Severity
 from pipeline.contracts.numerics import (
     Numerics,

@@ -19,7 +19,7 @@ import numpy as np
 
 from pipeline.contracts.causes import Cause
 from pipeline.contracts.report import Finding
-from pipeline.faults import offset_positions
+from pipeline.faults.forward import offset_positions
 from pipeline.verify.hypothesis import Candidate, Family
 from pipeline.verify.search import closest, mean_abs, rescored_gap, with_settings
 

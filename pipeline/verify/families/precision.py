@@ -12,7 +12,7 @@ import numpy as np
 
 from pipeline.compare.calibrated import TAU_MARGIN, pair_key, side_precision, surprisal_side
 from pipeline.compare.floor import expect
-from pipeline.compare.noise_test import bucket_level_tests, precision_gate, rules_out_faults
+from pipeline.compare.precision_gate import bucket_level_tests, precision_gate, rules_out_faults
 from pipeline.contracts.causes import Cause, Severity
 from pipeline.contracts.numerics import without_tf32
 from pipeline.contracts.report import Finding
