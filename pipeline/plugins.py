@@ -2,7 +2,7 @@
 
 A team ships an adapter without forking by registering it in one of these entry-point
 groups; a registered name wins over a built-in one. The built-ins are also declared in
-pyproject.toml's entry points (tests/test_plugins.py holds the two equal), so an installed
+pyproject.toml's entry points (tests/engines/test_plugins.py holds the two equal), so an installed
 lpx lists them either way. On the ground: naming a plug-in imports nothing; `load` imports
 the one asked for.
 """

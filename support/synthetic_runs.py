@@ -2,7 +2,7 @@
 directory, lpx-run.json, optionally tokens.parquet), with chosen metric values and engine
 versions: seeded histories for the history tests, the browser tests and the benchmark.
 
-Real reports come from real engines elsewhere in the suite (tests/test_history_e2e.py);
+Real reports come from real engines elsewhere in the suite (tests/history/test_history_e2e.py);
 these let a test say "a step at night 30 when vLLM went 0.31 -> 0.32" in one line.
 """
 
@@ -390,7 +390,7 @@ def drifting_pair(sequences: int, seed: int = 0, drifting: float = 0.1):
     """A fixture and its replay of ``sequences`` short sequences (prompts of 2-5 tokens,
     completions of 2-7): bf16-like noise on every token and a 0.5 shift on a ``drifting``
     share of the sequences, so compare finds one cause naming thousands of them. For the
-    report's size at scale (tests/test_sequence_table.py, bench/report_size.py)."""
+    report's size at scale (tests/compare/test_sequence_table.py, bench/report_size.py)."""
     from pipeline.fixture.table import TokenTable, offsets_from_lengths
 
     rng = np.random.default_rng(seed)

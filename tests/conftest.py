@@ -141,7 +141,7 @@ def small_volume(tmp_path):
 def bf16_calibration(run_dir, tmp_path_factory) -> Path:
     """`lpx calibrate` of the run's fixture (fp32, bf16, fp16 floors), for tests judged under
     bf16 noise."""
-    from tests.helpers import run_lpx
+    from support.helpers import run_lpx
 
     calibration = tmp_path_factory.mktemp("calibration") / "calibration.json"
     assert run_lpx("calibrate", run_dir / "fixture.parquet", "--sequences", 8,

@@ -307,7 +307,7 @@ def assemble(
 ) -> Report:
     """The report. Built without re-validating: every part is made here, from numpy (a
     re-validation costs ~50 ms per 32k sequence rows). What compare writes is read back
-    through the same model by every reader (tests/test_contract.py holds the round trip)."""
+    through the same model by every reader (tests/project/test_contract.py holds the round trip)."""
     fixture_path, replay_path = paths
     completion = aligned.completion
     return Report.model_construct(

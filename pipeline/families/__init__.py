@@ -2,7 +2,7 @@
 Megatron converter and the capture boundaries read (attention biases, q/k norms, experts).
 
 Adding a family is one module beside these (a `FAMILY = Family(...)`), its name in
-`registry.families()`, and its rows in the engine matrix test (tests/test_families.py)."""
+`registry.families()`, and its rows in the engine matrix test (tests/compare/test_families.py)."""
 
 from __future__ import annotations
 

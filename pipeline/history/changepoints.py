@@ -7,7 +7,7 @@ own (Otava's users asked for that); segments of at least 3 points; penalty
 ``3 x sigma^2 x ln(n)`` with sigma the robust night-to-night noise (MAD of first
 differences / sqrt 2) of the raw series, floored at 0.01 decades (~2.3 %).
 
-Chosen after measuring on seeded 365-point series (tests/test_changepoints.py, numbers in
+Chosen after measuring on seeded 365-point series (tests/history/test_changepoints.py, numbers in
 docs/history.md): apache-otava 0.8 pins numpy 2.2 and brings BigQuery/Slack clients;
 signal-processing-algorithms ships only an sdist; ruptures' PELT in Python took 0.37 s a
 series, its C KernelCPD 0.3 ms.

@@ -70,7 +70,7 @@ def build_site(history: History, out_dir: Path) -> Path:
     staging = out_dir.with_name(f".{out_dir.name}.building-{os.getpid()}")
     try:
         # Made inside the try: a SIGTERM between two of these mkdirs left the staging
-        # directory behind (seen once in tests/test_interrupts.py on a loaded machine).
+        # directory behind (seen once in tests/cli/test_interrupts.py on a loaded machine).
         if staging.exists():
             shutil.rmtree(staging)
         for part in ("series", "runs", "assets"):

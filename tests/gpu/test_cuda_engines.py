@@ -23,7 +23,7 @@ import yaml
 
 from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.fixture.io import read_table, write_table
-from tests.helpers import read_report, run_lpx
+from support.helpers import read_report, run_lpx
 
 torch = pytest.importorskip("torch")
 pytestmark = [

@@ -3,7 +3,7 @@ requests, teacher-forced scoring, what the server says of itself, and weight upd
 
 Shared by the `sglang` engine (a server lpx starts) and the `http` engine (``api=sglang``, a
 server someone else runs). Shapes are SGLang 0.5.23's, checked against the real server in
-tests/test_engines_sglang.py:
+tests/engines/test_engines_sglang.py:
 - ``meta_info.output_token_logprobs`` / ``input_token_logprobs``: ``[logprob, token id, text]``
   per position (the first input position has no logprob). SGLang echoes an input id of
   vocab_size - 1 or more as 0 (it clips image-hash padding with ``x < vocab_size - 1``); the
