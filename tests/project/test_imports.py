@@ -174,3 +174,54 @@ def test_the_checker_sees_a_cycle_and_a_lazy_import():
     graph = _graph()
     # pipeline.verify.flow imports the registry of families lazily or not: it is an edge
     assert "pipeline.verify.families" in graph["pipeline.verify.flow"]
+
+
+# The package root's one deliberate import-time act: SGLang's torchvision must be stopped
+# before anything imports it (pipeline/torchvision_guard.py), so it runs on `import pipeline`.
+ROOT_INIT_CALLS = {"torchvision_guard.install"}
+MODULE_LINES_LIMIT = 500  # a module over it holds more than one thing (issue 54)
+
+
+def _init_code(tree: ast.Module) -> list[str]:
+    """What an __init__.py does besides a docstring, imports and naming its exports."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] in (
+            ["__all__"],
+            ["__version__"],
+        ):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            if ast.unparse(node.value.func) in ROOT_INIT_CALLS:
+                continue
+        found.append(f"line {node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    return found
+
+
+def test_every_init_only_re_exports():
+    holding = {
+        str(path.relative_to(ROOT)): code
+        for path in PACKAGE.rglob("__init__.py")
+        if (code := _init_code(ast.parse(path.read_text(encoding="utf-8"))))
+    }
+    assert holding == {}
+
+
+def test_the_init_check_sees_code():
+    assert _init_code(ast.parse("def registry():\n    pass\nX = 1\n")) == [
+        "line 1: def registry():",
+        "line 3: X = 1",
+    ]
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for path in PACKAGE.rglob("*.py")
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MODULE_LINES_LIMIT
+    }
+    assert long == {}
