@@ -10,7 +10,9 @@ from pipeline.fixture.ingest import PRESETS
 
 @click.command(short_help="Convert another RL framework's JSONL rollouts to a fixture.")
 @click.argument("jsonl_path", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", "out_path", required=True, type=OUTPUT_FILE)
+@click.option(
+    "--out", "out_path", required=True, type=OUTPUT_FILE, help="The fixture to write (.parquet)."
+)
 @click.option(
     "--preset",
     type=click.Choice(sorted(PRESETS)),
@@ -36,7 +38,12 @@ from pipeline.fixture.ingest import PRESETS
 @click.option(
     "--engine-name", default="unknown", show_default=True, help="Engine that produced the dump."
 )
-@click.option("--engine-version", default="unknown", show_default=True)
+@click.option(
+    "--engine-version",
+    default="unknown",
+    show_default=True,
+    help="The rollout engine's release, recorded in the fixture (history series key on it).",
+)
 @dtype_option("Dtype the rollout engine ran in.", default="bfloat16")
 def ingest(
     jsonl_path, out_path, preset, fields, model_dir, engine_name, engine_version, dtype

@@ -10,7 +10,12 @@ from pipeline.faults.inject import FAULT_KINDS
 
 @click.command(short_help="Copy a fixture with a planted fault for compare to catch.")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--kind", required=True, type=click.Choice(FAULT_KINDS))
+@click.option(
+    "--kind",
+    required=True,
+    type=click.Choice(FAULT_KINDS),
+    help="The fault to plant (docs/compare.md lists what each one does).",
+)
 @click.option(
     "--sequence",
     "sequence_ids",
@@ -25,7 +30,9 @@ from pipeline.faults.inject import FAULT_KINDS
     show_default=True,
     help="First completion position the fault affects (kinds with an onset).",
 )
-@click.option("--out", "out_path", required=True, type=OUTPUT_FILE)
+@click.option(
+    "--out", "out_path", required=True, type=OUTPUT_FILE, help="The faulted fixture to write."
+)
 @click.option(
     "--model",
     "model_dir",

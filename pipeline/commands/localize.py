@@ -36,7 +36,8 @@ if TYPE_CHECKING:
               "on purpose); localize.json records it.")  # fmt: skip
 @click.option("--model-b", "model_dir_b", type=click.Path(file_okay=False, path_type=Path),
               help="Side B's model directory, when it holds other weights [default: --model].")  # fmt: skip
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="A folder for localize.json and summary.md.")  # fmt: skip
 @click.option("--keep-captures", is_flag=True,
               help="Keep the captured rows (DIR/captures, one .npy per side, sequence and "
               "boundary) instead of deleting them at the end.")  # fmt: skip

@@ -10,8 +10,14 @@ from pipeline.families import families
 
 @click.command("make-model", short_help="Build a tiny deterministic model + tokenizer, offline.")
 @click.argument("out_dir", type=OUTPUT_DIR)
-@click.option("--arch", type=click.Choice(list(families())), default="llama", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--arch",
+    type=click.Choice(list(families())),
+    default="llama",
+    show_default=True,
+    help="Model family: its config, layer layout and (MoE) routers.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same bytes.")
 def make_model(out_dir: Path, arch: str, seed: int) -> None:
     """Build a tiny deterministic causal LM + tokenizer in OUT_DIR, offline.
 

@@ -43,9 +43,17 @@ from pipeline.plugins import SCORING
     help="With --weights-store: also score each sequence under the versions next to the ones "
     "it claims, so compare can name a fleet that served another version than it claims.",
 )
-@click.option("--out", "out_path", required=True, type=OUTPUT_FILE)
+@click.option(
+    "--out", "out_path", required=True, type=OUTPUT_FILE, help="The replay to write (.parquet)."
+)
 @dtype_option()
-@click.option("--micro-batch-size", type=COUNT, default=8, show_default=True)
+@click.option(
+    "--micro-batch-size",
+    type=COUNT,
+    default=8,
+    show_default=True,
+    help="Sequences per forward (a training step's micro-batch).",
+)
 @click.option(
     "--temperature",
     type=REPLAY_TEMPERATURE,

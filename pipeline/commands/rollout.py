@@ -23,7 +23,11 @@ from pipeline.plugins import ROLLOUT
 @click.command(short_help="Sample completions from a rollout engine; write a fixture.")
 @engine_option(ROLLOUT, "hf", "Rollout engine.")
 @click.option(
-    "--model", "model_dir", required=True, type=click.Path(file_okay=False, path_type=Path)
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="A local Hugging Face model directory (`lpx make-model DIR` builds a tiny one).",
 )
 @click.option(
     "--prompts",
@@ -32,13 +36,26 @@ from pipeline.plugins import ROLLOUT
     type=click.Path(dir_okay=False, path_type=Path),
     help="Text lines, or JSONL with `prompt_ids` or `text` per line.",
 )
-@click.option("--out", "out_path", required=True, type=OUTPUT_FILE)
-@click.option("--max-tokens", type=COUNT, default=32, show_default=True)
+@click.option(
+    "--out", "out_path", required=True, type=OUTPUT_FILE, help="The fixture to write (.parquet)."
+)
+@click.option(
+    "--max-tokens", type=COUNT, default=32, show_default=True, help="Completion tokens per sample."
+)
 @click.option("--temperature", type=TEMPERATURE, default=1.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=NON_NEGATIVE, default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("-n", "--samples-per-prompt", type=COUNT, default=1, show_default=True)
+@click.option(
+    "--top-p", type=TOP_P, default=1.0, show_default=True, help="Nucleus sampling; 1 = off."
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (per request).")
+@click.option(
+    "-n",
+    "--samples-per-prompt",
+    type=COUNT,
+    default=1,
+    show_default=True,
+    help="Completions per prompt (a GRPO group).",
+)
 @click.option("--ignore-eos", is_flag=True, help="Always generate --max-tokens tokens.")
 @click.option(
     "--logprobs-mode",

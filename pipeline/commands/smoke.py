@@ -14,6 +14,7 @@ from pipeline.commands.options import OUTPUT_DIR, db_option
     default="runs/smoke",
     show_default=True,
     type=OUTPUT_DIR,
+    help="A folder for the fixture, the replays, each comparison and lpx-run.json.",
 )
 @click.option(
     "--model",

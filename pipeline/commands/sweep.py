@@ -12,12 +12,26 @@ from pipeline.plugins import ROLLOUT
 @click.command(short_help="Roll out under several knob settings, each vs the first.")
 @engine_option(ROLLOUT, "vllm", "Rollout engine.")
 @click.option(
-    "--model", "model_dir", required=True, type=click.Path(file_okay=False, path_type=Path)
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="A local Hugging Face model directory.",
 )
 @click.option(
-    "--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False, path_type=Path)
+    "--prompts",
+    "prompts_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Text lines, or JSONL with `prompt_ids` or `text` per line.",
 )
-@click.option("--out", "out_dir", required=True, type=OUTPUT_DIR)
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=OUTPUT_DIR,
+    help="A folder: one fixture and comparison per setting.",
+)
 @click.option(
     "--setting",
     "settings",
@@ -26,10 +40,19 @@ from pipeline.plugins import ROLLOUT
     metavar="NAME:KNOB=VALUE,...",
     help="A knob setting, repeatable; the first is the baseline.",
 )
-@click.option("--max-tokens", type=COUNT, default=32, show_default=True)
-@click.option("--temperature", type=TEMPERATURE, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("-n", "--samples-per-prompt", type=COUNT, default=1, show_default=True)
+@click.option(
+    "--max-tokens", type=COUNT, default=32, show_default=True, help="Completion tokens per sample."
+)
+@click.option("--temperature", type=TEMPERATURE, default=1.0, show_default=True, help="0 = greedy.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (per request).")
+@click.option(
+    "-n",
+    "--samples-per-prompt",
+    type=COUNT,
+    default=1,
+    show_default=True,
+    help="Completions per prompt.",
+)
 def sweep(
     engine,
     model_dir,

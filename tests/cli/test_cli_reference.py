@@ -228,3 +228,13 @@ def test_docs_spell_the_tensor_parallel_knob_one_way():
     for path in (ROOT / "docs").glob("*.md"):
         text = path.read_text(encoding="utf-8")
         assert not re.search(r"megatron:[^ `\"]*\btp=", text), path
+
+
+def test_every_option_says_what_it_is_for():
+    bare = {
+        f"{' '.join(path)} {param.opts[0]}"
+        for path, command in _commands()
+        for param in command.params
+        if isinstance(param, click.Option) and not param.help and not param.hidden
+    }
+    assert bare == set()
