@@ -41,6 +41,24 @@ class EngineChoice(click.Choice):
         return tuple(plugins.names(self.group))
 
 
+def model_and_prompts_options(function):
+    """--model and --prompts, as every command that rolls out takes them."""
+    function = click.option(
+        "--prompts",
+        "prompts_path",
+        required=True,
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="Text lines, or JSONL with `prompt_ids` or `text` per line.",
+    )(function)
+    return click.option(
+        "--model",
+        "model_dir",
+        required=True,
+        type=click.Path(file_okay=False, path_type=Path),
+        help="A local Hugging Face model directory (`lpx make-model DIR` builds a tiny one).",
+    )(function)
+
+
 def engine_option(group: str, default: str, help_text: str):
     """`--engine NAME`, one of ``group``'s engines."""
     return click.option(

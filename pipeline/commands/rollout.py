@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from pipeline.commands.options import (
@@ -15,6 +13,7 @@ from pipeline.commands.options import (
     dtype_option,
     engine_option,
     knob_options,
+    model_and_prompts_options,
     parse_knobs,
 )
 from pipeline.plugins import ROLLOUT
@@ -22,20 +21,7 @@ from pipeline.plugins import ROLLOUT
 
 @click.command(short_help="Sample completions from a rollout engine; write a fixture.")
 @engine_option(ROLLOUT, "hf", "Rollout engine.")
-@click.option(
-    "--model",
-    "model_dir",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="A local Hugging Face model directory (`lpx make-model DIR` builds a tiny one).",
-)
-@click.option(
-    "--prompts",
-    "prompts_path",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Text lines, or JSONL with `prompt_ids` or `text` per line.",
-)
+@model_and_prompts_options
 @click.option(
     "--out", "out_path", required=True, type=OUTPUT_FILE, help="The fixture to write (.parquet)."
 )

@@ -1,30 +1,21 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
-from pipeline.commands.options import COUNT, OUTPUT_DIR, TEMPERATURE, engine_option
+from pipeline.commands.options import (
+    COUNT,
+    OUTPUT_DIR,
+    TEMPERATURE,
+    engine_option,
+    model_and_prompts_options,
+)
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION
 from pipeline.plugins import ROLLOUT
 
 
 @click.command(short_help="Roll out under several knob settings, each vs the first.")
 @engine_option(ROLLOUT, "vllm", "Rollout engine.")
-@click.option(
-    "--model",
-    "model_dir",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="A local Hugging Face model directory.",
-)
-@click.option(
-    "--prompts",
-    "prompts_path",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Text lines, or JSONL with `prompt_ids` or `text` per line.",
-)
+@model_and_prompts_options
 @click.option(
     "--out",
     "out_dir",
