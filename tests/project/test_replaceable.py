@@ -123,7 +123,7 @@ def test_what_lpx_compare_writes_is_recognised_as_lpx_s(tmp_path):
         result = run_lpx("compare", tmp_path / "f.parquet", tmp_path / "r.parquet", "--out", out)
         assert result.exit_code in (0, 1), result.output
     outputs = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
-    assert outputs == ["report.json", "summary.md", "tokens.parquet"]
+    assert outputs == ["report.json", "sequences.parquet", "summary.md", "tokens.parquet"]
     assert all(written_by_lpx(out / name) for name in outputs)
 
 
