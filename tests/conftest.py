@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -18,11 +19,31 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 
 from pipeline.engines.base import SamplingParams  # noqa: E402
-from pipeline.engines.hf.replay import HFScoringEngine
-from pipeline.engines.hf.rollout import HFRolloutEngine
+from pipeline.engines.hf.replay import HFScoringEngine  # noqa: E402
+from pipeline.engines.hf.rollout import HFRolloutEngine  # noqa: E402
 from pipeline.fixture.io import write_table  # noqa: E402
 from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
 from pipeline.tinymodel.build import build_tiny_model  # noqa: E402
+
+# Seconds each test file took on a fresh clone (scripts/test-durations writes it from a
+# --junitxml run). The two workers take whole files (--dist loadfile); xdist's own queue puts
+# the files with the most tests first, which left the heaviest ones (an engine started once for
+# a handful of tests) to one worker at the end while the other idled. Heaviest first, and
+# --no-loadscope-reorder in pyproject keeps that order; an unmeasured file goes last.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_collection_modifyitems(config, items):
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    root = config.rootpath
+
+    def heaviest_first(item) -> float:
+        try:
+            return -seconds.get(item.path.relative_to(root).as_posix(), 0.0)
+        except ValueError:  # a test outside the checkout
+            return 0.0
+
+    items.sort(key=heaviest_first)  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session", autouse=True)
