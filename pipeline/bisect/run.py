@@ -43,6 +43,7 @@ from pipeline.contracts.report import Finding, Report
 from pipeline.contracts.sequences import finding_count
 from pipeline.environments import DEFAULT_BUILD
 from pipeline.errors import BadInput
+from pipeline.orchestrator.outside import check_outside_paths
 from pipeline.orchestrator.plan import load_plan
 from pipeline.orchestrator.runners import make_runner
 from pipeline.paths import output_lock, write_text_atomic
@@ -67,6 +68,7 @@ def run_bisect(
     db: str | None = None,
 ) -> BisectState:
     plan = probes.pair_plan(load_plan(plan_path), pair)
+    check_outside_paths(plan, plan_path)  # a missing checkpoint: exit 2 before any build
     by_series = SeriesJudge(db) if db else None
     builds = between(good, bad, builds_file, wheelhouse, source)
     out = Path(out).resolve()

@@ -15,8 +15,9 @@ from pathlib import Path
 from pipeline.contracts.files import LOCALIZE as LOCALIZE_FILE
 from pipeline.contracts.files import LOCALIZE_DIR, REPORT
 from pipeline.names import canonical_dtype
+from pipeline.orchestrator.outside import outside_paths
 from pipeline.orchestrator.plan import Plan, Replay
-from pipeline.orchestrator.stages import COMPARE, FIXTURE, MODEL, Stage
+from pipeline.orchestrator.stages import COMPARE, FIXTURE, MODEL, Stage, reads_of
 
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # Engines whose capture adapter takes the TP size (the others run the whole model).
@@ -94,6 +95,7 @@ def localize_stage(plan: Plan, replay: Replay, pair_dir: str) -> Stage | str:
         exit_1="fail",  # a boundary beyond the floor: what a failing pair is expected to show
         optional=True,
         pair=pair_dir,
+        reads=reads_of(outside_paths(plan), "model"),
     )
 
 

@@ -89,6 +89,9 @@ class Replay(_Strict):
     nproc: Count | Literal["auto"] = 1
     knobs: Knobs = {}
     memory: Memory | None = None  # container runners: the stage's memory limit (e.g. 8g)
+    # a weight store (lpx weights publish): each token scored under the version it claims,
+    # instead of the plan's model
+    weights_store: str | None = None
 
     @field_validator("engine")
     @classmethod
@@ -155,6 +158,9 @@ class Plan(_Strict):
     replays: list[Replay] = Field(min_length=1)
     policy: str | None = None
     calibrate: Calibrate | None = None
+    # a calibration made before (lpx calibrate) that the compare stage judges with, in place
+    # of a calibrate stage
+    calibration: str | None = None
     # the compare stage verifies failing pairs' findings by re-scoring them with the model
     diagnose: bool = True
     # with diagnose: no new hypothesis after this many seconds per pair (--verify-budget)
@@ -186,6 +192,15 @@ class Plan(_Strict):
             raise ValueError(
                 f"localize.replays names {', '.join(unknown)}, which is not a replay of the "
                 f"plan; replays: {', '.join(sorted(names))}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_calibration(self) -> Plan:
+        if self.calibrate is not None and self.calibration is not None:
+            raise ValueError(
+                "calibrate: and calibration: both give the compare stage its floor; keep "
+                "calibrate: to measure it in the run, or calibration: to take one made before"
             )
         return self
 
@@ -308,4 +323,7 @@ def _resolved(plan: Plan, base: Path) -> Plan:
     plan.model = local(plan.model, ("tiny",))
     plan.prompts = local(plan.prompts, ("bundled",))
     plan.policy = local(plan.policy)
+    plan.calibration = local(plan.calibration)
+    for replay in plan.replays:
+        replay.weights_store = local(replay.weights_store)
     return plan

@@ -26,6 +26,7 @@ import click
 from pipeline.contracts.files import MANIFEST
 from pipeline.errors import EXIT_PASS, EXIT_REGRESSION, BadInput, Interrupted
 from pipeline.orchestrator.localize_stages import failing_pairs, localize_images, localize_stage
+from pipeline.orchestrator.outside import check_outside_paths
 from pipeline.orchestrator.plan import Plan
 from pipeline.orchestrator.runners import DockerLost, StageFailed, make_runner
 from pipeline.orchestrator.stages import LOGS, PROMPTS, URL, Stage, compare_stage, expand
@@ -68,6 +69,7 @@ def run_plan(
             f"--out {run_dir}: exists and is not empty; choose a new run directory, or pass "
             "--resume to finish the run in it."
         )
+    check_outside_paths(plan, plan_path)  # a missing checkpoint: exit 2 before any work
     runner = make_runner(runner_name, gpus=plan.gpus)  # Docker unreachable: exit 2 before any work
     # every image present (and its digest known) before any work
     for stage in expand(plan) + localize_images(plan):

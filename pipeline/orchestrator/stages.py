@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pipeline.contracts.files import CALIBRATION
 from pipeline.names import canonical_dtype
+from pipeline.orchestrator.outside import OutsidePath, outside_paths, sqlite_history
 from pipeline.orchestrator.plan import Plan, Server
 
 FIXTURE = "fixture.parquet"
@@ -36,6 +37,9 @@ class Stage:
     # An optional stage's error is noted and leaves the run's verdict standing (localize).
     optional: bool = False
     pair: str | None = None  # the compare directory an optional stage reads and writes in
+    # what it reads outside the run directory (the plan's checkpoint, prompts, ...): a
+    # runner that moves the stage elsewhere brings these along
+    reads: tuple[OutsidePath, ...] = ()
 
 
 URL = "{server_url}"
@@ -43,6 +47,7 @@ URL = "{server_url}"
 
 def expand(plan: Plan) -> list[Stage]:
     stages = []
+    outside = outside_paths(plan)
     model = plan.model
     if plan.model == "tiny":
         model = MODEL
@@ -92,11 +97,14 @@ def expand(plan: Plan) -> list[Stage]:
             plan.rollout.image,
             server=plan.rollout.server,
             memory=plan.rollout.memory,
+            reads=reads_of(outside, "model", "prompts"),
         )
     )
     if plan.calibrate is not None:
         stages.append(calibrate_stage(plan, model))
-    for replay in plan.replays:
+    for index, replay in enumerate(plan.replays):
+        store = f"replays[{index}].weights_store"
+        weights = ["--weights-store", replay.weights_store] if replay.weights_store else None
         argv = [
             "replay",
             FIXTURE,
@@ -106,8 +114,7 @@ def expand(plan: Plan) -> list[Stage]:
             replay.dtype,
             "--out",
             replay_file(replay.name),
-            "--model",
-            model,
+            *(weights or ["--model", model]),
             *(["--nproc", str(replay.nproc)] if replay.nproc != 1 else []),
             *(["--device", replay.device] if replay.device != "auto" else []),
             # each rank of a distributed engine logs beside the stage's own log
@@ -124,6 +131,7 @@ def expand(plan: Plan) -> list[Stage]:
                 replay.image,
                 replay.nproc,
                 memory=replay.memory,
+                reads=reads_of(outside, store if weights else "model"),
             )
         )
     return stages
@@ -138,11 +146,15 @@ def calibrate_stage(plan: Plan, model: str) -> Stage:
     argv += ["--sequences", str(plan.calibrate.sequences)]
     for dtype in dtypes:
         argv += ["--dtype", canonical_dtype(dtype)]
-    argv += ["--db", plan.history.db] if plan.history.db else []
+    # a SQLite history as `lpx record` finds it (from where `lpx run` started), not from the
+    # run directory the stage runs in
+    sqlite = sqlite_history(plan.history.db)
+    argv += ["--db", str(sqlite) if sqlite else plan.history.db] if plan.history.db else []
     argv += [] if plan.calibrate.reuse else ["--no-reuse"]
     trainer = next((r.image for r in plan.replays if r.engine == "hf"), None)
     image = trainer or (plan.replays[0].image if plan.replays else plan.rollout.image)
-    return Stage("calibrate", argv, [CALIBRATION], ["rollout"], image)
+    reads = reads_of(outside_paths(plan), "model", "history.db")
+    return Stage("calibrate", argv, [CALIBRATION], ["rollout"], image, reads=reads)
 
 
 def compare_stage(plan: Plan, replay_names: list[str]) -> Stage:
@@ -150,6 +162,7 @@ def compare_stage(plan: Plan, replay_names: list[str]) -> Stage:
     with `diagnose`, failing pairs' findings are verified by re-scoring with the model."""
     argv = ["compare", FIXTURE, *(replay_file(n) for n in replay_names), "--out", COMPARE]
     argv += ["--policy", plan.policy] if plan.policy else []
+    argv += ["--calibration", plan.calibration] if plan.calibration else []
     # compare verifies by default; a plan that says diagnose: false opts out
     argv += (
         ["--model", MODEL if plan.model == "tiny" else plan.model]
@@ -165,7 +178,15 @@ def compare_stage(plan: Plan, replay_names: list[str]) -> Stage:
         [f"replay-{n}" for n in replay_names],
         plan.rollout.image,
         exit_1="fail",
+        reads=reads_of(
+            outside_paths(plan), *(["model"] if plan.diagnose else []), "policy", "calibration"
+        ),
     )
+
+
+def reads_of(outside: dict[str, OutsidePath], *keys: str) -> tuple[OutsidePath, ...]:
+    """The plan's outside paths under those keys, where the plan names them."""
+    return tuple(outside[key] for key in keys if key in outside)
 
 
 def replay_file(name: str) -> str:
