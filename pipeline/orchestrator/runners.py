@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.errors import BadInput, Interrupted
+from pipeline.orchestrator.docker_mounts import HostView, stage_mounts
 from pipeline.orchestrator.stages import Stage
 
 
@@ -118,8 +119,9 @@ class LocalRunner:
 
 class DockerRunner:
     """Each stage in a container of its image (Docker SDK for Python), the run directory
-    bind-mounted at the same absolute path so every path in the files means the same inside
-    and out. GPU plans get every GPU (a device request); logs go to the stage's log file."""
+    and every path the stage reads outside it (read-only) mounted at the same absolute path,
+    so every path in the files means the same inside and out (docker_mounts.py). GPU plans
+    get every GPU (a device request); logs go to the stage's log file."""
 
     name = "docker"
 
@@ -139,6 +141,8 @@ class DockerRunner:
                 "or set DOCKER_HOST, or use --runner local."
             ) from None
         self.gpus = gpus
+        # where lpx runs in a container itself, how the daemon's host sees its paths
+        self.host = HostView.of(self.client)
         self._images: dict[str, dict] = {}
         self._network: str | None = None  # the stage's server network, while one runs
 
@@ -155,7 +159,7 @@ class DockerRunner:
         argv = server_argv(stage, model)
         tag = uuid.uuid4().hex[:10]
         network = self.client.networks.create(f"lpx-{tag}")
-        common = self._common(run_dir)
+        common = self._common(run_dir, stage)
         common["environment"].update(stage.server.env)
         container = self.client.containers.run(
             stage.server.image or stage.image,
@@ -201,11 +205,17 @@ class DockerRunner:
         except (docker.errors.APIError, *_connection_errors()):
             pass  # a daemon that went away has failed the stage already; nothing left to stop
 
-    def _common(self, run_dir: Path) -> dict:
+    def _common(self, run_dir: Path, stage: Stage) -> dict:
+        from docker.types import Mount
+
+        mounts = [
+            Mount(m.target, m.source, type=m.kind, read_only=m.read_only)
+            for m in stage_mounts(run_dir, stage.reads, self.host)
+        ]
         return dict(
             detach=True,
             working_dir=str(run_dir),
-            volumes=_volumes(run_dir),
+            mounts=mounts,
             # files in the run dir stay the caller's (LPX_DOCKER_USER overrides, e.g. 1000:1000)
             user=os.environ.get("LPX_DOCKER_USER") or f"{os.getuid()}:{os.getgid()}",
             environment={
@@ -256,7 +266,7 @@ class DockerRunner:
                     mem_limit=stage.memory,
                     memswap_limit=stage.memory,
                     **({"network": self._network} if self._network else {}),
-                    **self._common(run_dir),
+                    **self._common(run_dir, stage),
                 )
             except docker.errors.APIError as error:
                 raise StageFailed(
@@ -343,22 +353,6 @@ def _connection_errors() -> tuple[type[BaseException], ...]:
     import requests
 
     return (requests.exceptions.ConnectionError,)
-
-
-def _volumes(run_dir: Path) -> dict:
-    """The run directory for a stage's container. Started from the host: a bind mount at the
-    same path. Started from a container (compose): LPX_DOCKER_VOLUME=NAME:/MOUNT names the
-    volume that holds the run directory under /MOUNT, mounted at the same place."""
-    named = os.environ.get("LPX_DOCKER_VOLUME")
-    if named:
-        volume, _, mount = named.partition(":")
-        if not mount or not str(run_dir).startswith(mount.rstrip("/") + "/"):
-            raise BadInput(
-                f"LPX_DOCKER_VOLUME={named}: the run directory {run_dir} must lie under its "
-                "mount point (NAME:/MOUNT)."
-            )
-        return {volume: {"bind": mount, "mode": "rw"}}
-    return {str(run_dir): {"bind": str(run_dir), "mode": "rw"}}
 
 
 def gpu_requests() -> list:

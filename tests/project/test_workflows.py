@@ -78,6 +78,8 @@ def test_the_workflows_name_what_the_nightly_needs():
     assert "gpu" in job["runs-on"] and "self-hosted" in job["runs-on"]
     assert "fromJSON" in str(job["strategy"]["matrix"])
     assert any("lpx-train:gpu gate" in str(step.get("run")) for step in job["steps"])
+    # the team's checkpoints reach the nightly service and its stages (compose.yaml)
+    assert job["env"]["LPX_MODELS"] == "${{ vars.LPX_MODELS }}"
     # Dockerfile.sglang has a cpu target (the smoke's) too: the nightly builds the GPU one
     builds = " ".join(str(step.get("run")) for step in job["steps"])
     assert "-f Dockerfile.sglang --target gpu -t lpx-sglang:gpu" in builds
