@@ -132,9 +132,11 @@ def output_problems(out: Path, plans: dict[str, dict], since: datetime) -> list[
 def recorded_runs(db: Path, since: datetime) -> list[dict] | str:
     """Every run recorded into the SQLite history `db` since `since`, oldest first, with its
     plan's name and comparison count; a string naming the problem when `db` is no history."""
+    # lpx as installed (the checkout's .venv, or the image's /opt/lpx), wherever this script
+    # is started from: the history's models install as pipeline.db, not as a top-level db
+    from pipeline.db.models import Comparison, Run
     from sqlalchemy import func, select
 
-    from db.models import Comparison, Run
     from pipeline.errors import BadInput
     from pipeline.history.database import open_history
 

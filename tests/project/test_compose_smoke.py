@@ -82,6 +82,10 @@ elif args[:2] == ["compose", "build"]:
             print(f"failed to solve: /wheelhouse/{name} not found", file=sys.stderr)
             continue  # and exit 0, as Compose 2.40 on engine 20.10 does
         state["images"][services[name]["image"]] = state["labels"][services[name]["image"]]
+    failed = set(os.environ.get("FAKE_BUILD_FAILS", "").split()) & set(args[2:])
+    if failed and os.environ.get("FAKE_BUILD_EXIT", "0") != "0":  # a Compose that says so
+        state_path.write_text(json.dumps(state))
+        sys.exit(int(os.environ["FAKE_BUILD_EXIT"]))
 elif args[:3] == ["compose", "run", "--rm"] and args[3] == "smoke":
     if os.environ["FAKE_SMOKE"] == "record":  # what the smoke records and renders
         out = os.environ.get("LPX_COMPOSE_OUT", "runs/compose")
@@ -145,10 +149,11 @@ def checkout(tmp_path):
     (fake_bin / "docker").chmod(0o755)
     state = tmp_path / "docker-state.json"
     state.write_text(json.dumps({"images": {}, "labels": BUILT_LABELS}))
+    # No PYTHONPATH: the script runs its check as `.venv/bin/python docker/...`, where Python
+    # puts docker/ on the path, not the checkout's root
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("LPX_")},
+        **{k: v for k, v in os.environ.items() if not k.startswith("LPX_") and k != "PYTHONPATH"},
         "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(ROOT),
         "CI": "true",
         "FAKE_LOG": str(log),
         "FAKE_DOCKER_STATE": str(state),
@@ -204,13 +209,17 @@ def test_ci_runs_the_readmes_compose_smoke_line():
     assert not any("compose run" in run for run in runs)
 
 
-def test_a_failed_build_that_compose_exits_0_after_fails_before_the_smoke(checkout):
+@pytest.mark.parametrize("compose_exit", ["0", "17"])
+def test_a_failed_build_fails_before_the_smoke_in_one_line_naming_the_image(checkout, compose_exit):
+    """Compose 2.40 on engine 20.10 exits 0 after a failed build; a newer one exits non-zero,
+    which must not end the script before its one line naming the image."""
     repo, env, log, state = checkout
     # an older lpx-sglang:cpu from before must not pass for the one that failed to build
     images = json.loads(state.read_text())
     images["images"] = dict(BUILT_LABELS)
     state.write_text(json.dumps(images))
-    result = run_readme_lines(repo, {**env, "FAKE_BUILD_FAILS": "sglang-image"})
+    failing = {"FAKE_BUILD_FAILS": "sglang-image", "FAKE_BUILD_EXIT": compose_exit}
+    result = run_readme_lines(repo, {**env, **failing})
     assert result.returncode == 1
     assert "failed to solve" in result.stderr
     problems = [line for line in result.stderr.splitlines() if line.startswith("compose smoke:")]
@@ -254,6 +263,36 @@ def recorded(tmp_path_factory):
         subprocess.run([*lpx, "report", "--db", str(db), "--out", str(db.parent / "site")],
                        check=True, env=env)  # fmt: skip
     return root, since
+
+
+@pytest.mark.parametrize("where", ["root", "elsewhere"])
+def test_the_check_runs_as_the_script_runs_it_from_the_root_and_from_elsewhere(
+    recorded, where, tmp_path
+):
+    """`.venv/bin/python docker/compose_smoke_check.py outputs DIR --since UTC`, a process of
+    its own with nothing on PYTHONPATH (it once died there: No module named 'db')."""
+    root, since = recorded
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cwd = ROOT if where == "root" else tmp_path
+    script = (
+        "docker/compose_smoke_check.py"
+        if where == "root"
+        else ROOT / "docker" / "compose_smoke_check.py"
+    )
+    argv = [sys.executable, str(script), "outputs", str(root / "pass" / "out")]
+    result = subprocess.run(
+        [*argv, "--since", since.isoformat()], cwd=cwd, env=env, capture_output=True, text=True
+    )
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert result.stdout == (
+        f"compose smoke: outputs: a passing run of each plan (smoke, smoke-sglang) in "
+        f"{root / 'pass' / 'out'}\n"
+    )
+    failing = subprocess.run(
+        [*argv[:-1], str(root / "fail" / "out"), "--since", since.isoformat()],
+        cwd=cwd, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert failing.returncode == 1 and len(failing.stderr.splitlines()) == 2, failing.stderr
 
 
 def test_outputs_recorded_since_the_start_pass_and_older_ones_do_not(recorded):

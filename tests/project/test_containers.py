@@ -132,14 +132,60 @@ def cpu_images(docker_host):
     _run("docker", "builder", "prune", "-f", "--keep-storage", "20GB")
 
 
+# The README's compose line when a Dockerfile is broken: the SGLang image's build fails at a
+# step of its own (Compose then exits 0 or not, by version); the other two build from cache.
+BROKEN_DOCKERFILE = """\
+ARG BASE_IMAGE
+FROM ${BASE_IMAGE} AS cpu
+RUN echo "a step a change broke" && exit 3
+"""
+
+
+def test_the_readme_compose_line_fails_in_one_line_naming_the_image_that_did_not_build(
+    cpu_images, tmp_path
+):
+    dockerfile = tmp_path / "Dockerfile.broken"
+    dockerfile.write_text(BROKEN_DOCKERFILE)
+    override = tmp_path / "compose.broken.yaml"
+    override.write_text(f"services:\n  sglang-image:\n    build:\n      dockerfile: {dockerfile}\n")
+    env = {
+        **os.environ,
+        "COMPOSE_FILE": f"compose.yaml:{override}",
+        "LPX_COMPOSE_OUT": str(tmp_path),
+    }
+    try:
+        result = subprocess.run(
+            ["scripts/compose-smoke"], cwd=ROOT, env=env, capture_output=True, text=True,
+            timeout=1800,
+        )  # fmt: skip
+        assert result.returncode != 0, result.stdout + result.stderr
+        verdict = [line for line in result.stderr.splitlines() if line.startswith("compose smoke:")]
+        assert verdict == [
+            "compose smoke: lpx-sglang:cpu does not exist: its build failed; run "
+            "`docker compose build sglang-image` and read its error"
+        ], result.stderr[-3000:]
+        assert "run: PASS" not in result.stdout and not (tmp_path / "lpx.db").exists()
+    finally:  # the script untagged every image: the real one back, from Docker's cache
+        _run("docker", "compose", "build", "sglang-image", timeout=1800)
+
+
 def test_compose_smoke_runs_every_engine_container(cpu_images, tmp_path):
-    """`docker compose run smoke`: two plans into one history and one report. vLLM-CPU's
-    rollout container (examples/smoke.yaml) and SGLang's (examples/smoke-sglang.yaml: lpx
-    starts SGLang 0.5.23's server inside it), each replayed by HF/FSDP/DeepSpeed/Megatron
-    containers, compared, recorded and reported; the report and history in the bind mount."""
+    """The README's compose line, `scripts/compose-smoke`, run as the README and CI run it
+    (from the checkout's root, its own check included): two plans into one history and one
+    report. vLLM-CPU's rollout container (examples/smoke.yaml) and SGLang's
+    (examples/smoke-sglang.yaml: lpx starts SGLang 0.5.23's server inside it), each replayed
+    by HF/FSDP/DeepSpeed/Megatron containers, compared, recorded and reported; the report and
+    history in the bind mount. The images were built by the fixture: the script's own
+    rebuild after untagging them comes from Docker's cache."""
     env = {**os.environ, "LPX_COMPOSE_OUT": str(tmp_path)}
-    result = _run("docker", "compose", "run", "--rm", "smoke", env=env, timeout=2400)
+    result = _run("scripts/compose-smoke", env=env, timeout=3000)
     assert result.stdout.count("run: PASS") == 2, result.stdout
+    # the script's own check, on the outputs the smoke wrote
+    assert "compose smoke: images: 3 built, labels as compose.yaml builds them" in result.stdout
+    assert (
+        f"compose smoke: outputs: a passing run of each plan (smoke, smoke-sglang) in {tmp_path}"
+        in result.stdout
+    )
     index = tmp_path / "site" / "index.html"
     assert index.is_file()
     from support.helpers import run_lpx
@@ -517,3 +563,120 @@ def test_a_stage_container_killed_for_memory_is_an_error_naming_the_stage_and_li
     (recorded,) = history_of(db)
     assert recorded["status"] == "error"
     assert any("limit of 64m" in str(error) for error in recorded["errors"]), recorded["errors"]
+
+
+# --- The user's own checkpoint, outside the run directory (issue 59) -------------------------
+
+
+def _own_checkpoint_plan(path: Path, model: Path, **changes) -> Path:
+    """An HF rollout replayed by FSDP2 and Megatron-core TP=2, every stage in lpx-train:cpu,
+    on a checkpoint the plan names by its absolute path."""
+    import yaml
+
+    plan = {
+        "version": 1,
+        "name": "own-checkpoint",
+        "model": str(model),
+        "sampling": {"max_tokens": 8, "samples_per_prompt": 1},
+        "rollout": {"engine": "hf", "dtype": "fp32", "image": "lpx-train:cpu"},
+        "replays": [
+            {"name": "fsdp-fp32", "engine": "fsdp", "dtype": "fp32", "nproc": 2,
+             "image": "lpx-train:cpu"},
+            {"name": "megatron-tp2-fp32", "engine": "megatron", "dtype": "fp32", "nproc": 2,
+             "image": "lpx-train:cpu", "knobs": {"tensor_parallel_size": 2}},
+        ],
+        "history": {"kind": "nightly"},
+        "stage_timeout_s": 900,
+        **changes,
+    }  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(plan))
+    return path
+
+
+def _as_hub_cache(model: Path, cache: Path, revision: str = "5f1e0c2a") -> Path:
+    """The model as huggingface_hub keeps it: blobs/ by digest, snapshots/<rev>/ of links."""
+    import hashlib
+
+    repo = cache / "models--lpx--tiny"
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    for file in sorted(model.iterdir()):
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copy2(file, repo / "blobs" / digest)
+        os.symlink(f"../../blobs/{digest}", snapshot / file.name)
+    return snapshot
+
+
+def _passing_runs(db: Path) -> list[dict]:
+    pairs = _recorded_pairs(db)
+    assert {(p["plan"], p["verdict"]) for p in pairs} == {("own-checkpoint", "pass")}, pairs
+    return pairs
+
+
+def test_a_plan_on_the_users_checkpoint_outside_the_run_dir_passes_with_the_docker_runner(
+    train_image, tiny_model, tmp_path
+):
+    """`lpx run PLAN --runner docker` from the host, the checkpoint in a folder of its own:
+    it once failed at the rollout with `no such model directory` (only the run directory
+    was mounted)."""
+    from support.helpers import run_lpx
+
+    checkpoint = tmp_path / "checkpoints" / "policy-step-900"
+    shutil.copytree(tiny_model, checkpoint)
+    plan = _own_checkpoint_plan(tmp_path / "plans" / "plan.yaml", checkpoint)
+    db = tmp_path / "lpx.db"
+    result = run_lpx(
+        "run", plan, "--runner", "docker", "--out", tmp_path / "run", "--db", db,
+        "--report-out", tmp_path / "site",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    pairs = _passing_runs(db)
+    assert len(pairs) == 2 and {p["replay_image"] for p in pairs} == {"lpx-train:cpu"}
+    assert all(p["max_abs_diff"] < 1e-4 for p in pairs), pairs
+    stages = pairs[0]["stages"]
+    assert {name: status for name, (status, _) in stages.items()} == {
+        "rollout": "ok", "replay-fsdp-fp32": "ok", "replay-megatron-tp2-fp32": "ok",
+        "compare": "ok",
+    }  # fmt: skip
+    # the fixture records the checkpoint where the plan named it, as every stage saw it
+    manifest = json.loads((tmp_path / "run" / "compare" / "0-fsdp-ws2-float32" / "report.json")
+                          .read_text())["metadata"]["rollout"]["model"]  # fmt: skip
+    assert manifest["path"] == str(checkpoint)
+
+
+def test_the_compose_nightly_runs_a_plan_on_a_hub_cache_checkpoint(
+    train_image, tiny_model, tmp_path
+):
+    """The nightly service's way: `docker compose --profile gpu run nightly run PLAN`, lpx in
+    its container starting each stage's container through the host's socket, the checkpoint a
+    hub-cache snapshot under LPX_MODELS (mounted at the same path), the history in
+    LPX_COMPOSE_OUT. Only the GPU is taken out (the CPU image, no device reservation)."""
+    models = tmp_path / "models"
+    snapshot = _as_hub_cache(tiny_model, models / "hub")
+    plan = _own_checkpoint_plan(
+        models / "plans" / "nightly.yaml", snapshot, calibrate={"sequences": 4}
+    )
+    out = tmp_path / "out"
+    override = tmp_path / "compose.cpu.yaml"
+    override.write_text(
+        "services:\n  nightly:\n    image: lpx-train:cpu\n    build: !reset null\n"
+        "    deploy: !reset null\n"
+    )
+    env = {**os.environ, "LPX_MODELS": str(models), "LPX_COMPOSE_OUT": str(out)}
+    result = _run(
+        "docker", "compose", "-f", "compose.yaml", "-f", str(override), "--profile", "gpu",
+        "run", "--rm", "nightly", "run", str(plan), "--runner", "docker",
+        "--report-out", "/report/site", env=env, timeout=1800,
+    )  # fmt: skip
+    assert "run: PASS" in result.stdout, result.stdout + result.stderr
+    pairs = _passing_runs(out / "lpx.db")
+    assert len(pairs) == 2 and all(p["max_abs_diff"] < 1e-4 for p in pairs), pairs
+    stages = pairs[0]["stages"]
+    # calibrate stored its calibration into the history through the /report mount
+    assert stages["calibrate"] == ("ok", "lpx-train:cpu")
+    assert all(status == "ok" for status, _ in stages.values()), stages
+    assert (out / "site" / "index.html").is_file()
