@@ -140,6 +140,28 @@ def test_verl_padded_rows_are_unpadded_with_their_attention_mask(scored, tmp_pat
         assert np.array_equal(got.channels[channel], expected.channels[channel]), channel
 
 
+def test_verl_routed_experts_on_a_padded_row_keep_their_real_positions(scored, tmp_path):
+    """verl's agent loop writes routed_experts over every position of the padded row (zeros
+    on the padding); the real positions are the ones an unpadded dump holds."""
+    (prompt, response), logprobs = SEQUENCES[0], scored["logprobs"][0]
+    real = [[sorted([i % 8, (i + 3) % 8])] for i in range(len(prompt) + len(response))]  # top-2
+    plain = {"prompts": prompt, "responses": response, "rollout_log_probs": logprobs,
+             "routed_experts": real}  # fmt: skip
+    padded = {
+        "prompts": [0, 0] + prompt,
+        "responses": response + [0],
+        "attention_mask": [0, 0] + [1] * (len(prompt) + len(response)) + [0],
+        "rollout_log_probs": logprobs + [0.0],
+        "routed_experts": [[[0, 0]]] * 2 + real + [[[0, 0]]],
+    }
+    field = ("--field", "routed_experts=routed_experts")
+    expected = _ingest(
+        _write(tmp_path / "a.jsonl", [plain]), "verl", tmp_path / "a.parquet", *field
+    )
+    got = _ingest(_write(tmp_path / "b.jsonl", [padded]), "verl", tmp_path / "b.parquet", *field)
+    assert got.routed_experts.tolist() == expected.routed_experts.tolist() == real[:-1]
+
+
 def test_a_hole_in_the_attention_mask_is_refused(scored, tmp_path):
     record = verl_rollout_stage(scored["logprobs"])[0]
     record["attention_mask"] = [1, 0, 1, 1, 1, 1, 1]
