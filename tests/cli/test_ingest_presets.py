@@ -205,6 +205,9 @@ def test_a_field_named_with_field_is_required(scored, tmp_path):
         f"Error: {dump} line 1: no field 'ref_log_prob' (the line has: prompts, response_mask, "
         "responses, rollout_log_probs); map it with --field."
     )
+    result = run_lpx("ingest", dump, "--preset", "verl", "--field",
+                     "attention_mask=attention_mask", "--out", tmp_path / "f.parquet")  # fmt: skip
+    assert _error(result).startswith(f"Error: {dump} line 1: no field 'attention_mask' (")
     result = run_lpx("ingest", dump, "--field", "rollout=", "--out", tmp_path / "f.parquet")
     assert _error(result) == (
         "Error: --field rollout=: rollout cannot be left out; give its JSON key. Fields that "
