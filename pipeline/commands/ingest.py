@@ -5,7 +5,7 @@ from pathlib import Path
 import click
 
 from pipeline.commands.options import OUTPUT_FILE, dtype_option
-from pipeline.fixture.ingest import PRESETS
+from pipeline.fixture.presets import PRESETS
 
 
 @click.command(short_help="Convert another RL framework's JSONL rollouts to a fixture.")
@@ -18,16 +18,21 @@ from pipeline.fixture.ingest import PRESETS
     type=click.Choice(sorted(PRESETS)),
     default="generic",
     show_default=True,
-    help="Field names of a framework's dump.",
+    help="A framework's field names (docs/ingest.md): verl (DataProto rows, either stage), "
+    "slime (Sample.to_dict, rollout stage), slime-train (train-stage samples), generic. Fields "
+    "a stage may not have yet (old/ref logprobs, masks, weight versions) are read where "
+    "present.",
 )
 @click.option(
     "--field",
     "fields",
     multiple=True,
     metavar="NAME=JSON_KEY",
-    help="Override one field name, repeatable. Names: sequence_id, prompt_ids, "
-    "completion_ids, tokens, response_length, rollout, mask, old, ref, current, "
-    "weight_version, routed_experts (MoE: per position, per layer, the top-k expert ids).",
+    help="Override one field name, repeatable; a field named here is required on every "
+    "line, and NAME= (no key) leaves an optional one out. Names: sequence_id, prompt_ids, "
+    "completion_ids, tokens, response_length, attention_mask (1 over real tokens, 0 over "
+    "padding, across prompt + response), rollout, mask, old, ref, current, weight_version, "
+    "routed_experts (MoE: per position, per layer, the top-k expert ids).",
 )
 @click.option(
     "--model",
@@ -52,11 +57,15 @@ def ingest(
 
     One trajectory per line with prompt and response token ids and the rollout logprob
     of every response token; optional mask, old/ref/current logprobs, weight versions.
+    A dump taken before the trainer's recompute (no old/ref logprobs) gives a fixture
+    without those channels; a dump whose lines differ in them is refused.
 
     \b
-    Example (a dump with prompt_ids / response_ids / rollout_log_probs):
-      lpx ingest dump.jsonl --field rollout=rollout_log_probs --field mask=loss_mask \\
-          --model models/tiny --engine-name vllm --engine-version 0.11.0 --out run/fixture.parquet
+    Example (a verl rollout-stage dump: prompts, responses, response_mask,
+    rollout_log_probs; a generic one with prompt_ids, response_ids, logits_lp):
+      lpx ingest dump.jsonl --preset verl --model models/tiny --engine-name vllm \\
+          --engine-version 0.11.0 --out run/fixture.parquet
+      lpx ingest dump.jsonl --field rollout=logits_lp --out run/fixture.parquet
     """
     from pipeline.paths import check_output
 
@@ -76,7 +85,6 @@ def ingest(
             "versions": {engine_name: engine_version},
         },
         "dtype": dtype,
-        "logprob_channels": {"rollout": f"as dumped in field {field_map.rollout!r}"},
     }
     if model_dir:
         from pipeline.engines.metadata import model_metadata

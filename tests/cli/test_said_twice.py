@@ -41,7 +41,8 @@ def dump(tmp_path):
         (["rollout"], "Error: --field 'rollout': expected KEY=VALUE, e.g. --field mask=loss_mask."),
         (["mask=a", "mask=b"], "Error: --field 'mask=a' and --field 'mask=b': 'mask' is given "
          "twice; give it once."),
-        (["colour=x"], "Error: --field: unknown field name(s) 'colour'; known: completion_ids, "),
+        (["colour=x"], "Error: --field: unknown field name(s) 'colour'; known: attention_mask, "
+         "completion_ids, "),
     ],
 )  # fmt: skip
 def test_ingest_field_errors_name_field(fields, message, dump, tmp_path):
