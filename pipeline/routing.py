@@ -152,7 +152,7 @@ def sequence_routing(table, index: int) -> np.ndarray:
         raise BadInput(
             "router_replay needs the fixture's routed experts, and this fixture has none: record "
             "them at rollout (an engine that returns them) or ingest them "
-            "(lpx ingest --routed-experts-field)."
+            "(lpx ingest --field routed_experts=KEY)."
         )
     starts = routing_offsets(table.prompt_offsets, table.completion_offsets)
     rows = table.routed_experts[starts[index] : starts[index + 1]]
