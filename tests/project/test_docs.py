@@ -68,6 +68,13 @@ def test_every_link_path_module_and_option_a_page_names_exists(page):
     assert problems(page, page.read_text(encoding="utf-8")) == []
 
 
+@pytest.mark.parametrize(
+    "plan", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.relative_to(ROOT).as_posix()
+)
+def test_every_path_and_lpx_option_an_example_plans_comments_name_exists(plan):
+    assert comment_problems(plan.read_text(encoding="utf-8")) == []
+
+
 def test_the_checker_reports_what_does_not_exist():
     page = ROOT / "docs" / "made-up.md"
     text = "\n".join(
@@ -112,6 +119,15 @@ def test_the_checker_reports_what_does_not_exist():
         "option LPX_COMPARE_POLICE: lpx compare has no --police",
         "setting LPX_NOBODY_READS: nothing in the repository reads it",
     ], found
+
+
+def test_the_comment_checker_reports_what_does_not_exist():
+    text = "# lpx run examples/smoke.yaml --runner docker; lpx starts a server\n"
+    text += "# lpx run examples/nope.yaml --runnr docker\nmodel: tiny  # not a comment's path\n"
+    assert comment_problems(text) == [
+        "path examples/nope.yaml: not in the repository",
+        "option lpx run --runnr: no such option",
+    ]
 
 
 def test_headings_anchor_as_github_writes_them():
@@ -219,6 +235,20 @@ def problems(page: Path, text: str) -> list[str]:
     found += _paths(text)
     found += _modules(text)
     found += _commands(text)
+    return found
+
+
+def comment_problems(text: str) -> list[str]:
+    """An example plan's comments: repo paths, modules, and the options of each `lpx COMMAND`
+    they write (a comment's `lpx` may begin a sentence, so only known commands are read)."""
+    comments = "\n".join(
+        line.split("#", 1)[1] for line in text.splitlines() if line.lstrip().startswith("#")
+    )
+    found = _paths(comments) + _modules(comments)
+    for match in re.finditer(r"\blpx((?:[ \t]+[^\s;&|()`]+)+)", comments):
+        words = match.group(1).split()
+        if words[0] in cli.commands:
+            found += _command_line(words, whole=False)
     return found
 
 
