@@ -1,6 +1,7 @@
-"""The docs name only what exists: every link, anchor, repo path, module and `lpx` option that
-README.md, docs/*.md and bench/README.md write is checked against the tree and the click
-commands, and the policy page shows the bundled default policy and every cause."""
+"""The docs name only what exists: every link, anchor, repo path, module, `lpx` option and
+LPX_ setting that README.md, docs/*.md, bench/README.md and the example plans' comments write
+is checked against the tree and the click commands, and the policy page shows the bundled
+default policy and every cause."""
 
 from __future__ import annotations
 
@@ -33,16 +34,10 @@ REPO_DIRS = (
     ".github",
     ".ci",
 )
-REPO_FILES = ("README.md", "pyproject.toml", "compose.yaml", "Dockerfile.vllm", "Dockerfile.sglang")
+# The files at the top a doc may name by themselves (`Dockerfile.megatron`, `compose.yaml`).
+TOP_FILE = re.compile(r"Dockerfile(?:\.[a-z]+)?|compose\.ya?ml|pyproject\.toml")
 # Installed under these names (pyproject's package-dir), kept at the top in the tree.
 MAPPED_PACKAGES = {"pipeline.db": ROOT / "db", "pipeline.templates": ROOT / "templates"}
-
-# Paths the docs write that start like the repo's but are not in it. Keep it short: each is
-# an example of what a user's run writes, not a file lpx ships.
-NOT_IN_THE_REPO = {
-    # what `bench/` writes when run: its results folder is ignored by git
-    "bench/results/",
-}
 
 # What lpx writes into a user's run directory (`DIR/summary.md`), never a file of the repo.
 OUTPUT_NAMES = {"summary.md"}
@@ -83,7 +78,8 @@ def test_the_checker_reports_what_does_not_exist():
             "## Its second heading",
             "See [compare](compare.md#sign-convention), [here](#its-second-heading), and",
             "[gone](nowhere.md), [no anchor](compare.md#no-such-heading), [self](#nope).",
-            "`pipeline/compare/run.py`, `pipeline/compare/nothing.py`, tests/cli/nope.py and",
+            "`pipeline/compare/run.py`, `pipeline/compare/nothing.py`, tests/cli/nope.py,",
+            "`Dockerfile.vllm`, `Dockerfile.tpu` and",
             "`runs/smoke/` (a user's path); `pipeline.compare.run` and `pipeline.compare.gone`,",
             "`pipeline.nosuch.thing`,",
             "`pipeline.faults.register(kind)` and `pipeline.faults.unregister(kind)`; `verify/judge.py`",
@@ -107,6 +103,7 @@ def test_the_checker_reports_what_does_not_exist():
         "link #nope: no heading with that anchor",
         "path pipeline/compare/nothing.py: not in the repository",
         "path tests/cli/nope.py: not in the repository",
+        "path Dockerfile.tpu: not in the repository",
         "path verify/nothing.py: no file of the repository ends so",
         "module pipeline.compare.gone: pipeline/compare/__init__.py has no gone",
         "module pipeline.nosuch.thing: no such module",
@@ -277,11 +274,13 @@ def _paths(text: str) -> list[str]:
     for raw in REPO_PATH.findall(text):
         path = raw.rstrip(".")
         checked = re.split(r"[<{*]", path)[0]
-        if path in NOT_IN_THE_REPO or (checked != path and not checked.endswith("/")):
+        if checked != path and not checked.endswith("/"):
             continue
         if not (ROOT / checked).exists():
             found.append(f"path {path}: not in the repository")
     for code in INLINE_CODE.findall(text):
+        if TOP_FILE.fullmatch(code) and not (ROOT / code).is_file():
+            found.append(f"path {code}: not in the repository")
         code = code.split(":")[0]
         if not SHORT_PATH.match(code) or code.split("/")[0] in REPO_DIRS:
             continue
