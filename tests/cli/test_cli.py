@@ -2,13 +2,17 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from pipeline.cli import cli
 from support.helpers import read_report, run_lpx
+
+ROOT = Path(__file__).resolve().parents[2]
 
 COMMANDS = [
     [],
@@ -63,10 +67,20 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_smoke_end_to_end_as_a_user_runs_it(tiny_model, tmp_path):
+    """The README's first line, and what the README and compare.md quote of its output."""
     env = {**os.environ, "CI": "true"}
-    out = tmp_path / "smoke"
+    out = tmp_path / "runs" / "smoke"
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline", "smoke", "--out", str(out), "--model", str(tiny_model)],
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "smoke",
+            "--out",
+            "runs/smoke",
+            "--model",
+            str(tiny_model),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -97,6 +111,85 @@ def test_smoke_end_to_end_as_a_user_runs_it(tiny_model, tmp_path):
         assert "# lpx compare: PASS" in (compare_dir / "summary.md").read_text()
     fp32 = json.loads((out / "compare-hf-float32" / "report.json").read_text())
     assert fp32["metrics"]["max_abs_diff"] < 1e-5
+    assert_quote_is_what_it_printed(readme_smoke_quote(), result.stdout.splitlines())
+    for label, dtype in (("HF fp32 replay", "float32"), ("HF bf16 replay", "bfloat16")):
+        metrics = read_report(out / f"compare-hf-{dtype}")["metrics"]
+        assert_nemo_row_is_what_it_measured(compare_md_nemo_row(label), metrics)
+
+
+# The README quotes the smoke's output, and compare.md its NeMo-RL statistics. The tiny model
+# is deterministic, but its drift is not the same bits everywhere: fp32's order of reduction
+# follows the OpenMP thread count (max |d| 3.58e-06 at one thread, 5.48e-06 at two, same AMD
+# EPYC; mean |d| 2.47e-07 and 2.58e-07) and bf16's kernels the CPU (max |d| 0.0701 on an
+# Intel Xeon, 0.0761 on an AMD EPYC). So the drift figures are held within a factor (2 for
+# maxima, k3 and exp(|d|) - 1; 25 % for mean |d|) and the fraction of tokens above 1.1
+# within 2 of 512 tokens; every other word and number of the quote is what the smoke prints.
+WITHIN = {"max|d|": 2.0, "mean|d|": 1.25, "k3": 2.0}
+DRIFT = re.compile(r"(max\|d\||mean\|d\||k3) (\S+)")
+
+
+def test_the_quote_check_allows_the_drift_figures_a_factor_and_nothing_else():
+    quote = ["hf vs hf float32   PASS  max|d| 5.48e-06  mean|d| 2.58e-07  k3 1.9e-13", "a -> .../x"]
+    same = ["hf vs hf float32   PASS  max|d| 3.58e-06  mean|d| 2.47e-07  k3 1.7e-13", "a -> /t/x"]
+    assert_quote_is_what_it_printed(quote, same)
+    for wrong in (
+        ["hf vs hf float32   PASS  max|d| 1.2e-05  mean|d| 2.58e-07  k3 1.9e-13", "a -> /t/x"],
+        ["hf vs hf float32   PASS  max|d| 5.48e-06  mean|d| 3.3e-07  k3 1.9e-13", "a -> /t/x"],
+        ["hf vs hf float32   FAIL  max|d| 5.48e-06  mean|d| 2.58e-07  k3 1.9e-13", "a -> /t/x"],
+        ["hf vs hf float32   PASS  max|d| 5.48e-06  mean|d| 2.58e-07  k3 1.9e-13", "b -> /t/x"],
+    ):
+        with pytest.raises(AssertionError):
+            assert_quote_is_what_it_printed(quote, wrong)
+
+
+def readme_smoke_quote() -> list[str]:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    return readme.split("**The first line**", 1)[1].split("```\n", 2)[1].splitlines()
+
+
+def assert_quote_is_what_it_printed(quote: list[str], printed: list[str]) -> None:
+    """Line by line: the quote's text exactly (whitespace aside, `...` eliding), its drift
+    figures within WITHIN of what was printed."""
+    assert len(quote) == len(printed), (quote, printed)
+    for quoted, line in zip(quote, printed, strict=True):
+        pattern = ""
+        for part in re.split(r"(\.\.\.|(?:max\|d\||mean\|d\||k3) \S+)", " ".join(quoted.split())):
+            drift = DRIFT.fullmatch(part)
+            if part == "...":
+                pattern += ".*?"
+            elif drift:
+                pattern += re.escape(drift[1]) + r" (\S+)"
+            else:
+                pattern += re.escape(part)
+        found = re.fullmatch(pattern, " ".join(line.split()))
+        assert found, f"README quotes {quoted!r}; the smoke printed {line!r}"
+        for (name, figure), value in zip(DRIFT.findall(quoted), found.groups(), strict=True):
+            assert within(float(figure), float(value), WITHIN[name]), (name, figure, value, line)
+
+
+def compare_md_nemo_row(label: str) -> list[float]:
+    text = (ROOT / "docs" / "compare.md").read_text(encoding="utf-8")
+    section = text.split("### NeMo-RL's gates", 1)[1].split("\n#", 1)[0]
+    row = next(line for line in section.splitlines() if line.startswith(f"| {label} |"))
+    return [float(cell) for cell in row.strip("|").split("|")[1:]]
+
+
+def assert_nemo_row_is_what_it_measured(row: list[float], metrics: dict) -> None:
+    mean, median, trimmed, above = row
+    for quoted, name in (
+        (mean, "token_mult_prob_error"),
+        (median, "token_mult_prob_error_median"),
+        (trimmed, "token_mult_prob_error_trimmed_mean"),
+    ):
+        assert within(quoted - 1, metrics[name] - 1, 2.0), (name, quoted, metrics[name])
+    assert abs(above - metrics["token_mult_prob_error_frac_above_1_1"]) <= 2 / 512
+
+
+def within(quoted: float, measured: float, factor: float) -> bool:
+    if quoted == measured:
+        return True
+    low, high = sorted((abs(quoted), abs(measured)))
+    return low > 0 and (quoted > 0) == (measured > 0) and high / low <= factor
 
 
 def test_bad_input_is_one_line_without_traceback(tmp_path):
