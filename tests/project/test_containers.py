@@ -643,9 +643,10 @@ def test_a_plan_on_the_users_checkpoint_outside_the_run_dir_passes_with_the_dock
         "compare": "ok",
     }  # fmt: skip
     # the fixture records the checkpoint where the plan named it, as every stage saw it
-    manifest = json.loads((tmp_path / "run" / "compare" / "0-fsdp-ws2-float32" / "report.json")
-                          .read_text())["metadata"]["rollout"]["model"]  # fmt: skip
-    assert manifest["path"] == str(checkpoint)
+    report = tmp_path / "run" / "compare" / "0-fsdp-ws2-float32" / "report.json"
+    metadata = json.loads(report.read_text())["metadata"]
+    assert metadata["fixture"]["model"]["path"] == str(checkpoint)
+    assert metadata["replay"]["model"]["path"] == str(checkpoint)
 
 
 def test_the_compose_nightly_runs_a_plan_on_a_hub_cache_checkpoint(
