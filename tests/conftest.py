@@ -23,7 +23,7 @@ from pipeline.engines.hf.replay import HFScoringEngine  # noqa: E402
 from pipeline.engines.hf.rollout import HFRolloutEngine  # noqa: E402
 from pipeline.fixture.io import write_table  # noqa: E402
 from pipeline.prompts import smoke_prompt_texts, tokenize  # noqa: E402
-from pipeline.tinymodel.build import build_tiny_model  # noqa: E402
+from pipeline.tinymodel.build import install_tiny_model  # noqa: E402
 
 # Seconds each test file took on a fresh clone (scripts/test-durations writes it from a
 # --junitxml run). The two workers take whole files (--dist loadfile); xdist's own queue puts
@@ -56,9 +56,21 @@ def floor_cache_of_the_session(tmp_path_factory):
         yield folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def built_models_shared_by_the_workers(tmp_path_factory):
+    """lpx keeps the tiny models it builds (pipeline/tinymodel/cache.py); the session keeps
+    them in one folder its workers share, so each arch and seed is trained once a session
+    (12 s each here), not once in every worker, fixture and `lpx make-model` stage."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LPX_MODEL_CACHE", str(root / "built-models"))
+        yield root / "built-models"
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama", 0)
+    return install_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama", 0)
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +81,7 @@ def family_model(tmp_path_factory):
     def get(arch: str) -> Path:
         if arch not in built:
             folder = tmp_path_factory.mktemp("models") / f"tiny-{arch}"
-            built[arch] = build_tiny_model(folder, arch, 0)
+            built[arch] = install_tiny_model(folder, arch, 0)
         return built[arch]
 
     return get

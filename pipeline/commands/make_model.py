@@ -25,6 +25,9 @@ def make_model(out_dir: Path, arch: str, seed: int) -> None:
     distributions are peaked like a real LM's. Same arch and seed give the same bytes.
     Hugging Face `AutoModelForCausalLM`/`AutoTokenizer` and vLLM load the directory.
     OUT_DIR must be new, empty, or a model lpx built before; it is written whole or not at all.
+    A build is kept in $LPX_MODEL_CACHE [default: $LPX_CACHE/models/built] by its arch, seed,
+    builder and libraries, and the same build again is a copy; LPX_MODEL_CACHE=off trains
+    every time.
 
     \b
     Example:

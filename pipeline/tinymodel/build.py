@@ -121,11 +121,13 @@ def _save_tokenizer(tokenizer, out_dir: Path) -> None:
 def install_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0) -> Path:
     """Build the tiny model beside ``out_dir`` and move it in whole: a crash or Ctrl-C never
     leaves half a model, and nothing lpx did not create is ever replaced. ``out_dir`` may be
-    missing, empty, or a model lpx built earlier (it holds lpx-model.json)."""
+    missing, empty, or a model lpx built earlier (it holds lpx-model.json). The same build
+    made before is copied from lpx's cache (tinymodel/cache.py) instead of trained again."""
     import os
     import shutil
 
     from pipeline.errors import BadInput
+    from pipeline.tinymodel import cache as kept_builds
 
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -139,7 +141,10 @@ def install_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0) -> Pat
     staging = out_dir.with_name(f".{out_dir.name}.building-{os.getpid()}")
     stale = out_dir.with_name(f".{out_dir.name}.stale-{os.getpid()}")
     try:
-        build_tiny_model(staging, arch=arch, seed=seed)
+        with kept_builds.one_builder(arch, seed) as entry:
+            if not kept_builds.copy_kept(entry, staging):
+                build_tiny_model(staging, arch=arch, seed=seed)
+                kept_builds.keep(staging, entry)
         if out_dir.exists():  # empty, or lpx's own earlier build: set it aside, then drop it
             out_dir.rename(stale)
         staging.rename(out_dir)
