@@ -145,6 +145,30 @@ def _sharpest(keys, z, base, steps, p: int) -> int:
     return int(best)
 
 
+def drift_start(positions: np.ndarray, z: np.ndarray) -> int | None:
+    """Where one sequence's drift rises: the position that best splits its tokens into a
+    lower level of log(1 + z) before and a higher one after (the change-point statistic
+    n_b n_a / n (mean_a - mean_b)^2 of `_sharpest`, over every split), or None where it
+    holds under 2 MIN_SIDE tokens or nothing after is higher. Unlike `position_onset` it
+    asks for no step: a window's edge drops one key at a time, so under bf16 noise its drift
+    ramps up over the next tokens rather than stepping, and the batch may show no onset.
+    ``z``: |d| in noise floors, capped at CAP."""
+    order = np.argsort(positions, kind="stable")
+    where = np.asarray(positions, dtype=np.int64)[order]
+    values = np.log1p(np.minimum(np.asarray(z, dtype=np.float64)[order], CAP))
+    n = len(values)
+    if n < 2 * MIN_SIDE:
+        return None
+    sums = np.cumsum(values)
+    split = np.arange(MIN_SIDE, n - MIN_SIDE + 1)  # tokens before the split
+    before = sums[split - 1] / split
+    after = (sums[-1] - sums[split - 1]) / (n - split)
+    rise = after - before
+    stat = split * (n - split) / n * rise * np.abs(rise)
+    best = int(np.argmax(stat))
+    return int(where[split[best]]) if rise[best] > 0 else None
+
+
 def onset_of_comparison(fixture, aligned, noise) -> dict | None:
     """The onset of a comparison's completion tokens: each logprob at the position of the
     query that computed it (the token before it: prompt length + completion index - 1)."""

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pipeline.compare.config_evidence import with_config_evidence
-from pipeline.compare.onset import position_onset
+from pipeline.compare.onset import drift_start, position_onset
 from pipeline.compare.run import compare_files
 from pipeline.contracts.report import Finding
 from pipeline.engines.base import SamplingParams
@@ -150,6 +150,23 @@ def test_smooth_growth_and_noise_have_no_onset():
     assert position_onset(*grow[:3], 1.0, grow[3]) is None
     flat = _batch(lengths, 1000, lambda q: np.ones_like(q, dtype=float))
     assert position_onset(*flat[:3], 1.0, flat[3]) is None
+
+
+def test_a_ramp_has_no_onset_but_its_rise_is_placed_near_its_edge():
+    """A window's edge drops one key at a time: under bf16 noise its drift ramps up from the
+    edge instead of stepping (the tiny Qwen3's window of 24 on its second layer: 0.3 floors
+    before, 2 floors just after, 14 some tokens on), which the batch's step test does not
+    take for an onset. Pooled by position, the rise is placed inside the ramp, within the
+    sizes the window search scans after it (MAX_WINDOW_STEPS); a step, at the step."""
+    from pipeline.verify.families.model_config import MAX_WINDOW_STEPS
+
+    lengths = [10, 14, 17, 22, 25, 31, 12, 19]
+    ramp = _batch(lengths, 48, lambda q: np.where(q >= 24, 0.3 + 0.3 * (q - 24), 0.3))
+    assert position_onset(*ramp[:3], 1.0, ramp[3]) is None
+    assert 24 <= drift_start(ramp[0], ramp[1]) <= 24 + MAX_WINDOW_STEPS
+    step = _batch(lengths, 120, lambda q: np.where(q >= 96, 30.0, 0.8))
+    assert abs(drift_start(step[0], step[1]) - 96) <= 1
+    assert drift_start(ramp[0], np.zeros_like(ramp[1])) is None  # nothing rises
 
 
 def test_an_onset_at_one_completion_index_is_not_a_shared_position():

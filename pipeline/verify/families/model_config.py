@@ -11,10 +11,12 @@ Two ways in:
   The search gives up after its first pass where no reading comes CLOSER nearer the side
   than the model's own config (no misread of one key is at work).
 
-Windows are searched around the position drift starts at where compare found one (a window
-of W parts from the model's at position W); RoPE's theta over the values checkpoints use
-and x/÷ 2, 4 and 10 of the model's, then refined by golden section on log theta and
-snapped to two significant digits where that fits as well. Each edit is exact
+Windows are searched around the position drift starts at (a window of W parts from the
+model's at position W): compare's onset where it found one, else where the searched
+sequence's drift rises; a window reading that comes nearer the side at all is refined (its
+layers, and every size near it) before the search is judged. RoPE's theta over the values
+checkpoints use and x/÷ 2, 4 and 10 of the model's, then refined by golden section on log
+theta and snapped to two significant digits where that fits as well. Each edit is exact
 (verify/config_edit.py: fp32 re-scores of a window or a theta that an engine read so match
 its logprobs to 1e-6)."""
 
@@ -37,7 +39,7 @@ EPSILONS = (1e-8, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2)  # what configs ship, and defaul
 SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # Gemma 2's
 SCALINGS = (2.0, 4.0)  # RoPE scaling factors tried on a model that has none
 WINDOWS = 6  # powers of two tried as a window where compare found no onset
-MAX_WINDOW_STEPS = 16  # tokens the window's size is moved from where it was found
+MAX_WINDOW_STEPS = 16  # sizes re-scored either side of the window's size found
 SNAP = 1.02  # a two-digit theta is kept where it leaves at most this much more gap
 
 
@@ -76,7 +78,12 @@ class ModelConfig(Family):
                 return float("inf")
 
         before = mean_abs([seen], [clean[0]])
-        tried = {_label(e): (e, gap(e)) for e in readings(own, candidate.params, longest)}
+        onset = candidate.params.get("onset")
+        start = None if onset else _drift_start(ref, rows, observed, clean, side)
+        tried = {_label(e): (e, gap(e)) for e in readings(own, candidate.params, longest, start)}
+        window = _refined_window(tried, own, before, gap, layers_searched=bool(onset or start))
+        if window is not None:
+            tried[_label(window[0])] = window
         best_label = min(tried, key=lambda k: tried[k][1], default=None)
         if best_label is None or tried[best_label][1] * CLOSER > before:
             nearest = {k: round(v[1], 6) for k, v in sorted(tried.items(), key=lambda i: i[1][1])}
@@ -86,15 +93,6 @@ class ModelConfig(Family):
         edits, best_gap = tried[best_label]
         if "rope" in edits and set(edits["rope"]) == set(own["rope"]):
             edits, best_gap = _refined_theta(edits, best_gap, gap)
-        if edits.get("sliding_window") and not own.get("sliding_window"):
-            # the window found: on which layers (max_window_layers read either way), and its
-            # size to the token (a window off by one)
-            layers = [] if candidate.params.get("onset") else _cuts(_layer_count(own))
-            for edit in [{**edits, "windowed_layers": sets} for sets in layers]:
-                edit_gap = gap(edit)
-                if edit_gap < best_gap:
-                    edits, best_gap = edit, edit_gap
-            edits, best_gap = _window_size(edits, best_gap, gap)
         return _candidate(
             ref, edits, {"searched": len(tried), "key": _keys(edits), "value": _values(edits)}
         )
@@ -129,8 +127,10 @@ class ModelConfig(Family):
         )
 
 
-def readings(own: dict, params: dict, longest: int) -> list[dict]:
-    """Each single-key misreading engines commit, as edits to the model's own reading."""
+def readings(own: dict, params: dict, longest: int, start: int | None = None) -> list[dict]:
+    """Each single-key misreading engines commit, as edits to the model's own reading.
+    ``start``: where the searched sequence's drift rises, a window's edge where compare
+    found no onset."""
     rope = own.get("rope") or {}
     theta = float(rope.get("rope_theta") or 10000.0)
     thetas = {t for t in THETAS} | {theta * f for f in THETA_FACTORS}
@@ -149,7 +149,7 @@ def readings(own: dict, params: dict, longest: int) -> list[dict]:
             for original in dict.fromkeys((longest_table, int(longest_table // factor))):
                 out.append({"rope": {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
                                      "original_max_position_embeddings": original}})  # fmt: skip
-    out += _windows(own, params.get("onset"), longest)
+    out += _windows(own, params.get("onset"), longest, start)
     eps = own.get("rms_norm_eps")
     out += [{"rms_norm_eps": e} for e in EPSILONS if eps is not None and not _close(e, eps)]
     for key, value in SOFTCAPS.items():
@@ -159,7 +159,7 @@ def readings(own: dict, params: dict, longest: int) -> list[dict]:
     return out
 
 
-def _windows(own: dict, onset, longest: int) -> list[dict]:
+def _windows(own: dict, onset, longest: int, start: int | None = None) -> list[dict]:
     window, layers = own.get("sliding_window"), own.get("windowed_layers") or ""
     every = f"0-{_layer_count(own) - 1}" if _layer_count(own) else layers
     if window:
@@ -169,37 +169,80 @@ def _windows(own: dict, onset, longest: int) -> list[dict]:
         if layers != every:
             out.append({"sliding_window": window, "windowed_layers": every})
         return out
-    if onset:
+    out = []
+    edge = onset or start
+    if edge and int(edge) > 1:
         # a window of W parts from the model's at position W: that size, on every layer or
-        # on the layers a window rule read one way or the other gives (W +- 1 refined after)
-        size = int(onset)
-        return [
-            {"sliding_window": size, "windowed_layers": layers}
+        # on the layers a window rule read one way or the other gives (the size refined
+        # after, `_refined_window`)
+        out = [
+            {"sliding_window": int(edge), "windowed_layers": layers}
             for layers in (every, *_cuts(_layer_count(own)))
-            if size > 1
         ]
+    if onset:
+        return out
     sizes = {2**k for k in range(4, 20) if 2**k < longest}
     sizes = set(sorted(sizes)[-WINDOWS:])
-    return [{"sliding_window": w, "windowed_layers": every} for w in sorted(sizes) if w > 1]
+    return out + [{"sliding_window": w, "windowed_layers": every} for w in sorted(sizes) if w > 1]
+
+
+def _drift_start(ref, rows: list[int], observed, clean, side: str) -> int | None:
+    """Where the observed side's drift from the clean reference rises over the searched
+    sequences, pooled by absolute position (`compare.onset.drift_start`): the edge a window
+    would have. Pooled, as a window's edge is at one position in every sequence: on the
+    tiny Qwen3 with a window of 24 on its second layer, one sequence alone put it anywhere
+    from 24 to 54, all eight pooled at 27 (fp32 replay) and 30 (bf16); a rise's split lies
+    inside the ramp, after its edge, which `_window_size` then scans."""
+    from pipeline.compare.calibrated import side_precision
+    from pipeline.compare.onset import drift_start
+
+    meta = ref.fixture.metadata if side == "rollout" else ref.replay.metadata
+    indices = ref.observed(rows)[2]
+    floors = ref.token_floors((side_precision(meta), "float32"), clean, indices)
+    where = [i + len(ref.fixture.prompt_of(r)) - 1 for r, i in zip(rows, indices, strict=True)]
+    z = np.abs(np.concatenate(observed) - np.concatenate(clean)) / np.maximum(
+        np.concatenate(floors), 1e-12
+    )
+    return drift_start(np.concatenate(where), np.nan_to_num(z, nan=0.0, posinf=0.0))
+
+
+def _refined_window(tried: dict, own: dict, before: float, gap, layers_searched: bool):
+    """The nearest window reading refined, where it is the nearest reading of all and comes
+    nearer the side than the model's own config: on which layers (max_window_layers read
+    either way), unless the readings held those already, and its size to the token.
+    Refined before the search is judged: a window of the wrong size or on other layers
+    lies well off the side (a Qwen3 window of 24 on its second layer, searched at 32: 1.4x
+    nearer, short of CLOSER), and the gap is not unimodal in the size (that window's gap
+    at 20..33 had local minima at 28 and 32), so every size within MAX_WINDOW_STEPS is
+    re-scored. None otherwise: where another key's reading is nearer, a window is not what
+    the side computed with, and the search costs its readings only."""
+    if own.get("sliding_window") or not tried:
+        return None
+    edits, best_gap = min(tried.values(), key=lambda v: v[1])
+    if not edits.get("sliding_window") or not best_gap < before:
+        return None
+    if not layers_searched:
+        for layers in _cuts(_layer_count(own)):
+            edit = {**edits, "windowed_layers": layers}
+            edit_gap = tried[_label(edit)][1] if _label(edit) in tried else gap(edit)
+            if edit_gap < best_gap:
+                edits, best_gap = edit, edit_gap
+    return _window_size(edits, best_gap, gap)
 
 
 def _window_size(edits: dict, best_gap: float, gap) -> tuple[dict, float]:
-    """The window's size to the token: from the size found, one token at a time in the
-    direction that comes nearer, while it does (an onset seen under bf16 noise may lie a few
-    tokens past the edge; a window off by one is the size +- 1)."""
+    """The window's size to the token: every size within MAX_WINDOW_STEPS of the size found
+    (an onset seen under noise lies a few tokens past the edge, or the powers of two a few
+    either side of it; a window off by one is the size +- 1), the nearest kept. Not a walk
+    that stops where the gap rises: it is not unimodal in the size."""
     size = int(edits["sliding_window"])
-    for step in (-1, 1):
-        moved = False
-        for _ in range(MAX_WINDOW_STEPS):
-            trial = {**edits, "sliding_window": size + step}
-            if size + step < 2:
-                break
-            trial_gap = gap(trial)
-            if trial_gap >= best_gap:
-                break
-            edits, best_gap, size, moved = trial, trial_gap, size + step, True
-        if moved:
-            break
+    for trial_size in range(max(2, size - MAX_WINDOW_STEPS), size + MAX_WINDOW_STEPS + 1):
+        if trial_size == size:
+            continue
+        trial = {**edits, "sliding_window": trial_size}
+        trial_gap = gap(trial)
+        if trial_gap < best_gap:
+            edits, best_gap = trial, trial_gap
     return edits, best_gap
 
 
