@@ -13,7 +13,7 @@ from pathlib import Path
 from pipeline.contracts.causes import Cause, Severity, Status
 from pipeline.contracts.report import Finding
 from pipeline.fixture.table import TokenTable
-from pipeline.verify import report
+from pipeline.verify import alike, report
 from pipeline.verify.families import families, family_of, for_cause, is_data
 from pipeline.verify.hypothesis import Candidate
 from pipeline.verify.judge import judge
@@ -236,8 +236,10 @@ class Verifier:
         model reproduction that verifies a fill's sequences on every token, on the same
         side, is the better explanation, and replaces it: what verified elsewhere first,
         then what the families that explain fills offer (a truncation, a sampler's
-        processing)."""
+        processing). Where several verify, `verify/alike.py` chooses among them with what
+        the other findings say."""
         models = [c for c in reproduced if not is_data(c.kind)]
+        found: dict[int, list] = {}  # per fill finding, the model reproductions that verify
         for index, finding in enumerate(out):
             by = finding.details.get("verified_by") or {}
             if not finding.verified or not is_data(by.get("kind", "")):
@@ -265,13 +267,23 @@ class Verifier:
                 if outcome.verified and outcome.side == by.get("side"):
                     verified.append(outcome)
             if verified:
-                # the closest: a min-p and a top-p may both verify where they keep the same
-                # tokens on most of these; the one that holds on every token is the bug
-                best = min(verified, key=lambda o: o.after / max(o.floor, 1e-12))
-                said = finding.details.get("signature_evidence", finding.evidence)
-                how = report.params_text(by["params"])
-                fill = f"{by['kind']} ({how}) matched the median token only"
-                out[index] = report.verified(finding.but(evidence=f"{said}; {fill}"), best)
+                found[index] = verified
+        for index, verified in found.items():
+            # a min-p and a top-p may both verify where they keep the same tokens on most of
+            # these: the one that holds on more tokens, else on more of the batch's findings
+            elsewhere = [[o.candidate for o in v] for i, v in found.items() if i != index]
+            elsewhere += [[c] for c in models]
+            chosen = alike.choose(verified, elsewhere)
+            finding = out[index]
+            by = finding.details["verified_by"]
+            said = finding.details.get("signature_evidence", finding.evidence)
+            how = report.params_text(by["params"])
+            fill = f"{by['kind']} ({how}) matched the median token only"
+            finding = finding.but(evidence=f"{said}; {fill}")
+            if len(chosen) == 1:
+                out[index] = report.verified(finding, chosen[0])
+            else:
+                out[index] = report.indistinguishable(finding, chosen)
         return out
 
 

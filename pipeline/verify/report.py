@@ -271,3 +271,31 @@ def _shape(value):
     if isinstance(value, list | tuple):
         return [_shape(v) for v in value]
     return value
+
+
+def indistinguishable(finding: Finding, outcomes: list[Outcome]) -> Finding:
+    """A finding that different bugs reproduce alike, on its tokens and across the batch
+    (`verify/alike.py`): each named with how close it came, none claimed verified."""
+    best = outcomes[0]
+    named = "; ".join(
+        f"{o.candidate.kind} ({params_text(o.candidate.params)}) matches the {o.side} side "
+        f"to mean |d| {o.after:.3g}"
+        for o in outcomes
+    )
+    return finding.but(
+        cause=best.candidate.cause,
+        severity=Severity.FAULT,
+        status=Status.PLAUSIBLE,
+        residual_before=best.before,
+        residual_after=best.after,
+        floor=best.floor,
+        evidence=f"{finding.evidence}; re-scored, {named} (floor {best.floor:.3g}; the drift "
+        f"was {best.before:.3g}): these tokens cannot tell them apart, and none reproduces "
+        "more of the batch's other findings, so none is claimed; sequences where they keep "
+        "different tokens would",
+        details={
+            "signature_evidence": finding.evidence,
+            **{k: v for k, v in finding.details.items() if k != "verified_by"},
+            "indistinguishable": [describe(o) for o in outcomes],
+        },
+    )
