@@ -82,7 +82,7 @@ CASES = {
     ),
     "min_p": ({"min_p": 0.1}, lambda p: p["min_p"] == 0.1 and set(p) == {"min_p", "searched", "what"}),
     "soft_cap": ({"processors": lambda n: [SoftCap(2.0)]}, lambda p: near(p["soft_cap"], 2.0)),
-    # top-k 20 under top-p 0.95 binds only where top-p keeps more than 20 tokens: found
+    # top-k 20 under top-p 0.95 binds only where it moves what top-p keeps: found
     # there, never invented where it binds on no compared token (the data cannot show it)
     "qwen3_defaults": (
         {"temperature": 0.6, "top_k": 20, "top_p": 0.95},
@@ -94,23 +94,44 @@ TAKES_BINDING = {"qwen3_defaults"}
 
 
 def top_k_binds(fixture_path, model, temperature: float, top_k: int, top_p: float) -> int:
-    """On how many compared tokens top-k cuts what top-p keeps (fp32 logits)."""
+    """On how many compared tokens top-k changes the selected token's processed logprob, as
+    transformers' own warpers apply them (temperature, top-k, then top-p on what top-k left).
+    Not only where top-p alone would keep more than top-k: top-p's cut is taken on the
+    distribution top-k renormalised, so a top-k can move it where top-p keeps fewer tokens
+    (seen on an AMD EPYC: 0 tokens past 20, and the engine's logprobs still top-k's)."""
     import torch
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     from pipeline.engines.hf.model import load_model
 
+    def processed(logits, ids, *warpers):
+        for warper in warpers:
+            logits = warper(ids, logits)
+        return logits.log_softmax(-1)
+
     fixture = read_table(fixture_path)
     network = load_model(model, "float32", device="cpu")
+    heat, cut, nucleus = (
+        TemperatureLogitsWarper(temperature),
+        TopKLogitsWarper(top_k),
+        TopPLogitsWarper(top_p),
+    )
     count = 0
     for row in range(fixture.num_sequences):
         prompt, completion = fixture.prompt_of(row), fixture.completion_of(row)
         ids = torch.as_tensor(np.concatenate([prompt, completion]).astype(np.int64))[None]
         with torch.no_grad():
-            logits = network(ids).logits[0, len(prompt) - 1 : ids.shape[1] - 1] / temperature
-        probs = logits.softmax(-1).sort(-1, descending=True).values
-        kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1)
+            logits = network(ids).logits[0, len(prompt) - 1 : ids.shape[1] - 1].double()
+        chosen = torch.as_tensor(np.asarray(completion, dtype=np.int64))[:, None]
+        both = processed(logits, ids, heat, cut, nucleus).gather(-1, chosen)[:, 0]
+        alone = processed(logits, ids, heat, nucleus).gather(-1, chosen)[:, 0]
+        moved = ~torch.isclose(both, alone, rtol=0, atol=1e-6)
         mask = np.asarray(fixture.completion_mask[fixture.completion_slice(row)], dtype=bool)
-        count += int((kept > top_k).numpy()[mask].sum())
+        count += int(moved.numpy()[mask].sum())
     return count
 
 
