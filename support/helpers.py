@@ -81,7 +81,7 @@ def publish_one_step(tiny_model: Path, fixture_path: Path, root: Path) -> tuple[
 @contextlib.contextmanager
 def sglang_serving(python, model_dir, log, moe=False, env=None, **knobs):
     """A real SGLang server on ``model_dir`` for a module's tests, started as lpx starts one
-    (engines/sglang/knobs.server_arguments); yields its URL. ~40 s on two cores."""
+    (engines/sglang/knobs.server_arguments); yields its URL. ~20 s on two cores."""
     from pipeline.engines.sglang.knobs import SGLangKnobs, server_arguments
     from pipeline.engines.sglang.server import running_server
 

@@ -3,7 +3,7 @@ Qwen3-MoE score the HF rollout as HF does, a Qwen3-MoE rollout's routed experts 
 HF's routers choose, and Qwen2-MoE fails where it was measured to (docs/engines.md). Llama's
 row is tests/engines/test_engines_sglang.py.
 
-The four servers start together (one start's wall time is mostly imports, ~40 s alone on two
+The four servers start together (one start's wall time is mostly imports, ~20 s alone on two
 cores). Where SGLang is not installed these skip, except under CI=true, where they fail.
 """
 

@@ -3,7 +3,7 @@ forward hooks in its scheduler, against the HF adapter boundary by boundary, and
 `localize` (SGLang fp32 vs HF fp32 is clean; a seeded fault on the HF side is named and
 verified).
 
-One server for the module (a start took 40-215 s on two cores): every localize here shares it.
+One server for the module (a start took 20-60 s on two cores): every localize here shares it.
 Where SGLang is not installed the server tests skip, except under CI=true, where they fail.
 """
 

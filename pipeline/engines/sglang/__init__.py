@@ -1,1 +1,1 @@
-"""The SGLang engine: knobs (its knobs and the server session they start), api (its native HTTP protocol), engine (rollout and scoring adapters), server (a server lpx starts), launch (starting it on a CPU host), setup (installing it offline)."""
+"""The SGLang engine: knobs (its knobs and the server session they start), api (its native HTTP protocol), engine (rollout and scoring adapters), server (a server lpx starts), launch (starting it on a CPU host), served_models (the model registry it starts with), setup (installing it offline)."""
