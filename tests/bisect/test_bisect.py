@@ -9,9 +9,12 @@ import math
 import os
 import random
 import re
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from click.testing import Result
 
 from pipeline.bisect.builds import between, load_builds, parse_build
 from pipeline.bisect.search import BAD, ERROR, GOOD, bisect, run_count
@@ -167,12 +170,16 @@ def test_held_versions_are_the_environment_s_own_whatever_else_is_on_sys_path():
 
 
 # --- real bisects over real releases ------------------------------------------------------
+#
+# Each probe run is a real `lpx run` of the pair in the build's environment (~7 s: a process
+# that imports torch and the build's transformers, then a compare); the tests below read two
+# bisects made once for the module, so every run they assert on runs once.
 
 
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory):
     """The engine wheels, a plan of the failing pair, and one environment cache for the
-    module (each environment is made once: ~8 s)."""
+    module (each environment is made once: ~3 s)."""
     if not WHEELS.is_dir():
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"CI=true but {WHEELS} is missing: scripts/setup fetches it")
@@ -211,32 +218,52 @@ def _builds(root: Path, rows: list[tuple[str, str | None]]) -> Path:
     return path
 
 
-def test_a_real_bisect_names_the_release_that_brought_the_fault_and_resumes(releases, tmp_path):
-    rows = [
-        ("5.18.0", None),
-        ("5.19.0", None),
-        ("5.20.0", None),
-        ("5.20.1", "gemma"),
-        ("5.20.2", "gemma"),
-    ]
-    builds = _builds(releases, rows)
-    out = tmp_path / "bisect"
+@dataclass
+class Bisected:
+    out: Path
+    result: Result  # what `lpx bisect` printed and its exit code
+    argv: list  # the command again, to resume it
+
+
+@pytest.fixture(scope="module")
+def seeded(releases) -> Bisected:
+    """One bisect over five builds: 5.18.0 (good), 9.9.9 (no such release: it cannot be
+    built), 5.20.0 with the flaky fault, 5.20.1, and 5.20.2 with the Gemma norm (bad). Two
+    runs a probe, one reconfirmation, no retries, under a plan that diagnoses: 12 runs."""
+    rows = [("5.18.0", None), ("9.9.9", None), ("5.20.0", "flaky"), ("5.20.1", None)]
+    builds = _builds(releases, [*rows, ("5.20.2", "gemma")])
+    out = releases / "seeded"
     argv = ["bisect", releases / "plan.yaml", "--pair", "hf-fp32", "--builds", builds]
     argv += ["--good", "pip:transformers==5.18.0", "--bad", "5.20.2+gemma", "--out", out]
-    argv += ["--wheelhouse", WHEELS]
-    argv += ["--runs", "1", "--reconfirm", "0"]  # the flake logic is the flaky test's point
+    argv += ["--wheelhouse", WHEELS, "--reconfirm", "1", "--retries", "0"]
     # under a plan that diagnoses, the probes judge only; the first bad is verified once
     diagnosing = releases / "plan-diagnose.yaml"
-    text = (releases / "plan.yaml").read_text()
-    diagnosing.write_text(text.replace("diagnose: false", "diagnose: true"))
-    result = run_lpx(*[diagnosing if a == releases / "plan.yaml" else a for a in argv])
+    diagnosing.write_text(
+        (releases / "plan.yaml").read_text().replace("diagnose: false", "diagnose: true")
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LPX_SEEDED_FLAKE_COUNTER", str(releases / "flake-count"))
+        result = run_lpx(*[diagnosing if a == releases / "plan.yaml" else a for a in argv])
+    return Bisected(out, result, argv)
+
+
+def test_a_real_bisect_names_the_release_that_brought_the_fault(seeded):
+    """The seeded bisect's answer, what changed, and the first bad build's comparison
+    verified once (the probes' own comparisons only judge)."""
+    result, out = seeded.result, seeded.out
     assert result.exit_code == 0, result.output
     state = json.loads((out / "bisect.json").read_text())
     found = state["result"]
+    assert (found["last_good"], found["first_bad"]) == ("pip:transformers==5.20.1", "5.20.2+gemma")
+    assert "first bad: 5.20.2+gemma" in result.output
+    assert found["maybe_first_bad"] == []  # 9.9.9 and the flaky build lie below the last good
+    # five builds, four of them run: each run twice and once more to reconfirm it (12 runs),
+    # and the one try of 9.9.9 that errs
+    assert found["runs"] == 4 * (2 + 1) + 1 == len(state["runs"])
     probe_reports = [json.loads(p.read_text()) for p in out.glob("probes/*/*/compare/report.json")]
-    assert len(probe_reports) == 4 and not any(r["verification"]["ran"] for r in probe_reports)
+    assert len(probe_reports) == 12 and not any(r["verification"]["ran"] for r in probe_reports)
     explained = json.loads((out / found["explained"]).read_text())
-    assert found["explained"].startswith("probes/5.20.1_gemma/0/")
+    assert found["explained"].startswith("probes/5.20.2_gemma/2/")  # its last bad run
     assert explained["verification"]["ran"] and explained["verdict"] == "fail"
     # modelling code that no family reproduces: no cause the evidence rules out is left
     # (prompt_mismatch, against the same prompt ids on both sides), the drift is unexplained
@@ -245,18 +272,41 @@ def test_a_real_bisect_names_the_release_that_brought_the_fault_and_resumes(rele
         str(f["cause"]) for f in explained["diagnosis"] if f["severity"] == "fault"
     }
     assert "cause: " in result.output and "its comparison, verified: " in result.output
-    assert (found["last_good"], found["first_bad"]) == ("pip:transformers==5.20.0", "5.20.1+gemma")
-    assert found["maybe_first_bad"] == [] and found["flaky"] == [] and found["errors"] == []
-    # 5 builds: both ends and ceil(log2 4) = 2 probes, one run each
-    assert found["runs"] == 2 + 2 == len(state["runs"])
-    assert found["changed"]["packages"] == {"transformers": ["5.20.0", "5.20.1"]}
+    assert found["changed"]["packages"] == {"transformers": ["5.20.1", "5.20.2"]}
     assert found["changed"]["patch"][0] is None and found["changed"]["patch"][1].endswith(".patch")
     bad_runs = [r for r in state["runs"] if r["outcome"] == BAD]
-    assert all(r["metrics"]["mean_abs_diff"] > 1e-3 for r in bad_runs)
-    assert all(r["metrics"]["mean_abs_diff"] < 1e-5 for r in state["runs"] if r["outcome"] == GOOD)
-    assert "first bad: 5.20.1+gemma" in result.output
-    # stopped before its last two runs, resumed: nothing runs twice, the answer is the same
-    kept = found["runs"] - 2
+    assert len(bad_runs) == 5 and all(r["metrics"]["mean_abs_diff"] > 1e-3 for r in bad_runs)
+    good_runs = [r for r in state["runs"] if r["outcome"] == GOOD]
+    assert len(good_runs) == 7 and all(r["metrics"]["mean_abs_diff"] < 1e-5 for r in good_runs)
+
+
+def test_a_flaky_release_is_skipped_and_an_unbuildable_one_is_an_error_never_bad(seeded):
+    """In the seeded bisect, 5.20.0+flaky fails its first two runs (it looks bad, and the
+    search turns below it) and passes the third, its reconfirmation: it must come out flaky,
+    never the first bad, and the search goes back above it. 9.9.9 does not exist: an error,
+    never a verdict."""
+    assert flaky_failures(10) == 3 and FLAKY_PATTERN.startswith("110")
+    assert seeded.result.exit_code == 0, seeded.result.output
+    found = json.loads((seeded.out / "bisect.json").read_text())["result"]
+    assert found["flaky"] == ["5.20.0+flaky"]
+    assert found["errors"] == ["pip:transformers==9.9.9"]
+    assert (found["last_good"], found["first_bad"]) == ("pip:transformers==5.20.1", "5.20.2+gemma")
+    verdicts = {row["build"]: row for row in found["probes"]}
+    assert verdicts["5.20.0+flaky"]["runs"] == [BAD, BAD, GOOD]
+    assert verdicts["pip:transformers==9.9.9"]["verdict"] == ERROR
+    assert (seeded.out.parent / "flake-count").read_text() == "3"  # the flaky build ran 3 times
+
+
+def test_a_stopped_bisect_resumes_running_only_what_is_missing_and_is_recorded(seeded, tmp_path):
+    """The seeded bisect, stopped before its last two runs (a copy of it), resumed: nothing
+    runs twice and the answer is the same; then judged by a history too, and recorded."""
+    out = tmp_path / "bisect"
+    shutil.copytree(seeded.out, out)
+    argv = [out if a == seeded.out else a for a in seeded.argv]
+    state = json.loads((out / "bisect.json").read_text())
+    found = state["result"]
+    kept = len(state["runs"]) - 2
+    assert [r["outcome"] for r in state["runs"][kept:]] == [GOOD, BAD]  # 5.20.1's and 5.20.2's
     state["runs"], state["result"] = state["runs"][:kept], None
     (out / "bisect.json").write_text(json.dumps(state))
     unfinished = run_lpx("record", out, "--db", tmp_path / "unfinished.db")
@@ -269,10 +319,11 @@ def test_a_real_bisect_names_the_release_that_brought_the_fault_and_resumes(rele
     resumed = run_lpx(*argv, "--resume", "--db", db)
     assert resumed.exit_code == 0, resumed.output
     again = json.loads((out / "bisect.json").read_text())
-    assert again["result"]["first_bad"] == "5.20.1+gemma"
+    assert again["result"]["first_bad"] == "5.20.2+gemma"
     assert len(again["runs"]) == found["runs"]
     ran = re.findall(r"^\[\d+\] \S+ run \d+: ", resumed.output, flags=re.M)
     assert len(ran) == 2  # only the missing runs ran
+    assert again["judged_by"] == ["policy", "series"]
     # resumed with every run stored: nothing runs, and what changed still comes from the
     # builds' stored environments
     again["result"] = None
@@ -280,8 +331,7 @@ def test_a_real_bisect_names_the_release_that_brought_the_fault_and_resumes(rele
     idle = run_lpx(*argv, "--resume", "--db", db)
     assert not re.findall(r"^\[\d+\] \S+ run \d+: ", idle.output, flags=re.M)
     stored = json.loads((out / "bisect.json").read_text())["result"]
-    assert stored["changed"]["packages"] == {"transformers": ["5.20.0", "5.20.1"]}
-    assert again["judged_by"] == ["policy", "series"]
+    assert stored["changed"]["packages"] == {"transformers": ["5.20.1", "5.20.2"]}
     # recorded beside that night, the series page shows the bisect: first bad, last good and
     # what changed
     recorded = run_lpx("record", night, out, "--db", db)
@@ -292,46 +342,61 @@ def test_a_real_bisect_names_the_release_that_brought_the_fault_and_resumes(rele
     pages = list((tmp_path / "site").rglob("series/*.html"))
     html = " ".join(page.read_text() for page in pages)
     assert f'data-bisect="{state["bisect_id"][:12]}"' in html
-    assert "5.20.1+gemma" in html and "transformers 5.20.0 &rarr; 5.20.1" in html
+    assert "5.20.2+gemma" in html and "transformers 5.20.1 &rarr; 5.20.2" in html
 
 
-def test_a_flaky_release_is_skipped_and_an_unbuildable_one_is_an_error_never_bad(
-    releases, tmp_path, monkeypatch
+def test_a_patched_build_is_its_release_s_environment_copied_and_it_keeps_its_bytecode(
+    releases,
 ):
-    """Build 2 fails its first two runs (it looks bad) and passes its third: it must come out
-    flaky, never the first bad. 9.9.9 does not exist: an error, never a verdict."""
-    assert flaky_failures(10) == 3 and FLAKY_PATTERN.startswith("110")
-    monkeypatch.setenv("LPX_SEEDED_FLAKE_COUNTER", str(tmp_path / "flake-count"))
-    rows = [("5.18.0", None), ("5.19.0", None), ("5.20.0", "flaky"), ("5.20.1", None)]
-    rows += [("5.20.2", "gemma"), ("5.21.0", "gemma")]
-    builds = _builds(releases, rows)
-    text = builds.read_text().replace("- pip:transformers==5.19.0", "- pip:transformers==9.9.9")
-    builds.write_text(text)
-    out = tmp_path / "bisect"
-    argv = ["bisect", releases / "plan.yaml", "--pair", "hf-fp32", "--builds", builds]
-    argv += ["--good", "pip:transformers==5.18.0", "--bad", "5.21.0+gemma", "--out", out]
-    result = run_lpx(*argv, "--wheelhouse", WHEELS, "--reconfirm", "1", "--retries", "0")
-    assert result.exit_code == 0, result.output
-    found = json.loads((out / "bisect.json").read_text())["result"]
-    assert found["flaky"] == ["5.20.0+flaky"]
-    assert found["errors"] == ["pip:transformers==9.9.9"]
-    assert (found["last_good"], found["first_bad"]) == ("pip:transformers==5.20.1", "5.20.2+gemma")
-    verdicts = {row["build"]: row for row in found["probes"]}
-    assert verdicts["5.20.0+flaky"]["runs"] == [BAD, BAD, GOOD]
-    assert verdicts["pip:transformers==9.9.9"]["verdict"] == ERROR
-    assert (tmp_path / "flake-count").read_text() == "3"  # the flaky build ran 3 times
+    """A patched build whose release the cache holds is that environment copied, then
+    patched: pip does not run again. An environment's interpreter writes the bytecode of
+    what it imports even under PYTHONDONTWRITEBYTECODE (its packages are installed
+    uncompiled); the copy leaves its release's bytecode behind."""
+    import subprocess
+    import sysconfig
+
+    from pipeline import environments
+    from pipeline.faults.releases import GEMMA_NORM, LLAMA, NORM_LINE
+
+    def site(directory: Path) -> Path:
+        paths = sysconfig.get_paths(vars={"base": str(directory), "platbase": str(directory)})
+        return Path(paths["purelib"])
+
+    release = environments.ensure(
+        environments.for_requirement("transformers==5.20.1", wheelhouse=WHEELS)
+    )
+    patch = norm_patch(_wheel("5.20.1"), releases / "gemma-5.20.1.patch")
+    log = releases / "build-5.20.1-gemma.log"
+    patched = environments.ensure(
+        environments.for_requirement("transformers==5.20.1", patch, WHEELS), log
+    )
+    assert patched != release and "-m pip" not in log.read_text()
+    assert "patch -p1" in log.read_text()
+    assert NORM_LINE in (site(release) / LLAMA).read_text()
+    assert GEMMA_NORM in (site(patched) / LLAMA).read_text()
+    described = environments.description(patched)
+    assert described["installed"] == environments.description(release)["installed"]
+    assert described["patch"] == str(patch)
+    assert not list(site(patched).rglob("__pycache__"))
+    subprocess.run(
+        [environments.python_of(patched), "-c", "import transformers"],
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        check=True,
+    )
+    assert list((site(patched) / "transformers" / "__pycache__").glob("__init__.*.pyc"))
 
 
-def test_a_git_bisect_builds_each_revision_and_names_the_commit(releases, tmp_path):
-    """A source tree the user has: transformers 5.20.0's package as a git repository, four
-    commits, the third seeding the Gemma norm. Each revision is exported and built into its
-    own environment by the build command; the commit that brought the fault is named."""
+@pytest.fixture(scope="module")
+def git_bisect(releases) -> tuple[Bisected, dict[str, str]]:
+    """A source tree the user has: transformers 5.20.0's package as a git repository of three
+    commits, the second seeding the Gemma norm, bisected on the rollout side (a rollout
+    engine's commits). Returns the bisect and the commits by name (good, faulty, bad)."""
     import subprocess
     import zipfile
 
     from pipeline.faults.releases import GEMMA_NORM, LLAMA, NORM_LINE
 
-    repo = tmp_path / "transformers"
+    repo = releases / "transformers"
     with zipfile.ZipFile(_wheel("5.20.0")) as wheel:
         wheel.extractall(repo)
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
@@ -339,30 +404,66 @@ def test_a_git_bisect_builds_each_revision_and_names_the_commit(releases, tmp_pa
     def commit(message: str) -> str:
         subprocess.run([*git, "add", "-A"], check=True)
         subprocess.run([*git, "commit", "-qm", message], check=True)
-        return subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+        return head.stdout.strip()
 
     subprocess.run([*git, "init", "-q"], check=True)
-    good = commit("5.20.0 as released").strip()
-    (repo / "NOTES.md").write_text("a change that moves nothing\n")
-    commit("docs")
+    commits = {"good": commit("5.20.0 as released")}
     llama = repo / LLAMA
     llama.write_text(llama.read_text().replace(NORM_LINE, GEMMA_NORM))
-    faulty = commit("norm: share the Gemma path").strip()
-    (repo / "NOTES.md").write_text("another\n")
-    bad = commit("docs again").strip()
+    commits["faulty"] = commit("norm: share the Gemma path")
+    (repo / "NOTES.md").write_text("a change that moves nothing\n")
+    commits["bad"] = commit("docs")
     copy = "cp -r {source}/. $({python} -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')"
-    out = tmp_path / "bisect"
-    result = run_lpx(
-        "bisect", releases / "plan.yaml", "--pair", "hf-fp32", "--source", repo,
-        "--good", f"git:{good}", "--bad", f"git:{bad}", "--build-command", copy,
-        "--runs", "1", "--reconfirm", "0", "--out", out,
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
-    found = json.loads((out / "bisect.json").read_text())["result"]
-    assert found["first_bad"] == f"git:{faulty[:12]}"
-    assert found["runs"] == 2 + 2
-    commits = found["changed"]["commits"]
-    assert len(commits) == 1 and commits[0].endswith("norm: share the Gemma path")
+    out = releases / "git"
+    argv = [
+        "bisect", releases / "plan.yaml", "--pair", "hf-fp32", "--side", "rollout",
+        "--source", repo, "--good", f"git:{commits['good']}", "--bad", f"git:{commits['bad']}",
+        "--build-command", copy, "--runs", "1", "--reconfirm", "0", "--out", out,
+    ]  # fmt: skip
+    return Bisected(out, run_lpx(*argv), argv), commits
+
+
+def test_a_git_bisect_builds_each_revision_and_names_the_commit(git_bisect):
+    """Each revision is exported and built into its own environment by the build command;
+    the commit that brought the fault is named, and the commits from the last good to it."""
+    bisected, commits = git_bisect
+    assert bisected.result.exit_code == 0, bisected.result.output
+    state = json.loads((bisected.out / "bisect.json").read_text())
+    found = state["result"]
+    assert found["first_bad"] == f"git:{commits['faulty'][:12]}"
+    assert found["last_good"] == f"git:{commits['good'][:12]}"
+    assert found["runs"] == 2 + 1
+    built = [r["environment"]["source"] for r in state["runs"]]
+    assert sorted(built) == sorted(commits.values())  # each run on its own revision's build
+    changed = found["changed"]["commits"]
+    assert len(changed) == 1 and changed[0].endswith("norm: share the Gemma path")
+
+
+def test_a_rollout_side_bisect_runs_the_rollout_on_each_build(git_bisect):
+    """--side rollout (a rollout engine upgrade), in the git bisect: only the model is
+    shared; each probe samples its own fixture on the build and the plan's replay scores it
+    as the plan says."""
+    bisected, commits = git_bisect
+    assert bisected.result.exit_code == 0, bisected.result.output
+    out = bisected.out
+    assert sorted(p.name for p in (out / "base").iterdir()) == [
+        "logs", "lpx-run.json", "model", "prompts.txt"
+    ]  # fmt: skip
+    for revision in commits.values():
+        probe = out / "probes" / f"git_{revision[:12]}" / "0"
+        run = json.loads((probe / "lpx-run.json").read_text())
+        stages = {s["name"]: s for s in run["stages"]}
+        assert stages["rollout"]["status"] == "ok"
+        assert "kept" not in stages["rollout"]["message"]  # sampled on the build, not shared
+        assert "kept" in stages["model"]["message"]
+    state = json.loads((out / "bisect.json").read_text())
+    outcomes = {r["build"]: r["outcome"] for r in state["runs"]}
+    assert outcomes == {
+        f"git:{commits['good'][:12]}": GOOD,
+        f"git:{commits['faulty'][:12]}": BAD,
+        f"git:{commits['bad'][:12]}": BAD,
+    }
 
 
 def test_bad_input_is_one_line_naming_what_to_fix_and_exit_2(tmp_path):
@@ -394,26 +495,3 @@ def test_bad_input_is_one_line_naming_what_to_fix_and_exit_2(tmp_path):
     assert "start a new bisect in a new --out" in edited.output
     mixed = run_lpx(*base[:4], "--bad", "image:x:1", "--pair", "hf-fp32", "--out", tmp_path / "c")
     assert mixed.exit_code == 2 and "bisect one kind" in mixed.output
-
-
-def test_a_rollout_side_bisect_runs_the_rollout_on_each_build(releases, tmp_path):
-    """--side rollout (a rollout engine upgrade): only the model is shared; each probe samples
-    its own fixture on the build and the plan's replay scores it as the plan says."""
-    rows = [("5.19.0", None), ("5.20.0", None), ("5.20.1", "gemma")]
-    builds = _builds(releases, rows)
-    out = tmp_path / "bisect"
-    result = run_lpx(
-        "bisect", releases / "plan.yaml", "--pair", "hf-fp32", "--side", "rollout",
-        "--builds", builds, "--good", "pip:transformers==5.19.0", "--bad", "5.20.1+gemma",
-        "--wheelhouse", WHEELS, "--runs", "1", "--reconfirm", "0", "--out", out,
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
-    found = json.loads((out / "bisect.json").read_text())["result"]
-    assert (found["last_good"], found["first_bad"]) == ("pip:transformers==5.20.0", "5.20.1+gemma")
-    assert found["runs"] == 2 + 1
-    assert sorted(p.name for p in (out / "base").iterdir()) == [
-        "logs", "lpx-run.json", "model", "prompts.txt"
-    ]  # fmt: skip
-    probe = out / "probes" / "5.20.1_gemma" / "0"
-    stages = {s["name"]: s for s in json.loads((probe / "lpx-run.json").read_text())["stages"]}
-    assert "kept" not in stages["rollout"]["message"]  # sampled on the build, not shared
