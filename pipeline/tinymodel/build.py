@@ -112,9 +112,12 @@ def _train_model(arch: str, seed: int, token_ids: list[int]):
 def _save_tokenizer(tokenizer, out_dir: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
+    from pipeline.trajectory.template import TINY_CHAT_TEMPLATE
+
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
+    fast.chat_template = TINY_CHAT_TEMPLATE  # Qwen3's structure, for multi-turn trajectories
     fast.save_pretrained(out_dir)
 
 

@@ -41,10 +41,13 @@ def build_key(arch: str, seed: int) -> str:
     """The arch and seed, then a digest of the builder's sources and the libraries."""
     digest = hashlib.sha256()
     package = Path(pipeline.__file__).parent
-    for folder in ("tinymodel", "families"):
-        for source in sorted((package / folder).glob("*")):
-            if source.is_file() and source.suffix in (".py", ".txt"):
-                digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    sources = [
+        p for folder in ("tinymodel", "families") for p in sorted((package / folder).glob("*"))
+    ]
+    sources.append(package / "trajectory" / "template.py")  # the chat template it saves
+    for source in sources:
+        if source.is_file() and source.suffix in (".py", ".txt"):
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
     for library in LIBRARIES:
         try:
             digest.update(f"{library}=={metadata.version(library)}".encode())
