@@ -72,3 +72,32 @@ def tokenize(model_dir: Path, texts: list[str]) -> list[list[int]]:
         ) from None
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     return [bos + tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+
+
+def load_prompt_texts(path: Path) -> list[str]:
+    """Prompts as text, for an agent loop that renders them through a chat template: plain
+    text lines, or JSONL lines with `text` (token-id prompts cannot be rendered)."""
+    try:
+        lines = Path(path).read_text("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise BadInput(f"{path}: cannot read prompts ({error}).") from None
+    texts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if not line.lstrip().startswith("{"):
+            texts.append(line)
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            raise BadInput(f"{path} line {number}: not valid JSON ({error.msg}).") from None
+        if not isinstance(record.get("text"), str):
+            raise BadInput(
+                f"{path} line {number}: an agent loop renders prompts through the chat "
+                "template, so each needs `text` (token-id prompts cannot be rendered)."
+            )
+        texts.append(record["text"])
+    if not texts:
+        raise BadInput(f"{path}: no prompts.")
+    return texts

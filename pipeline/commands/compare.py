@@ -268,6 +268,7 @@ def run_compare(
             calibration=calibration,
             calibration_source=source,
             exact=exact,
+            model_dir=Path(model_dir) if model_dir is not None else None,
         )
         comparison = compare_tables(fixture, replay, fixture_path, replay_path, options)
         if calibration_mismatch:

@@ -51,6 +51,28 @@ from pipeline.plugins import ROLLOUT
     help="Which logprob the `rollout` channel holds: of the model's distribution, or of the "
     "one sampled from (after temperature/top-k/top-p). The other is kept too.",
 )
+@click.option(
+    "--agent-turns",
+    type=NON_NEGATIVE,
+    default=0,
+    show_default=True,
+    help="Run a multi-turn agent loop of this many model turns per trajectory against lpx's "
+    "offline tool environment (0 = one completion per prompt). --max-tokens is per turn.",
+)
+@click.option(
+    "--agent-mode",
+    type=click.Choice(["tito", "messages"]),
+    default="tito",
+    show_default=True,
+    help="tito: each turn's context is the previous turns' ids; messages: the conversation "
+    "re-rendered through the chat template and re-tokenized every turn.",
+)
+@click.option(
+    "--agent-think/--agent-no-think",
+    default=True,
+    show_default=True,
+    help="Each model turn a <think> block, opened after the generation prompt.",
+)
 @dtype_option()
 @device_option
 @knob_options
@@ -67,6 +89,9 @@ def rollout(
     samples_per_prompt,
     ignore_eos,
     logprobs_mode,
+    agent_turns,
+    agent_mode,
+    agent_think,
     dtype,
     device,
     knob_pairs,
@@ -82,6 +107,8 @@ def rollout(
           --logprobs-mode processed -n 4 --out run/fixture.parquet
       lpx rollout --model models/tiny --prompts prompts.txt --device cuda:1 \\
           --set batch_size=64 --out run/fixture.parquet
+      lpx rollout --model models/tiny --prompts prompts.txt --agent-turns 4 \\
+          --max-tokens 16 --out run/agent.parquet
     """
     from pipeline.paths import check_output
 
@@ -102,7 +129,6 @@ def rollout(
         **device_knobs(rollout_with, engine, device),
         **parse_knobs(knob_pairs),
     }
-    prompts = load_prompts(prompts_path, model_dir)
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -113,7 +139,19 @@ def rollout(
         ignore_eos=ignore_eos,
         logprobs_mode=logprobs_mode,
     )
-    table = rollout_with.rollout(model_dir, prompts, sampling, knobs)
+    if agent_turns:
+        from pipeline.prompts import load_prompt_texts
+        from pipeline.trajectory.agent_loop import LoopSettings, agent_rollout
+
+        settings = LoopSettings(
+            turns=agent_turns, mode=agent_mode, think=agent_think, env_seed=seed
+        )
+        texts = load_prompt_texts(prompts_path)
+        table = agent_rollout(rollout_with, model_dir, texts, sampling, knobs, settings)
+    else:
+        table = rollout_with.rollout(
+            model_dir, load_prompts(prompts_path, model_dir), sampling, knobs
+        )
     write_table(table, out_path)
     click.echo(
         f"{engine} rollout: {table.num_sequences} sequences, {table.num_completion_tokens} "

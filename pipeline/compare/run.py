@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +81,8 @@ class CompareOptions:
     calibration: Calibration | dict | None = None
     calibration_source: str = ""  # where the calibration came from, for the report
     exact: bool = False  # any completion token not bitwise equal fails (batch-invariant stacks)
+    # the model directory: a fixture of trajectories needs its tokenizer (else the one named)
+    model_dir: Path | None = None
 
 
 @dataclass
@@ -135,6 +137,7 @@ def compare_tables(
     Four steps: measure, diagnose, judge, assemble."""
     options = options or CompareOptions(**fields)
     _check_inputs(fixture, replay, fixture_path, replay_path, options.allow_weight_mismatch)
+    fixture, token_gap = _trajectory_tokens(fixture, fixture_path, options)
     aligned = align(fixture, replay, options.channel, fixture_path, replay_path)
     policy = options.policy or load_policy()
     dtypes = [fixture.metadata.get("dtype", "float32"), replay.metadata.get("dtype", "float32")]
@@ -154,7 +157,7 @@ def compare_tables(
     judging = judged_against(fixture, replay, aligned, policy, profile, tau, options)
     findings = diagnose(fixture, replay, aligned, measured, judging, dtypes)
     onset = _position_onset(fixture, aligned, judging, dtypes)
-    findings = with_onset(findings, onset)
+    findings = with_onset(findings, onset) + token_gap
     judgement = judge(
         policy, profile, measured.metrics, findings, judging.limits, options.exact, judging.gate
     )
@@ -169,6 +172,25 @@ def compare_tables(
     report.onset = onset
     sequences = sequence_columns(aligned.sequence_ids, measured.per_sequence, tau)
     return Comparison(report, aligned, tau, sequences)
+
+
+def _trajectory_tokens(fixture: TokenTable, fixture_path, options: CompareOptions):
+    """A fixture of multi-turn trajectories: its token partings as findings, and the fixture
+    masked to the model tokens whose whole context is exact, the only ones judged against
+    precision (pipeline/trajectory/fixture.py)."""
+    from pipeline.trajectory import fixture as trajectories
+
+    if not trajectories.has_trajectories(fixture):
+        return fixture, []
+    tokenizer = trajectories.tokenizer_for(fixture, options.model_dir)
+    if tokenizer is None:
+        raise BadInput(
+            f"{fixture_path}: a fixture of trajectories is checked for token-exactness with its "
+            "model's tokenizer, and the model it names is not here; pass --model DIR"
+        )
+    partings, exact = trajectories.token_check(fixture, tokenizer, str(fixture_path))
+    excluded = int(fixture.completion_mask.sum() - exact.sum())
+    return replace(fixture, completion_mask=exact), trajectories.token_findings(partings, excluded)
 
 
 def _position_onset(fixture, aligned: Aligned, judging: Judging, dtypes: list[str]):

@@ -36,6 +36,10 @@ class Cause(StrEnum):
     # the two sides computed with model configs that differ (RoPE, windows, eps, soft-caps,
     # a tied head): named from the configs they recorded, or found by re-scoring a misread
     MODEL_CONFIG = "model_config"
+    # a multi-turn trajectory whose engine context parts from the tokens the trainer scores
+    # (a re-merge, a template separator, thinking stripped, a mask off by one; details say
+    # which class): a token gap, never an engine's drift (pipeline/trajectory/parting.py)
+    TRAJECTORY_TOKENS = "trajectory_tokens"
     UNEXPLAINED = "unexplained"  # beyond precision, and no signature names it
 
 

@@ -95,8 +95,11 @@ def _classify(trajectory, tokenizer, engine, flat, window, engine_start) -> tupl
     e_ids, t_ids = list(engine[i1:i2]), list(flat[j1:j2])
     e_text, t_text = _decode(tokenizer, e_ids), _decode(tokenizer, t_ids)
     specials = set(tokenizer.all_special_ids)
-    # the trainer's ids are what re-tokenizing their text gives (in some equal context)
+    # one side's ids are what re-tokenizing the other's text gives (in some equal context)
     retokenized = _retokenizes(tokenizer, engine, flat, window)
+    # the equal tokens just before the window, decoded with it: a marker such as <think>
+    # whose first piece both sides share is read whole
+    lead = _decode(tokenizer, engine[max(0, i1 - 3) : i1])
 
     first = trajectory.turns[0]
     if first.role == "system" and i1 < len(first.ids) and i2 - i1 > j2 - j1:
@@ -116,9 +119,10 @@ def _classify(trajectory, tokenizer, engine, flat, window, engine_start) -> tupl
             f"{', '.join(named)} only on the {'engine' if lost else 'trainer'}'s side",
             True,
         )
-    if "<think>" in e_text and THINK.sub("", e_text).strip() == t_text.strip():
+    e_lead, t_lead = lead + e_text, lead + t_text
+    if "<think>" in e_lead and THINK.sub("", e_lead).strip() == THINK.sub("", t_lead).strip():
         return "thinking_stripped", "a <think> block only the engine saw", retokenized
-    if "<think>" in t_text and THINK.sub("", t_text).strip() == e_text.strip():
+    if "<think>" in t_lead and THINK.sub("", t_lead).strip() == THINK.sub("", e_lead).strip():
         return "thinking_stripped", "a <think> block only the trainer scores", retokenized
     if e_text.split() == t_text.split():
         at_turn_start = i1 == engine_start or _at_span_start(trajectory, j1)
@@ -160,15 +164,16 @@ def _at_span_start(trajectory: Trajectory, position: int) -> bool:
 
 
 def _retokenizes(tokenizer, engine, flat, window) -> bool:
-    """Whether the trainer's window, widened by up to 3 equal tokens each side, is the
-    tokenizer's own encoding of its text: the trainer side is re-tokenized text."""
+    """Whether one side's window, widened by up to 3 equal tokens each side, is the
+    tokenizer's own encoding of its text while the other's is not: that side is re-tokenized
+    text (the trainer's, or a messages-mode engine context's)."""
     i1, i2, j1, j2 = window
     for pad in range(0, 4):
-        lo, hi = max(0, j1 - pad), min(len(flat), j2 + pad)
-        if lo == hi:
-            continue
-        ids = list(flat[lo:hi])
-        if _encode(tokenizer, _decode(tokenizer, ids)) == ids:
+        e_ids = list(engine[max(0, i1 - pad) : min(len(engine), i2 + pad)])
+        t_ids = list(flat[max(0, j1 - pad) : min(len(flat), j2 + pad)])
+        e_own = bool(e_ids) and _encode(tokenizer, _decode(tokenizer, e_ids)) == e_ids
+        t_own = bool(t_ids) and _encode(tokenizer, _decode(tokenizer, t_ids)) == t_ids
+        if e_own != t_own or (e_own and t_own and e_ids != t_ids):
             return True
     return False
 

@@ -28,6 +28,8 @@ NOT_REPRODUCIBLE = {
     Cause.VERSION_CHANGE: "the weights after the update are not at hand; give --weights-store",
     Cause.CLAIMED_VERSION: "already decided by re-scoring under the store's versions",
     Cause.MISSING_VERSION: "the version is not in the store",
+    Cause.TRAJECTORY_TOKENS: "a token gap, verified by re-tokenizing with the model's own "
+    "tokenizer (pipeline/trajectory/parting.py), not by re-scoring",
 }
 
 

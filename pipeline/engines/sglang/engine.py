@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +81,26 @@ class SGLangRolloutEngine:
                         found, settings[i], model_dir, prompts, sampling, routing, original
                     )
         return results
+
+    @contextmanager
+    def session(self, model_dir: Path, sampling: SamplingParams, knobs: dict, longest: int = 0):
+        """One server held across calls (an agent loop's turns): yields
+        ``sample(prompts, sampling) -> fixture``; ``longest`` sizes its KV cache."""
+        settings = SGLangKnobs.from_dict(knobs)
+        wants_raw = sampling.logprobs_mode == "raw" or sampling.temperature in (0, 1)
+        env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1" if wants_raw else "0"}
+        routing = _routing(model_dir, settings, "rollout")
+        with session(settings, model_dir, longest=longest, moe=routing is not None,
+                     log_dir=self.log_dir, role="rollout", env=env, say=_say) as found:  # fmt: skip
+            original = {}
+
+            def sample(prompts, asked):
+                if not original:  # a server at a url is probed once, with the first prompts
+                    original["raw"] = _returns_original(settings, found, prompts, wants_raw)
+                return _rollout_on(found, settings, model_dir, prompts, asked, routing,
+                                   original["raw"])  # fmt: skip
+
+            yield sample
 
 
 def _returns_original(settings: SGLangKnobs, found, prompts, wants_raw: bool) -> bool:

@@ -7,6 +7,7 @@ user separate "vLLM samples differently" from "vLLM scores differently".
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,17 @@ class VLLMRolloutEngine:
             finally:
                 release_llm(llm)
         return results
+
+    @contextmanager
+    def session(self, model_dir: Path, sampling: SamplingParams, knobs: dict, longest: int = 0):
+        """One engine held across calls (an agent loop's turns): yields
+        ``sample(prompts, sampling) -> fixture``."""
+        settings = VLLMKnobs.from_dict({"logprobs_mode": sampling.logprobs_mode, **knobs})
+        llm = create_llm(model_dir, settings, seed=sampling.seed)
+        try:
+            yield lambda prompts, asked: rollout_with(llm, model_dir, prompts, asked, settings)
+        finally:
+            release_llm(llm)
 
 
 def rollout_with(
