@@ -19,6 +19,7 @@ from pipeline.fixture.presets import PRESETS
     default="generic",
     show_default=True,
     help="A framework's field names (docs/ingest.md): verl (DataProto rows, either stage), "
+    "verl-agent (the agent loop's output), skyrl, "
     "slime (Sample.to_dict, rollout stage), slime-train (train-stage samples), generic. Fields "
     "a stage may not have yet (old/ref logprobs, masks, weight versions) are read where "
     "present.",
@@ -49,9 +50,16 @@ from pipeline.fixture.presets import PRESETS
     show_default=True,
     help="The rollout engine's release, recorded in the fixture (history series key on it).",
 )
+@click.option(
+    "--multi-turn",
+    is_flag=True,
+    help="The responses are agent trajectories: model turns (mask 1) with tool or user turns "
+    "(mask 0) between them. Kept as turns and checked for token-exactness by compare (the "
+    "verl-agent and skyrl presets imply it).",
+)
 @dtype_option("Dtype the rollout engine ran in.", default="bfloat16")
 def ingest(
-    jsonl_path, out_path, preset, fields, model_dir, engine_name, engine_version, dtype
+    jsonl_path, out_path, preset, fields, model_dir, engine_name, engine_version, multi_turn, dtype
 ) -> None:
     """Convert a JSONL rollout dump from another RL framework into a fixture.
 
@@ -66,6 +74,7 @@ def ingest(
       lpx ingest dump.jsonl --preset verl --model models/tiny --engine-name vllm \\
           --engine-version 0.11.0 --out run/fixture.parquet
       lpx ingest dump.jsonl --field rollout=logits_lp --out run/fixture.parquet
+      lpx ingest agent.jsonl --preset verl-agent --model models/tiny --out run/agent.parquet
     """
     from pipeline.paths import check_output
 
@@ -94,6 +103,11 @@ def ingest(
     if table.routed_experts is not None and model_dir:
         _routing_from_model(table, model_dir, jsonl_path)
     validate_table(table, jsonl_path, (metadata.get("model") or {}).get("vocab_size"))
+    if multi_turn or field_map.multi_turn:
+        from pipeline.trajectory.fixture import turns_from_mask
+
+        table.metadata["trajectories"] = turns_from_mask(table, jsonl_path)
+        table.metadata["agent_loop"] = {"mode": "ingested", "preset": preset}
     write_table(table, out_path)
     click.echo(
         f"ingested {table.num_sequences} trajectories, {table.num_completion_tokens} "

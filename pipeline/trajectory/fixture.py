@@ -14,7 +14,12 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import BadInput
-from pipeline.trajectory.parting import Parting, exact_model_positions, token_partings
+from pipeline.trajectory.parting import (
+    MASK_CLASSES,
+    Parting,
+    exact_model_positions,
+    token_partings,
+)
 from pipeline.trajectory.shape import Trajectory, make_trajectory
 
 
@@ -58,17 +63,85 @@ def trajectories_of(table, source: str = "") -> list[Trajectory]:
 
 def token_check(table, tokenizer, source: str = "") -> tuple[list[Parting], np.ndarray]:
     """Every parting, and the completion mask of the tokens compare may judge against
-    precision (model tokens whose whole context is exact)."""
+    precision (model tokens whose whole context is exact, in turns no mask fault names)."""
     partings: list[Parting] = []
     exact = np.zeros_like(table.completion_mask)
+    ingested = (table.metadata.get("agent_loop") or {}).get("mode") == "ingested"
     for row, trajectory in enumerate(trajectories_of(table, source)):
-        partings += token_partings(trajectory, tokenizer)
+        found = token_partings(trajectory, tokenizer)
+        if ingested:
+            found += mask_against_logprobs(table, row, trajectory)
+        partings += found
+        faulty = {p.turn for p in found if p.cause in MASK_CLASSES}
+        spans = trajectory.spans()
         prompt_len = len(table.prompt_of(row))
         base = table.completion_slice(row).start
         for position in exact_model_positions(trajectory):
-            if position >= prompt_len:
+            in_fault = any(s <= position < e for k, (s, e) in enumerate(spans) if k in faulty)
+            if position >= prompt_len and not in_fault:
                 exact[base + position - prompt_len] = True
     return partings, exact & table.completion_mask
+
+
+def turns_from_mask(table, source) -> dict:
+    """An agent loop's dump as turns: the prompt one user turn, then each run of the
+    response mask a turn, model (1) or tool (0). Contexts are the sequence's own prefix
+    (a dump of token-in-token-out turns records no other)."""
+    described = {}
+    for row, sequence_id in enumerate(table.sequence_ids):
+        prompt_len = len(table.prompt_of(row))
+        mask = table.completion_mask[table.completion_slice(row)].astype(bool)
+        if not mask.any():
+            raise BadInput(
+                f"{source}: trajectory {sequence_id!r} has no model token (its mask is all 0); "
+                "a multi-turn dump masks 1 on generated tokens"
+            )
+        turns = [{"role": "user", "start": 0, "end": prompt_len}]
+        start = 0
+        for i in range(1, len(mask) + 1):
+            if i == len(mask) or mask[i] != mask[start]:
+                role = "assistant" if mask[start] else "tool"
+                turns.append({"role": role, "start": prompt_len + start, "end": prompt_len + i})
+                start = i
+        described[sequence_id] = {"turns": turns}
+    return described
+
+
+def _has_logprob(values: np.ndarray) -> np.ndarray:
+    """Where a dump recorded a logprob: frameworks write 0.0 (verl, SkyRL) or nothing on
+    the tokens they did not generate."""
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(values) & (values != 0.0)
+
+
+def mask_against_logprobs(table, row: int, trajectory: Trajectory) -> list[Parting]:
+    """A dump's mask against where its logprobs are: a model turn whose 1s sit one token
+    off from its logprobs at both ends (the first generated token masked, a token with no
+    logprob scored, or the other way) is `mask_off_by_one`."""
+    rollout = table.channels.get("rollout")
+    if rollout is None:
+        return []
+    prompt_len = len(table.prompt_of(row))
+    values = rollout[table.completion_slice(row)].astype(np.float64)
+    present = _has_logprob(values)
+    faults = []
+    for k, (start, end) in enumerate(trajectory.spans()):
+        if not trajectory.turns[k].is_model:
+            continue
+        s, e = start - prompt_len, end - prompt_len  # completion coordinates
+        # both ends must show it, but for an end the sequence cuts (its last turn)
+        late = s >= 1 and present[s - 1] and (not present[e - 1] or e == len(present))
+        early = e < len(present) and present[e] and (not present[s] or s == 0)
+        if late or early:
+            shift = 1 if late else -1
+            faults.append(Parting(
+                trajectory.id, k, start - 1 if late else start, "mask_off_by_one", "verified",
+                turns=[k],
+                evidence=(f"the mask's 1s sit {shift:+d} token from the turn's logprobs: "
+                          f"token {start - 1 if late else end} has a logprob and no mask, token "
+                          f"{end - 1 if late else start} a mask and no logprob"),
+            ))  # fmt: skip
+    return faults
 
 
 def tokenizer_for(table, model_dir: Path | None = None):

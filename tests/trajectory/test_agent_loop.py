@@ -143,3 +143,80 @@ def test_an_agent_loop_needs_text_prompts_and_a_chat_template(tmp_path, tiny_mod
     assert done.exit_code == 2
     assert f"{ids} line 1: an agent loop renders prompts through the chat template" in done.output
     assert not (tmp_path / "f.parquet").exists()
+
+
+def _agent_dump(table, path, shape: str, shift_mask_of: str | None = None):
+    """The fixture's trajectories as an agent framework dumps them: verl's AgentLoopOutput
+    (prompt_ids, response_ids, response_mask, response_logprobs with 0.0 on tool tokens,
+    num_turns) or slime's Sample (tokens, response_length, loss_mask, rollout_log_probs)."""
+    import numpy as np
+
+    lines = []
+    for row, sequence_id in enumerate(table.sequence_ids):
+        prompt = [int(v) for v in table.prompt_of(row)]
+        span = table.completion_slice(row)
+        response = [int(v) for v in table.completion_ids[span]]
+        mask = [int(v) for v in table.completion_mask[span]]
+        logprobs = [0.0 if not m else float(v)
+                    for m, v in zip(mask, table.channels["rollout"][span], strict=True)]  # fmt: skip
+        if sequence_id == shift_mask_of:  # the mask one token late, the logprobs where they were
+            mask = [0] + mask[:-1]
+        turns = sum(1 for a, b in zip([0] + mask, mask, strict=False) if b and not a)
+        assert not np.isnan(logprobs).any()
+        if shape == "verl-agent":
+            lines.append({"prompt_ids": prompt, "response_ids": response, "response_mask": mask,
+                          "response_logprobs": logprobs, "num_turns": 2 * turns})  # fmt: skip
+        else:
+            lines.append({"tokens": prompt + response, "response_length": len(response),
+                          "loss_mask": mask, "rollout_log_probs": logprobs})  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("shape, extra", [("verl-agent", ()), ("slime", ("--multi-turn",))])
+def test_an_agent_frameworks_dump_is_ingested_as_turns_and_its_masks_honoured(
+    shape, extra, tito, tiny_model, tmp_path
+):
+    _, _, table, _ = tito
+    dump = _agent_dump(table, tmp_path / "dump.jsonl", shape)
+    fixture = tmp_path / "fixture.parquet"
+    done = run_lpx("ingest", dump, "--preset", shape, *extra, "--model", tiny_model,
+                   "--dtype", "fp32", "--engine-name", "hf", "--out", fixture)  # fmt: skip
+    assert done.exit_code == 0, done.output
+    ingested = read_table(fixture)
+    # a dump without ids: each trajectory is named by its line
+    roles = [t["role"] for t in ingested.metadata["trajectories"]["1"]["turns"]]
+    assert roles[0] == "user" and roles.count("assistant") == TURNS and "tool" in roles
+    replay = tmp_path / "replay.parquet"
+    assert run_lpx("replay", fixture, "--engine", "hf", "--dtype", "fp32", "--model", tiny_model,
+                   "--out", replay).exit_code == 0  # fmt: skip
+    done = run_lpx("compare", fixture, replay, "--model", tiny_model, "--out", tmp_path / "c")
+    report = read_report(tmp_path / "c")
+    assert done.exit_code == 0 and report["verdict"] == "pass", done.output
+    assert report["metrics"]["tokens"] == MODEL_TOKENS  # the tool turns' tokens masked
+    assert report["metrics"]["max_abs_diff"] < FP32_TOLERANCE
+
+
+def test_a_dumps_mask_one_token_off_its_logprobs_is_named_and_kept_out_of_precision(
+    tito, tiny_model, tmp_path
+):
+    _, _, table, _ = tito
+    dump = _agent_dump(table, tmp_path / "dump.jsonl", "verl-agent", shift_mask_of="3-0")
+    fixture = tmp_path / "fixture.parquet"
+    assert run_lpx("ingest", dump, "--preset", "verl-agent", "--model", tiny_model, "--dtype",
+                   "fp32", "--out", fixture).exit_code == 0  # fmt: skip
+    replay = tmp_path / "replay.parquet"
+    assert run_lpx("replay", fixture, "--engine", "hf", "--dtype", "fp32", "--model", tiny_model,
+                   "--out", replay).exit_code == 0  # fmt: skip
+    done = run_lpx("compare", fixture, replay, "--model", tiny_model, "--out", tmp_path / "c")
+    report = read_report(tmp_path / "c")
+    assert done.exit_code == 1 and report["verdict"] == "fail", done.output
+    (finding,) = [f for f in report["diagnosis"] if f["severity"] == "fault"]
+    assert finding["cause"] == "trajectory_tokens" and finding["status"] == "verified"
+    assert finding["details"]["class"] == "mask_off_by_one"
+    assert finding["sequences"] == ["4"]  # the dump's line 4, trajectory 3-0
+    # every model turn of the trajectory, each named at its own turn
+    assert len(finding["details"]["partings"]) == TURNS
+    # its turns are kept out of precision; the other 7 trajectories are judged and agree
+    assert report["metrics"]["tokens"] == MODEL_TOKENS - TURNS * TURN_TOKENS
+    assert report["metrics"]["max_abs_diff"] < FP32_TOLERANCE
