@@ -137,7 +137,7 @@ def compare_tables(
     Four steps: measure, diagnose, judge, assemble."""
     options = options or CompareOptions(**fields)
     _check_inputs(fixture, replay, fixture_path, replay_path, options.allow_weight_mismatch)
-    fixture, token_gap = _trajectory_tokens(fixture, fixture_path, options)
+    fixture, token_gap, token_metrics = _trajectory_tokens(fixture, fixture_path, options)
     aligned = align(fixture, replay, options.channel, fixture_path, replay_path)
     policy = options.policy or load_policy()
     dtypes = [fixture.metadata.get("dtype", "float32"), replay.metadata.get("dtype", "float32")]
@@ -149,6 +149,10 @@ def compare_tables(
             "every token masked); comparing nothing is never a pass."
         )
     measured = measure(fixture, replay, aligned, tau)
+    if "trajectories" in fixture.metadata:
+        from pipeline.trajectory.fixture import by_turn
+
+        measured.metrics.update(token_metrics, by_turn=by_turn(fixture, aligned))
     completion = aligned.completion
     correction = correction_view(
         completion.train, completion.rollout, completion.offsets, policy.correction
@@ -181,7 +185,7 @@ def _trajectory_tokens(fixture: TokenTable, fixture_path, options: CompareOption
     from pipeline.trajectory import fixture as trajectories
 
     if not trajectories.has_trajectories(fixture):
-        return fixture, []
+        return fixture, [], {}
     tokenizer = trajectories.tokenizer_for(fixture, options.model_dir)
     if tokenizer is None:
         raise BadInput(
@@ -190,7 +194,14 @@ def _trajectory_tokens(fixture: TokenTable, fixture_path, options: CompareOption
         )
     partings, exact = trajectories.token_check(fixture, tokenizer, str(fixture_path))
     excluded = int(fixture.completion_mask.sum() - exact.sum())
-    return replace(fixture, completion_mask=exact), trajectories.token_findings(partings, excluded)
+    parted = {p.trajectory for p in partings}
+    metrics = {
+        # the share of trajectories whose every model turn's context is exact (a series metric)
+        "token_exact_rate": 1.0 - len(parted) / max(1, fixture.num_sequences),
+        "model_tokens_outside_precision": float(excluded),
+    }
+    findings = trajectories.token_findings(partings, excluded)
+    return replace(fixture, completion_mask=exact), findings, metrics
 
 
 def _position_onset(fixture, aligned: Aligned, judging: Judging, dtypes: list[str]):

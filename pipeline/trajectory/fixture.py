@@ -186,3 +186,32 @@ def token_findings(partings: list[Parting], excluded_tokens: int) -> list:
                      "model_tokens_outside_precision": excluded_tokens},
         ))  # fmt: skip
     return findings
+
+
+def by_turn(table, aligned) -> list[dict]:
+    """The compared tokens' drift per model-turn index (1 = each trajectory's first model
+    turn): where a gap grows with the turns, it shows here."""
+    described = table.metadata.get("trajectories") or {}
+    index = table.index_of()
+    region = aligned.completion
+    turn = np.full(len(region.positions), -1, dtype=np.int64)
+    for i, sequence_id in enumerate(aligned.sequence_ids):
+        row = index[sequence_id]
+        prompt_len = len(table.prompt_of(row))
+        lo, hi = int(region.offsets[i]), int(region.offsets[i + 1])
+        positions = region.positions[lo:hi]
+        spans = [(t["start"] - prompt_len, t["end"] - prompt_len)
+                 for t in described.get(sequence_id, {}).get("turns", [])
+                 if t["role"] == "assistant"]  # fmt: skip
+        for n, (start, end) in enumerate(spans):
+            turn[lo:hi][(positions >= start) & (positions < end)] = n
+    diff = region.train.astype(np.float64) - region.rollout.astype(np.float64)
+    rows = []
+    for n in range(int(turn.max(initial=-1)) + 1):
+        chosen = diff[turn == n]
+        if len(chosen):
+            rows.append({"turn": n + 1, "tokens": int(len(chosen)),
+                         "mean_abs_diff": float(np.abs(chosen).mean()),
+                         "max_abs_diff": float(np.abs(chosen).max()),
+                         "mean_diff": float(chosen.mean())})  # fmt: skip
+    return rows

@@ -58,6 +58,12 @@ def test_token_in_token_out_trajectories_pass_token_exact_at_fp32_agreement(tito
     # every model token judged (the tool turns' tokens are masked), tool turns between
     assert report["metrics"]["tokens"] == MODEL_TOKENS
     assert report["metrics"]["max_abs_diff"] < FP32_TOLERANCE
+    assert report["metrics"]["token_exact_rate"] == 1.0
+    assert report["metrics"]["model_tokens_outside_precision"] == 0
+    by_turn = report["metrics"]["by_turn"]
+    assert [row["turn"] for row in by_turn] == list(range(1, TURNS + 1))
+    assert {row["tokens"] for row in by_turn} == {TRAJECTORIES * TURN_TOKENS}
+    assert max(row["max_abs_diff"] for row in by_turn) < FP32_TOLERANCE
     described = fixture.metadata["trajectories"]
     assert len(described) == TRAJECTORIES
     for entry in described.values():
@@ -129,6 +135,10 @@ def test_messages_mode_through_a_template_that_strips_thinking_fails_naming_the_
     assert MODEL_TOKENS // 2 - 2 * TURN_TOKENS <= report["metrics"]["tokens"] < MODEL_TOKENS
     assert report["metrics"]["max_abs_diff"] < FP32_TOLERANCE
     assert report["policy"]["violations"] == []
+    assert report["metrics"]["token_exact_rate"] == 0.0  # every trajectory parts at turn 6
+    judged = sum(row["tokens"] for row in report["metrics"]["by_turn"])
+    assert judged == report["metrics"]["tokens"]
+    assert report["metrics"]["model_tokens_outside_precision"] == MODEL_TOKENS - judged
     # the engine's contexts that were not the sequence's prefix are kept in the fixture
     kept = [t for e in fixture.metadata["trajectories"].values() for t in e["turns"]
             if "context_ids" in t]  # fmt: skip
