@@ -15,6 +15,7 @@ from pipeline.commands.ack import ack
 from pipeline.commands.annotate import annotate
 from pipeline.commands.bisect import bisect
 from pipeline.commands.calibrate import calibrate
+from pipeline.commands.check_template import check_template
 from pipeline.commands.compare import compare, diagnose
 from pipeline.commands.engines import engines
 from pipeline.commands.fixture import fixture
@@ -96,6 +97,7 @@ COMMANDS = (
     bisect,
     fixture,
     ingest,
+    check_template,
     inject,
     smoke,
     record,

@@ -276,3 +276,23 @@ def test_bad_trajectories_are_one_line_naming_the_trajectory_and_turn(turns, fla
         make_trajectory("tr7", turns, flat, mask, source="dump.jsonl:3")
     text = str(raised.value)
     assert message in text and "dump.jsonl:3: trajectory 'tr7'" in text and "\n" not in text
+
+
+def test_lpx_check_template_names_where_a_template_stops_appending(tiny_model, tmp_path):
+    import json
+
+    from support.helpers import run_lpx
+
+    done = run_lpx("check-template", tiny_model)
+    assert done.exit_code == 1
+    assert "not append-only at message 5" in done.output and "<think>" in done.output
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps([dict(m, content=m["content"].split("</think>")[-1].strip())
+                                 for m in conversation()]))  # fmt: skip
+    done = run_lpx("check-template", tiny_model, "--conversation", plain)
+    assert done.exit_code == 0 and "append-only over 9 messages" in done.output
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"role": "system", "content": "x"}, {"role": "robot"}]))
+    done = run_lpx("check-template", tiny_model, "--conversation", bad)
+    assert done.exit_code == 2
+    assert f"{bad}: message 1 needs a role" in done.output and "Traceback" not in done.output
