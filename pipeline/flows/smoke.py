@@ -24,6 +24,9 @@ def default_model_dir() -> Path:
 
 
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+# What a current lpx build also writes: a tiny model built before its chat template was is
+# built again (the same weights; agent loops render through the template)
+BUILT_FILES = (*MODEL_FILES, "chat_template.jinja")
 
 
 def ensure_tiny_model(model_dir: Path, arch: str = "llama", seed: int = 0) -> Path:
@@ -31,7 +34,7 @@ def ensure_tiny_model(model_dir: Path, arch: str = "llama", seed: int = 0) -> Pa
     incomplete directory is replaced only when lpx built it (it holds lpx-model.json)."""
     from pipeline.tinymodel.build import install_tiny_model
 
-    if all((model_dir / name).is_file() for name in MODEL_FILES):
+    if all((model_dir / name).is_file() for name in BUILT_FILES):
         return model_dir
     if model_dir.exists() and not (model_dir / "lpx-model.json").is_file():
         raise BadInput(

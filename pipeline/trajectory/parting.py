@@ -72,13 +72,26 @@ def engine_sequence(trajectory: Trajectory, k: int) -> tuple[tuple[int, ...], in
 
 def _first_difference(engine: tuple[int, ...], flat: tuple[int, ...]):
     """The first differing (engine window, trainer window) as index ranges, or None."""
-    matcher = difflib.SequenceMatcher(None, engine, flat[: len(engine) + 64], autojunk=False)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag != "equal":
-            if tag == "insert" and i1 == len(engine):
-                return None  # the trainer's sequence only goes on: a prefix, token-exact
-            return i1, i2, j1, j2
-    return None
+    if flat[: len(engine)] == engine:
+        return None  # the common case, token-exact: no alignment needed
+    start = next(i for i in range(min(len(engine), len(flat)) + 1)
+                 if i == len(engine) or i == len(flat) or engine[i] != flat[i])  # fmt: skip
+    # align from where they part, in a window that grows until the sides meet again inside it
+    width = 256
+    while True:
+        e_end = min(len(engine), start + width)
+        f_end = min(len(flat), e_end + 64)
+        matcher = difflib.SequenceMatcher(None, engine[start:e_end], flat[start:f_end],
+                                          autojunk=False)  # fmt: skip
+        opcodes = [op for op in matcher.get_opcodes() if op[0] != "equal"]
+        tag, i1, i2, j1, j2 = opcodes[0] if opcodes else ("equal", 0, 0, 0, 0)
+        whole = e_end == len(engine)
+        if whole or (opcodes and start + i2 < e_end and start + j2 < f_end):
+            break
+        width *= 4
+    if not opcodes or (tag == "insert" and start + i1 == len(engine)):
+        return None  # the trainer's sequence only goes on: a prefix, token-exact
+    return start + i1, start + i2, start + j1, start + j2
 
 
 def _decode(tokenizer, ids, skip_special: bool = False) -> str:
@@ -103,7 +116,7 @@ def _classify(trajectory, tokenizer, engine, flat, window, engine_start) -> tupl
 
     first = trajectory.turns[0]
     if first.role == "system" and i1 < len(first.ids) and i2 - i1 > j2 - j1:
-        if i1 == 0 and i2 >= len(first.ids) and j2 - j1 == 0:
+        if j2 == j1 and i2 - i1 == len(first.ids):  # the whole turn's length, deleted
             return "system_prompt_dropped", "the trainer's sequence has no system turn", True
         if not t_text or e_text.startswith(t_text):
             return "system_prompt_truncated", "the system turn is cut short", retokenized
