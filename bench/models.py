@@ -48,6 +48,8 @@ def random_llama(layers: int, width: int, std: float = 0.02, vocab: int | None =
 
     out = CACHE / f"llama-{layers}x{width}-std{std:g}-v{vocab or 'tiny'}"
     if (out / "config.json").is_file():
+        if vocab is None and not (out / "chat_template.jinja").is_file():
+            _tokenizer_of_tiny(out)  # cached before the tiny model had its chat template
         return out
     config = LlamaConfig(**_dense(layers, width, std, vocab))
     return _save(LlamaForCausalLM, config, out, vocab is None)
@@ -154,10 +156,18 @@ def _save(cls, config, out: Path, with_tokenizer: bool) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cls(config).save_pretrained(out)
     if with_tokenizer:
-        for path in tiny().iterdir():
-            if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
-                shutil.copy(path, out / path.name)
+        _tokenizer_of_tiny(out)
     return out
+
+
+TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja")
+
+
+def _tokenizer_of_tiny(out: Path) -> None:
+    """The tiny model's tokenizer and chat template, copied beside a random model's weights."""
+    for path in tiny().iterdir():
+        if path.name.startswith("tokenizer") or path.name in TOKENIZER_FILES:
+            shutil.copy(path, out / path.name)
 
 
 def _tiny_vocab() -> int:

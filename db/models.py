@@ -110,6 +110,8 @@ class Case(Base):
     # that has no such columns yet (pipeline/history/rekey.py reads them where they exist)
     rollout_numerics: Mapped[str | None] = mapped_column(String(256), deferred=True)
     replay_numerics: Mapped[str | None] = mapped_column(String(256), deferred=True)
+    # a multi-turn agent loop's turns and mode (migration 0010), None for one completion
+    agent_loop: Mapped[str | None] = mapped_column(String(256), deferred=True)
     knobs: Mapped[dict] = mapped_column(Json, default=dict)  # {rollout, replay, sampling}
     layout: Mapped[dict] = mapped_column(Json, default=dict)
 

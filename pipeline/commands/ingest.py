@@ -15,11 +15,11 @@ from pipeline.fixture.presets import PRESETS
 )
 @click.option(
     "--preset",
-    type=click.Choice(sorted(PRESETS)),
+    type=click.Choice(sorted([*PRESETS, "nemo-rl"])),
     default="generic",
     show_default=True,
     help="A framework's field names (docs/ingest.md): verl (DataProto rows, either stage), "
-    "verl-agent (the agent loop's output), skyrl, "
+    "verl-agent (the agent loop's output), skyrl, nemo-rl (message_log turns), "
     "slime (Sample.to_dict, rollout stage), slime-train (train-stage samples), generic. Fields "
     "a stage may not have yet (old/ref logprobs, masks, weight versions) are read where "
     "present.",
@@ -85,7 +85,13 @@ def ingest(
     from pipeline.names import canonical_dtype
 
     overrides = parse_knobs(fields, option="--field", example="mask=loss_mask")
-    field_map = PRESETS[preset].with_overrides(overrides)
+    if preset == "nemo-rl" and overrides:
+        from pipeline.errors import BadInput
+
+        raise BadInput(
+            "--preset nemo-rl reads message_log turns as they are; --field does not apply"
+        )
+    field_map = PRESETS.get(preset, PRESETS["generic"]).with_overrides(overrides)
     dtype = canonical_dtype(dtype)  # --dtype is one of its spellings (a click.Choice)
     metadata = {
         "engine": {
@@ -99,11 +105,16 @@ def ingest(
         from pipeline.engines.metadata import model_metadata
 
         metadata["model"] = model_metadata(model_dir)
-    table = ingest_jsonl(jsonl_path, field_map, metadata)
+    if preset == "nemo-rl":
+        from pipeline.trajectory.message_log import read_message_logs
+
+        table = read_message_logs(jsonl_path, metadata)
+    else:
+        table = ingest_jsonl(jsonl_path, field_map, metadata)
     if table.routed_experts is not None and model_dir:
         _routing_from_model(table, model_dir, jsonl_path)
     validate_table(table, jsonl_path, (metadata.get("model") or {}).get("vocab_size"))
-    if multi_turn or field_map.multi_turn:
+    if (multi_turn or field_map.multi_turn) and preset != "nemo-rl":
         from pipeline.trajectory.fixture import turns_from_mask
 
         table.metadata["trajectories"] = turns_from_mask(table, jsonl_path)

@@ -371,7 +371,9 @@ def assemble(
                 "path": str(fixture_path),
                 "channel": options.channel,
                 "prompt_set_fingerprint": prompt_set_fingerprint(fixture),
-                **fixture.metadata,
+                # a fixture's trajectories (turn spans, contexts kept whole) stay in it: the
+                # report has their findings and metrics
+                **{k: v for k, v in fixture.metadata.items() if k != "trajectories"},
             },
             "replay": {"path": str(replay_path), "channel": REPLAY_CHANNEL, **replay.metadata},
             "command_line": options.command_line,

@@ -70,6 +70,9 @@ def comparison_details(
         # where drift starts at one position in many sequences (compare/onset.py)
         "onset": onset_words(report.onset) if getattr(report, "onset", None) else None,
         "kl_input_drift": _scalars(report.metrics.get("kl_input_drift") or {}),
+        # multi-turn trajectories: drift per model-turn index, and the share token-exact
+        "by_turn": report.metrics.get("by_turn") or [],
+        "token_exact_rate": report.metrics.get("token_exact_rate"),
         "decoded": tokenizer is not None,
         "reproduce": {
             "command_line": meta.get("command_line", ""),

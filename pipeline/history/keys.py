@@ -196,6 +196,8 @@ def describe_case(metadata: Metadata, label: str | None = None, run_dir: str | N
         # reduced-precision numerics: an FP8 rollout is another case than a bf16 one
         "rollout_numerics": _numerics(fixture),
         "replay_numerics": _numerics(replay),
+        # a multi-turn agent loop: its turns and mode are another workload than one turn
+        "agent_loop": _agent_loop(fixture),
         "knobs": {
             "rollout": case_knobs(fixture.get("knobs") or {}, run_dir),
             "replay": case_knobs(replay.get("knobs") or {}, run_dir),
@@ -211,8 +213,21 @@ def _numerics(side: Side) -> str | None:
     return str(text) if text else None
 
 
-# keyed only where a side declares numerics: every case recorded before keeps its key
-NUMERICS_KEYS = ("rollout_numerics", "replay_numerics")
+def _agent_loop(side: Side) -> str | None:
+    """A fixture's agent loop in words (its turns, mode, thinking or the preset it was
+    ingested with); None for one completion per prompt."""
+    loop = side.get("agent_loop")
+    if not isinstance(loop, dict):
+        return None
+    if loop.get("mode") == "ingested":
+        return f"ingested ({loop.get('preset', 'unknown')})"
+    think = ", thinking" if loop.get("think") else ""
+    return f"{loop.get('turns')} turns, {loop.get('mode')}{think}"
+
+
+# keyed only where present (a side's numerics, an agent loop): every case recorded before
+# keeps its key
+KEYED_WHERE_PRESENT = ("rollout_numerics", "replay_numerics", "agent_loop")
 
 
 def case_key(case: dict) -> str:
@@ -220,7 +235,9 @@ def case_key(case: dict) -> str:
     tokenizer's fingerprints stand for the model) and, for a labelled case, its knobs. The
     run-specific knobs are dropped here too, so a case stored before they were is keyed as
     a new one is (the history migration re-keys with this)."""
-    keyed = {k: v for k, v in case.items() if k != "model" and not (k in NUMERICS_KEYS and not v)}
+    keyed = {
+        k: v for k, v in case.items() if k != "model" and not (k in KEYED_WHERE_PRESENT and not v)
+    }
     keyed["knobs"] = case_knobs(keyed.get("knobs") or {})
     keyed["layout"] = case_knobs(keyed.get("layout") or {})
     if case.get("label"):

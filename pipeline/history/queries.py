@@ -127,7 +127,9 @@ def _series_with_case_and_testbed(*columns) -> Select:
         select(Series, Case, Testbed, *columns)
         .join(Case, Case.id == Series.case_id)
         .join(Testbed, Testbed.id == Series.testbed_id)
-        .options(undefer(Case.rollout_numerics), undefer(Case.replay_numerics))
+        .options(
+            undefer(Case.rollout_numerics), undefer(Case.replay_numerics), undefer(Case.agent_loop)
+        )
     )
 
 

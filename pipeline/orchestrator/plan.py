@@ -59,6 +59,15 @@ class Server(_Strict):
     start_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
 
 
+class Agent(_Strict):
+    """A multi-turn agent loop in the rollout stage (`lpx rollout --agent-turns`): model turns
+    per trajectory against lpx's offline tool environment; max_tokens is per turn."""
+
+    turns: Count = 4
+    mode: Literal["tito", "messages"] = "tito"
+    think: bool = True
+
+
 class Rollout(_Strict):
     engine: str
     image: str | None = None
@@ -67,6 +76,7 @@ class Rollout(_Strict):
     knobs: Knobs = {}
     memory: Memory | None = None  # container runners: the stage's memory limit (e.g. 8g)
     server: Server | None = None
+    agent: Agent | None = None
 
     @field_validator("engine")
     @classmethod

@@ -86,6 +86,7 @@ def expand(plan: Plan) -> list[Stage]:
         *(["--device", plan.rollout.device] if plan.rollout.device != "auto" else []),
         *_knobs(plan.rollout.knobs),
         *(["--set", f"url={URL}"] if plan.rollout.server else []),
+        *_agent(plan.rollout.agent),
     ]
     needs_model = ["model"] if plan.model == "tiny" else []
     stages.append(
@@ -199,3 +200,11 @@ def _knobs(knobs: dict) -> list[str]:
         text = str(value).lower() if isinstance(value, bool) else str(value)
         pairs += ["--set", f"{key}={text}"]
     return pairs
+
+
+def _agent(agent) -> list[str]:
+    if agent is None:
+        return []
+    think = "--agent-think" if agent.think else "--agent-no-think"
+    return ["--agent-turns", str(agent.turns), "--agent-mode", agent.mode, think]
+

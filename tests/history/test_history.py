@@ -61,7 +61,7 @@ def alerts(url, statuses=("active",)):
 
 def test_a_fresh_database_is_migrated_to_head_on_first_use(history_url):
     history = open_history(history_url)
-    assert schema_revision(history) == head_revision() == "0009"
+    assert schema_revision(history) == head_revision() == "0010"
     history.dispose()
     assert count(history_url, Run) == 0
 
@@ -398,7 +398,7 @@ def test_upgrade_from_the_previous_revision_keeps_data_and_judges_it(history_url
             )
     engine.dispose()
     history = open_history(history_url)
-    assert schema_revision(history) == "0009"
+    assert schema_revision(history) == "0010"
     with history.read() as session:
         rows = session.execute(
             select(MetricValue.value, MetricValue.status, MetricValue.upper).order_by(
@@ -505,7 +505,7 @@ def test_upgrade_to_0004_keeps_every_metric_row_and_swaps_the_series_index(histo
         }
     engine.dispose()
     history = open_history(history_url)
-    assert schema_revision(history) == "0009"
+    assert schema_revision(history) == "0010"
     with history.engine.connect() as connection:
         after = connection.execute(
             text("SELECT comparison_id, name, value, status FROM metric_values ORDER BY id")

@@ -257,7 +257,7 @@ def test_a_history_keyed_by_the_older_rules_is_re_keyed_and_merged(
     assert sorted(versions) == ["0.32.0", "5.19.0"]
 
     history = open_history(history_url)  # migrates to head
-    assert schema_revision(history) == "0009"
+    assert schema_revision(history) == "0010"
     with history.read() as session:
         (series,) = session.scalars(select(Series)).all()
         assert session.scalar(select(func.count()).select_from(Case)) == 1
@@ -301,7 +301,7 @@ def test_a_history_keyed_before_the_address_rule_is_merged(history_url, tmp_path
     engine.dispose()
 
     history = open_history(history_url)  # migrates to head
-    assert schema_revision(history) == "0009"
+    assert schema_revision(history) == "0010"
     with history.read() as session:
         (series,) = session.scalars(select(Series)).all()
         assert judged(session, series) == ["insufficient_data"] * 5 + ["ok"]  # as one series

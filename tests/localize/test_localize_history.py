@@ -74,7 +74,7 @@ def test_record_keeps_the_verdict_first_boundary_and_every_boundary_number(
 ):
     run = localized_run(tmp_path, localize_result)
     assert run_lpx("record", run, "--db", history_url).exit_code == 0
-    assert schema_revision(open_history(history_url)) == "0009"
+    assert schema_revision(open_history(history_url)) == "0010"
     comparison, rows, recorded = stored(history_url)
     first = localize_result["first"]
     assert localize_result["verdict"] == "verified" and first["boundary"] == "layers.1.mlp_out"
@@ -215,7 +215,7 @@ def test_upgrade_from_0004_adds_the_table_and_keeps_the_comparisons(history_url,
         assert "localize_boundaries" not in inspect(connection).get_table_names()
     engine.dispose()
     history = open_history(history_url)
-    assert schema_revision(history) == "0009"
+    assert schema_revision(history) == "0010"
     history.dispose()
     comparison, rows, _ = stored(history_url)
     assert comparison.verdict == "fail" and comparison.localize_verdict is None and rows == []

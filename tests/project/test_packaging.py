@@ -96,5 +96,5 @@ def test_a_wheel_carries_migrations_and_templates_and_works_outside_the_repo(tmp
         env={**os.environ, "PYTHONPATH": str(target)},
     )
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines()[0] == "0009"
+    assert run.stdout.splitlines()[0] == "0010"
     assert (outside / "site" / "assets" / "lpx.js").is_file()

@@ -230,3 +230,70 @@ def test_a_dumps_mask_one_token_off_its_logprobs_is_named_and_kept_out_of_precis
     # its turns are kept out of precision; the other 7 trajectories are judged and agree
     assert report["metrics"]["tokens"] == MODEL_TOKENS - TURNS * TURN_TOKENS
     assert report["metrics"]["max_abs_diff"] < FP32_TOLERANCE
+
+
+@pytest.mark.distributed
+def test_the_example_agent_plan_runs_records_a_series_of_its_own_and_reports_per_turn(tmp_path):
+    """examples/smoke-agent.yaml as the docs run it: HF agent loop, HF and FSDP2 replays,
+    recorded with the loop in the case (its own series), the run page's per-turn table."""
+    import sqlite3
+    from pathlib import Path
+
+    plan = Path(__file__).parents[2] / "examples" / "smoke-agent.yaml"
+    db, site = tmp_path / "h.db", tmp_path / "site"
+    done = run_lpx("run", plan, "--out", tmp_path / "run", "--db", db, "--report-out", site)
+    assert done.exit_code == 0, done.output
+    with sqlite3.connect(db) as connection:
+        loops = {row[0] for row in connection.execute("SELECT agent_loop FROM cases")}
+    assert loops == {"4 turns, tito, thinking"}
+    page = (site / "runs" / "1.html").read_text()
+    assert "of trajectories token-exact" in page and page.count('class="by-turn"') == 2
+
+
+def _message_log(table, path):
+    """The fixture's trajectories as NeMo-RL's message_log: turns with role and token_ids,
+    the assistant turns with generation_logprobs."""
+    lines = []
+    for row, sequence_id in enumerate(table.sequence_ids):
+        prompt_len = len(table.prompt_of(row))
+        flat = [int(v) for v in table.prompt_of(row)] + [
+            int(v) for v in table.completion_ids[table.completion_slice(row)]
+        ]
+        values = table.channels["rollout"][table.completion_slice(row)]
+        turns = []
+        for turn in table.metadata["trajectories"][sequence_id]["turns"]:
+            entry = {"role": turn["role"], "token_ids": flat[turn["start"] : turn["end"]]}
+            if turn["role"] == "assistant":
+                lo, hi = turn["start"] - prompt_len, turn["end"] - prompt_len
+                entry["generation_logprobs"] = [float(v) for v in values[lo:hi]]
+            turns.append(entry)
+        lines.append({"idx": sequence_id, "message_log": turns})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_a_nemo_rl_message_log_is_ingested_turn_by_turn(tito, tiny_model, tmp_path):
+    _, _, table, _ = tito
+    dump = _message_log(table, tmp_path / "message_log.jsonl")
+    fixture = tmp_path / "fixture.parquet"
+    done = run_lpx("ingest", dump, "--preset", "nemo-rl", "--model", tiny_model, "--dtype",
+                   "fp32", "--out", fixture)  # fmt: skip
+    assert done.exit_code == 0, done.output
+    replay = tmp_path / "replay.parquet"
+    assert run_lpx("replay", fixture, "--engine", "hf", "--dtype", "fp32", "--model", tiny_model,
+                   "--out", replay).exit_code == 0  # fmt: skip
+    done = run_lpx("compare", fixture, replay, "--model", tiny_model, "--out", tmp_path / "c")
+    report = read_report(tmp_path / "c")
+    assert done.exit_code == 0 and report["verdict"] == "pass", done.output
+    assert report["metrics"]["tokens"] == MODEL_TOKENS
+    assert report["metrics"]["token_exact_rate"] == 1.0
+    # a tool turn that carries logprobs: one line naming the line and the turn, nothing written
+    lines = dump.read_text().splitlines()
+    bad = json.loads(lines[1])
+    bad["message_log"][3]["generation_logprobs"] = [-1.0] * len(bad["message_log"][3]["token_ids"])
+    lines[1] = json.dumps(bad)
+    dump.write_text("\n".join(lines) + "\n")
+    done = run_lpx("ingest", dump, "--preset", "nemo-rl", "--out", tmp_path / "bad.parquet")
+    assert done.exit_code == 2
+    assert f"{dump} line 2, turn 3 (tool): `generation_logprobs` on a turn" in done.output
+    assert not (tmp_path / "bad.parquet").exists()
