@@ -98,3 +98,25 @@ def test_a_wheel_carries_migrations_and_templates_and_works_outside_the_repo(tmp
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[0] == "0010"
     assert (outside / "site" / "assets" / "lpx.js").is_file()
+
+
+def test_the_images_dependency_tables_are_pyprojects():
+    """The images' dependency stages read docker/dependencies.toml (so that a change to
+    pyproject's package list does not reinstall every dependency); it must be pyproject's
+    dependency tables exactly, as `docker/requirements.py --tables` writes them."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    written = subprocess.run(
+        [sys.executable, "docker/requirements.py", "--tables"],
+        stdin=(root / "pyproject.toml").open("rb"), capture_output=True, text=True, cwd=root,
+    )  # fmt: skip
+    committed = (root / "docker" / "dependencies.toml").read_text()
+    assert written.returncode == 0 and committed == written.stdout, (
+        "docker/dependencies.toml is stale: python3 docker/requirements.py --tables "
+        "< pyproject.toml > docker/dependencies.toml"
+    )
+    for dockerfile in ("Dockerfile.megatron", "Dockerfile.vllm", "Dockerfile.sglang"):
+        text = (root / dockerfile).read_text()
+        assert "< /src/dependencies.toml > /src/requirements.txt" in text, dockerfile
