@@ -207,4 +207,3 @@ def _agent(agent) -> list[str]:
         return []
     think = "--agent-think" if agent.think else "--agent-no-think"
     return ["--agent-turns", str(agent.turns), "--agent-mode", agent.mode, think]
-
