@@ -27,10 +27,15 @@ import numpy as np
 from pipeline.compare.run import compare_tables
 from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.fixture.table import table_from_sequences
-from pipeline.trajectory.agent_loop import THINK_CLOSE, THINK_OPEN, describe, load_tokenizer
+from pipeline.trajectory.agent_loop import (
+    THINK_OPEN,
+    describe,
+    environment_turn_ids,
+    load_tokenizer,
+    opening_ids,
+)
 from pipeline.trajectory.environment import ToolEnvironment
 from pipeline.trajectory.fixture import token_check, tokenizer_for
-from pipeline.trajectory.template import END_OF_MODEL_TURN, GENERATION_PROMPT, encode, render
 
 SCALES = {"tiny": models.tiny, "16x1024": lambda: models.random_llama(16, 1024, 0.05)}
 
@@ -46,10 +51,9 @@ def build(model_dir, trajectories: int, turns: int, tokens: int, stripped: bool,
     for t in range(trajectories):
         messages = env.opening(f"Trajectory {t}: count the boats.")
         turns_made = [
-            {"role": "system", "ids": encode(tokenizer, render(tokenizer, messages[:1]))},
-            {"role": "user", "ids": encode(tokenizer, render(tokenizer, messages[1:2])
-                                           + GENERATION_PROMPT + THINK_OPEN)},
-        ]  # fmt: skip
+            {"role": m["role"], "ids": ids}
+            for m, ids in zip(messages, opening_ids(tokenizer, messages, THINK_OPEN), strict=True)
+        ]
         for k in range(turns):
             ids = [int(i) for i in rng.integers(3, vocab, tokens) if int(i) not in specials]
             context = [i for turn in turns_made for i in turn["ids"]]
@@ -62,11 +66,8 @@ def build(model_dir, trajectories: int, turns: int, tokens: int, stripped: bool,
                                "context_ids": context})  # fmt: skip
             if k + 1 < turns:
                 reply = env.respond(t, k, "")
-                closing = encode(tokenizer, THINK_CLOSE + END_OF_MODEL_TURN)
-                closing += [tokenizer.eos_token_id]
-                after = encode(tokenizer, "\n" + render(tokenizer, [reply]) + GENERATION_PROMPT
-                               + THINK_OPEN)  # fmt: skip
-                turns_made.append({"role": reply["role"], "ids": closing + after})
+                ids = environment_turn_ids(tokenizer, reply, THINK_OPEN)
+                turns_made.append({"role": reply["role"], "ids": ids})
         flat = [i for turn in turns_made for i in turn["ids"]]
         prompt_len = len(turns_made[0]["ids"]) + len(turns_made[1]["ids"])
         ids_out.append(f"{t}-0")

@@ -87,13 +87,29 @@ def agent_rollout(rollout_with, model_dir: Path, prompt_texts: list[str], sampli
     for p, text in enumerate(prompt_texts):
         for s in range(sampling.samples_per_prompt):
             messages = env.opening(text)
-            system = encode(tokenizer, render(tokenizer, messages[:1]))
-            user = encode(tokenizer, render(tokenizer, messages[1:2]) + GENERATION_PROMPT + think)
-            states.append(_Trajectory(f"{p}-{s}", messages, [system, user]))
+            opening = opening_ids(tokenizer, messages, think)
+            states.append(_Trajectory(f"{p}-{s}", messages, opening))
     longest = max(len(s.flat()) for s in states) + settings.turns * (sampling.max_tokens + 256)
     with _engine_session(rollout_with, model_dir, sampling, knobs, longest) as sample:
         table = _turns(sample, tokenizer, states, env, sampling, settings, think)
     return _fixture(states, table, sampling, settings)
+
+
+def opening_ids(tokenizer, messages: list[dict], think: str) -> list[list[int]]:
+    """The system turn's ids and the user turn's, the generation prompt (and the opened
+    `<think>`) with it: what the first model turn is generated from."""
+    system = encode(tokenizer, render(tokenizer, messages[:1]))
+    user = encode(tokenizer, render(tokenizer, messages[1:2]) + GENERATION_PROMPT + think)
+    return [system, user]
+
+
+def environment_turn_ids(tokenizer, reply: dict, think: str) -> list[int]:
+    """The tokens a token-in-token-out loop appends after a model turn: the turn closed (its
+    `</think>`, `<|im_end|>` and eos), the environment's message as the template writes it, and
+    the next generation prompt; each piece tokenized on its own, never re-tokenized."""
+    closing = encode(tokenizer, (THINK_CLOSE if think else "") + END_OF_MODEL_TURN)
+    after = encode(tokenizer, "\n" + render(tokenizer, [reply]) + GENERATION_PROMPT + think)
+    return closing + [tokenizer.eos_token_id] + after
 
 
 @contextmanager
@@ -129,11 +145,8 @@ def _turns(sample, tokenizer, states, env, sampling, settings: LoopSettings, thi
             if t + 1 < settings.turns:
                 reply = env.respond(i, t, model_text)
                 state.messages.append(reply)
-                closing = encode(tokenizer, (THINK_CLOSE if think else "") + END_OF_MODEL_TURN)
-                closing += [tokenizer.eos_token_id]
-                after = encode(tokenizer, "\n" + render(tokenizer, [reply]) + GENERATION_PROMPT
-                               + think)  # fmt: skip
-                state.turns.append({"role": reply["role"], "ids": closing + after})
+                ids = environment_turn_ids(tokenizer, reply, think)
+                state.turns.append({"role": reply["role"], "ids": ids})
         last_table = table
     return last_table
 

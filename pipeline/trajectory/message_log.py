@@ -9,7 +9,6 @@ user and assistant (tool, environment, ...) is a tool turn.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -21,22 +20,12 @@ TOKENS, LOGPROBS = "token_ids", "generation_logprobs"
 
 
 def read_message_logs(path: Path, metadata: dict):
+    from pipeline.fixture.ingest import json_objects
     from pipeline.fixture.table import table_from_sequences
 
-    try:
-        lines = Path(path).read_text("utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise BadInput(f"{path}: cannot read ({error}).") from None
     ids, prompts, completions, masks, logprobs, described = [], [], [], [], [], {}
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path} line {number}"
-        try:
-            record = json.loads(line)
-        except ValueError as error:
-            raise BadInput(f"{where}: not valid JSON ({error.msg}).") from None
-        turns = record.get("message_log") if isinstance(record, dict) else None
+    for number, where, record in json_objects(path):
+        turns = record.get("message_log")
         if not isinstance(turns, list) or not turns:
             raise BadInput(f"{where}: no `message_log` list of turns")
         sequence_id = str(record.get("idx", number))
