@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.errors import BadInput, Interrupted
+from pipeline.orchestrator import warm_start
 from pipeline.orchestrator.docker_mounts import HostView, stage_mounts
 from pipeline.orchestrator.stages import Stage
 
@@ -99,6 +100,16 @@ class LocalRunner:
         return None
 
     def run(self, stage: Stage, run_dir: Path, log: Path, timeout_s: float) -> int | None:
+        warm = warm_start.warm_interpreter(self.python)
+        if warm is not None:
+            try:
+                ran, code = warm_start.run_stage(
+                    warm, stage.argv, run_dir, log, timeout_s, _kill_pid_group
+                )
+            finally:
+                warm.lock.release()
+            if ran:
+                return code
         with open(log, "w", encoding="utf-8") as out:
             process = subprocess.Popen(
                 [self.python, "-m", "pipeline", *stage.argv],
@@ -368,6 +379,13 @@ def gpu_requests() -> list:
 
 def make_runner(name: str, gpus: bool = False):
     return DockerRunner(gpus) if name == "docker" else LocalRunner()
+
+
+def _kill_pid_group(pid: int, sig) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _kill_group(process: subprocess.Popen, sig) -> None:
