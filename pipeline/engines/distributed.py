@@ -1,7 +1,8 @@
 """Distributed replay: launch a scoring engine on N ranks with torchrun, gather on rank 0.
 
-`lpx replay --engine fsdp --nproc 2` starts `torch.distributed.run` itself, so users never
-write a torchrun line; under an existing torchrun/deepspeed launch (RANK and WORLD_SIZE set)
+`lpx replay --engine fsdp --nproc 2` starts the ranks itself, so users never write a torchrun
+line: on a GPU with `torch.distributed.run`, on the CPU forked from a warm interpreter with
+torchrun's variables (warm_ranks.py; torchrun there too with LPX_WARM_START=0); under an existing torchrun/deepspeed launch (RANK and WORLD_SIZE set)
 the same code runs in the current process instead. Micro-batches are dealt round-robin over
 the data-parallel ranks; every rank takes the same number of steps (a one-token dummy batch
 where it has run out) because sharded engines all-gather weights collectively per forward.
@@ -27,6 +28,7 @@ import traceback
 from pathlib import Path
 
 from pipeline import devices
+from pipeline.engines import warm_ranks
 from pipeline.errors import BadInput
 from pipeline.fixture.io import read_table, write_table
 from pipeline.fixture.table import TokenTable
@@ -97,31 +99,29 @@ def launch(
     nproc, kind, env = plan_ranks(knobs, nproc)
     knobs = {**knobs, "device": kind}
     logs = prepare_log_dir(log_dir, engine)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "pipeline.engines.distributed",
-        "--engine",
-        engine,
-        "--fixture",
-        str(fixture_path),
-        "--model",
-        str(model_dir),
-        "--out",
-        str(out_path),
-        "--knobs",
-        json.dumps(knobs),
-        "--log-dir",
-        str(logs),
-    ]
+    worker = ["--engine", engine, "--fixture", str(fixture_path), "--model", str(model_dir),
+              "--out", str(out_path), "--knobs", json.dumps(knobs), "--log-dir", str(logs)]  # fmt: skip
+    if kind == "cpu":  # the ranks forked from a warm interpreter (warm_ranks.py says why)
+        for _ in range(2):  # once more if another process took the store's port meanwhile
+            launch = warm_ranks.run_ranks(
+                "pipeline.engines.distributed", worker, nproc, rank_environment(env), logs, engine
+            )
+            if launch is None or not (launch.returncode and warm_ranks.address_taken(logs)):
+                break
+        if launch is not None:
+            (logs / "launch.log").write_text("\n".join(launch.lines) + "\n")
+            if launch.returncode != 0 or not Path(out_path).is_file():
+                why = failure(logs, sorted(launch.codes.items()), "")
+                raise BadInput(f"{engine} replay on {nproc} rank(s) failed: {why}")
+            return
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "-m", "pipeline.engines.distributed", *worker]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, env=rank_environment(env))
     (logs / "torchrun.log").write_text(result.stdout + result.stderr, errors="replace")
     if result.returncode != 0 or not Path(out_path).is_file():
-        raise BadInput(f"{engine} replay on {nproc} rank(s) failed: {failure(logs, result)}")
+        output = result.stderr + result.stdout
+        why = failure(logs, torchrun_reported(output), output)
+        raise BadInput(f"{engine} replay on {nproc} rank(s) failed: {why}")
 
 
 def rank_environment(extra: dict | None = None) -> dict:
@@ -145,13 +145,20 @@ def prepare_log_dir(log_dir: Path | None, engine: str) -> Path:
     return log_dir
 
 
-def failure(logs: Path, result: subprocess.CompletedProcess) -> str:
-    """The failing rank's own error and where its log is.
+def torchrun_reported(output: str) -> list[tuple[int, int]]:
+    """(rank, exit code) of each rank torchrun reported failed (its ChildFailedError)."""
+    found = re.findall(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", output)
+    return [(int(rank), int(code)) for rank, code in found]
 
-    A rank killed by a signal it did not get from torchrun (SIGKILL from the kernel's OOM
-    killer, SIGSEGV) is the cause: the others only fail after it. Otherwise the rank whose
-    error came first is: the others fail after it, in a collective that lost its peer, or
-    are stopped by torchrun.
+
+def failure(logs: Path, reported: list[tuple[int, int]], output: str) -> str:
+    """The failing rank's own error and where its log is, from each rank's exit code as the
+    launcher reported it and the launcher's ``output``.
+
+    A rank killed by a signal it did not get from the launcher (SIGKILL from the kernel's
+    OOM killer, SIGSEGV) is the cause: the others only fail after it. Otherwise the rank
+    whose error came first is: the others fail after it, in a collective that lost its peer,
+    or are stopped by the launcher.
     """
     errors = {}
     for path in logs.glob("rank*.error.json"):
@@ -160,11 +167,7 @@ def failure(logs: Path, result: subprocess.CompletedProcess) -> str:
             errors[int(record["rank"])] = record
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    output = result.stderr + result.stdout
-    reported = [
-        (int(rank), int(code))
-        for rank, code in re.findall(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", output)
-    ]
+    reported = [(rank, code) for rank, code in reported if code != 0]
     stopped_by_torchrun = (signal.SIGTERM, signal.SIGINT)
     crashed = [
         (rank, code)

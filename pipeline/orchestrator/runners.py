@@ -103,9 +103,7 @@ class LocalRunner:
         warm = warm_start.warm_interpreter(self.python)
         if warm is not None:
             try:
-                ran, code = warm_start.run_stage(
-                    warm, stage.argv, run_dir, log, timeout_s, _kill_pid_group
-                )
+                ran, code = warm_start.run_stage(warm, stage.argv, run_dir, log, timeout_s)
             finally:
                 warm.lock.release()
             if ran:
@@ -379,13 +377,6 @@ def gpu_requests() -> list:
 
 def make_runner(name: str, gpus: bool = False):
     return DockerRunner(gpus) if name == "docker" else LocalRunner()
-
-
-def _kill_pid_group(pid: int, sig) -> None:
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _kill_group(process: subprocess.Popen, sig) -> None:

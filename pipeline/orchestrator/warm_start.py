@@ -14,7 +14,7 @@ library has done any work when it forks, and no thread has started since its imp
 checks, and declines otherwise); it serves the environment it was started in and no other
 (the stage gets the caller's variables as they are now), and the stage reseeds what a fresh
 process seeds from entropy. Whatever declines falls back to a plain process, so a warm start
-changes when a stage starts, never what it does. LPX_WARM_STAGES=0 turns it off.
+changes when a stage starts, never what it does. LPX_WARM_START=0 turns it off.
 
 Protocol, one JSON object per line: the runner writes {"argv", "cwd", "log", "env"} on the
 warm interpreter's stdin; it answers {"pid"} when the stage has started (or {"declined":
@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import Interrupted
@@ -55,17 +56,41 @@ KEEP_AT_MOST = 3
 
 
 def enabled() -> bool:
-    return os.environ.get("LPX_WARM_STAGES", "1").strip().lower() not in ("0", "false", "off")
+    return os.environ.get("LPX_WARM_START", "1").strip().lower() not in ("0", "false", "off")
+
+
+@dataclass
+class Forked:
+    """One process to fork: what `python -m MODULE ARGV...` in ``cwd`` with ``env`` would be,
+    its output into ``log``; ``name`` is what ps, top and pgrep show for it (15 bytes)."""
+
+    module: str
+    argv: list[str]
+    cwd: Path
+    log: Path
+    env: dict[str, str]
+    name: str = ""
+
+    def request(self) -> dict:
+        return {
+            "module": self.module,
+            "argv": [str(a) for a in self.argv],
+            "cwd": str(self.cwd),
+            "log": str(self.log),
+            "env": self.env,
+            "name": self.name,
+        }
 
 
 class WarmInterpreter:
-    """One warm interpreter (a process), running one stage at a time."""
+    """One warm interpreter (a process), running one group of forks at a time: a stage, or
+    the ranks of a launch."""
 
-    def __init__(self, python: str, env: dict[str, str]):
-        self.python, self.env = python, dict(env)
+    def __init__(self, python: str, env: dict[str, str], preload: tuple[str, ...] = ()):
+        self.python, self.env, self.preload = python, dict(env), preload
         self.lock = threading.Lock()
         self.process = subprocess.Popen(
-            [python, "-m", "pipeline.orchestrator.warm_start"],
+            [python, "-m", "pipeline.orchestrator.warm_start", *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -101,26 +126,26 @@ class WarmInterpreter:
                 self.process.kill()
         return self.ready and self.process.poll() is None
 
-    def start(self, argv: list[str], cwd: Path, log: Path) -> int | None:
-        """Fork a stage; its pid, or None where the warm interpreter declined or is gone."""
-        request = {
-            "argv": [str(a) for a in argv],
-            "cwd": str(cwd),
-            "log": str(log),
-            "env": dict(os.environ),
-        }
+    def start(self, processes: list[Forked]) -> list[int] | None:
+        """Fork each; their pids, or None where the warm interpreter declined or is gone."""
+        for process in processes:  # a full volume fails here, as a plain start does
+            with open(process.log, "w", encoding="utf-8"):
+                pass
+        request = {"processes": [p.request() for p in processes]}
         try:
             self.process.stdin.write(json.dumps(request).encode() + b"\n")
             self.process.stdin.flush()
             answer = self._reply(None)
         except (OSError, EOFError, ValueError):
             return None
-        return answer.get("pid") if answer else None
+        return answer.get("pids") if answer else None
 
-    def wait(self, timeout_s: float | None) -> int | None:
-        """The started stage's exit code; None once ``timeout_s`` has passed."""
+    def next_exit(self, timeout_s: float | None) -> tuple[int, int] | None:
+        """(pid, exit code) of the next of the started processes to exit, the code as
+        `subprocess` gives it (negative: killed by that signal); None once ``timeout_s``
+        has passed; EOFError when the warm interpreter is gone."""
         answer = self._reply(timeout_s)
-        return None if answer is None else int(answer["code"])
+        return None if answer is None else (int(answer["pid"]), int(answer["code"]))
 
     def close(self) -> None:
         try:
@@ -138,22 +163,32 @@ _warm: dict[tuple, WarmInterpreter] = {}
 _registry_lock = threading.Lock()
 
 
-def warm_interpreter(python: str, wait_s: float = READY_WAIT_S) -> WarmInterpreter | None:
-    """A warm interpreter of ``python`` in this process's environment, ready and free to run
-    a stage (its lock held: release it after the stage); None where there is none. The first
-    call starts one and waits up to ``wait_s`` for its imports: a stage started beside them
-    would import the same libraries at the same time, on the same cores."""
+def warm_interpreter(
+    python: str,
+    env: dict[str, str] | None = None,
+    preload: tuple[str, ...] = (),
+    wait_s: float = READY_WAIT_S,
+) -> WarmInterpreter | None:
+    """A warm interpreter of ``python`` started in ``env`` (this process's environment by
+    default) that has also imported ``preload``, ready and free to fork (its lock held:
+    release it when its forks have exited); None where there is none. The first call starts
+    one and waits up to ``wait_s`` for its imports: a process started beside them would
+    import the same libraries at the same time, on the same cores."""
     if not enabled():
         return None
-    env = {k: v for k, v in os.environ.items() if k not in CHANGES_WITHOUT_EFFECT}
-    key = (python, tuple(sorted(env.items())))
+    env = dict(os.environ if env is None else env)
+    key = (
+        python,
+        tuple(sorted((k, v) for k, v in env.items() if k not in CHANGES_WITHOUT_EFFECT)),
+        preload,
+    )
     with _registry_lock:
         warm = _warm.get(key)
         if warm is None or warm.process.poll() is not None:
             if warm is None and len(_warm) >= KEEP_AT_MOST:
                 _evict_one_idle()
-            warm = _warm[key] = WarmInterpreter(python, dict(os.environ))
-    if not warm.lock.acquire(blocking=False):  # another thread's stage is in it
+            warm = _warm[key] = WarmInterpreter(python, env, preload)
+    if not warm.lock.acquire(blocking=False):  # another thread's forks are running in it
         return None
     if not warm.is_ready(wait_s):
         warm.lock.release()
@@ -163,7 +198,7 @@ def warm_interpreter(python: str, wait_s: float = READY_WAIT_S) -> WarmInterpret
 
 def _evict_one_idle() -> None:
     for key, warm in list(_warm.items()):
-        if warm.lock.acquire(blocking=False):  # not running a stage of another thread
+        if warm.lock.acquire(blocking=False):  # no fork of another thread running in it
             del _warm[key]
             warm.close()
             return
@@ -177,31 +212,40 @@ def close_all() -> None:
         _warm.clear()
 
 
+def kill_group(pid: int, sig) -> None:
+    """Signal a fork and everything it started (each fork leads its own session)."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def run_stage(
-    warm: WarmInterpreter, argv: list[str], cwd: Path, log: Path, timeout_s: float, kill_group
+    warm: WarmInterpreter, argv: list[str], cwd: Path, log: Path, timeout_s: float
 ) -> tuple[bool, int | None]:
-    """(whether it ran warm, its exit code or None on timeout). ``kill_group(pid, sig)``
-    stops it: on timeout with SIGKILL, on an interrupt of lpx with SIGTERM (then re-raised)."""
+    """A stage's `python -m pipeline ARGV` forked: (whether it ran warm, its exit code, or
+    None past ``timeout_s``, when its session is killed). An interrupt of lpx stops it with
+    SIGTERM and is raised again."""
     import signal
 
-    with open(log, "w", encoding="utf-8"):  # a full volume fails here, as a plain start does
-        pass
-    pid = warm.start(argv, cwd, log)
-    if pid is None:
+    pids = warm.start([Forked("pipeline", argv, cwd, log, dict(os.environ))])
+    if not pids:
         return False, None
+    (pid,) = pids
     try:
-        code = warm.wait(timeout_s)
+        ended = warm.next_exit(timeout_s)
     except Interrupted:
         kill_group(pid, signal.SIGTERM)
-        warm.wait(None)
+        warm.next_exit(None)
         raise
     except EOFError:  # the warm interpreter died under its stage: the stage is lost with it
         kill_group(pid, signal.SIGKILL)
         return True, -int(signal.SIGKILL)
-    if code is None:
+    if ended is None:
         kill_group(pid, signal.SIGKILL)
-        warm.wait(None)
-    return True, code
+        warm.next_exit(None)
+        return True, None
+    return True, ended[1]
 
 
 # --- the warm interpreter's side --------------------------------------------------------
@@ -227,11 +271,23 @@ def _exit_code(code) -> int:
     return 1
 
 
-def _run_forked_stage(request: dict) -> None:
-    """In the fork: become the stage's `python -m pipeline ARGV` process; never returns."""
+def _set_name(name: str) -> None:
+    """What ps, top and pgrep show for this process (its comm), where Linux lets us."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def _become(request: dict) -> None:
+    """In the fork: become `python -m MODULE ARGV...` as the request says; never returns."""
     code = 1
     try:
         os.setsid()
+        if request.get("name"):
+            _set_name(request["name"])
         os.chdir(request["cwd"])
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
@@ -239,13 +295,13 @@ def _run_forked_stage(request: dict) -> None:
         os.close(log)
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [str(Path(__file__).parents[1] / "__main__.py"), *request["argv"]]
+        sys.argv = ["-m", *request["argv"]]  # runpy puts the module's path first, as -m does
         sys.path[0] = os.getcwd()  # as `python -m` sets it
         if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator anew
             sys.modules["numpy"].random.seed()
-        from pipeline.entry import main
+        import runpy
 
-        main()
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exit_:
         code = _exit_code(exit_.code)
@@ -262,19 +318,19 @@ def _run_forked_stage(request: dict) -> None:
             os._exit(code)
 
 
-def serve() -> None:
+def serve(preload: list[str]) -> None:
     requests, replies = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1):  # a stage must not read the requests or write into the replies
+    for fd in (0, 1):  # a fork must not read the requests or write into the replies
         os.dup2(null, fd)
     os.close(null)
     os.set_inheritable(requests, False)
     os.set_inheritable(replies, False)
-    atexit.unregister(close_all)  # a stage's exit must not close anything of the runner's
-    for name in PRELOAD:
+    atexit.unregister(close_all)  # a fork's exit must not close anything of the caller's
+    for name in (*PRELOAD, *preload):
         try:
             __import__(name)
-        except Exception:  # an environment without it: its stages import what they need
+        except Exception:  # an environment without it: its forks import what they need
             pass
     # Importing numpy starts OpenBLAS's server thread and pyarrow jemalloc's background
     # thread; both are idle here and made anew in a fork (their pthread_atfork handlers; the
@@ -284,18 +340,22 @@ def serve() -> None:
     _send(replies, {"ready": True, "threads": idle_threads})
     with os.fdopen(requests, "rb") as lines:
         for line in lines:
-            request = json.loads(line)
+            group = json.loads(line)["processes"]
             if _threads() > idle_threads:
                 _send(replies, {"declined": f"{_threads()} threads, {idle_threads} at start"})
                 continue
-            pid = os.fork()
-            if pid == 0:
-                os.close(replies)
-                _run_forked_stage(request)
-            _send(replies, {"pid": pid})
-            _, status = os.waitpid(pid, 0)
-            _send(replies, {"pid": pid, "code": os.waitstatus_to_exitcode(status)})
+            pids = []
+            for request in group:
+                pid = os.fork()
+                if pid == 0:
+                    os.close(replies)
+                    _become(request)
+                pids.append(pid)
+            _send(replies, {"pids": pids})
+            for _ in pids:
+                pid, status = os.wait()
+                _send(replies, {"pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1:])

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.errors import Interrupted
 from pipeline.orchestrator import warm_start
-from pipeline.orchestrator.runners import LocalRunner, _kill_pid_group
+from pipeline.orchestrator.runners import LocalRunner
 from pipeline.orchestrator.stages import Stage
 
 
@@ -29,7 +29,7 @@ def warm():
 def _run(warm, argv, cwd, log, timeout_s=120.0):
     assert warm.lock.acquire(blocking=False)
     try:
-        return warm_start.run_stage(warm, argv, cwd, log, timeout_s, _kill_pid_group)
+        return warm_start.run_stage(warm, argv, cwd, log, timeout_s)
     finally:
         warm.lock.release()
 
@@ -44,7 +44,7 @@ def test_a_warm_replay_writes_what_a_plain_process_writes(warm, run_dir, tiny_mo
     cold.mkdir()
     stage = Stage("replay", [*map(str, argv), "--out", "cold.parquet"], [])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LPX_WARM_STAGES", "0")
+        patch.setenv("LPX_WARM_START", "0")
         assert LocalRunner().run(stage, cold, cold / "cold.log", 300) == 0
     warm_table, cold_table = (
         pq.read_table(tmp_path / "warm.parquet"),
@@ -105,5 +105,5 @@ def test_an_interrupted_lpx_stops_its_warm_stage_and_raises(warm, tiny_model, tm
 
 
 def test_no_warm_interpreter_when_turned_off(monkeypatch):
-    monkeypatch.setenv("LPX_WARM_STAGES", "0")
+    monkeypatch.setenv("LPX_WARM_START", "0")
     assert warm_start.warm_interpreter(sys.executable) is None

@@ -102,9 +102,19 @@ def test_inject_records_the_device_it_rescored_on(run_dir, tmp_path):
     assert fault["device"] == "cpu"
 
 
-def test_a_failing_rank_is_quoted_with_its_own_exception_and_log(tiny_model, tmp_path):
+# The CPU's ranks are forked warm (pipeline/engines/warm_ranks.py); a GPU's are torchrun's,
+# as the CPU's are with LPX_WARM_START=0: both launchers' failures are named the same way.
+LAUNCHERS = {"warm": ("1", "launch.log", "forked warm"), "torchrun": ("0", "torchrun.log", "torch.distributed")}  # fmt: skip
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_failing_rank_is_quoted_with_its_own_exception_and_log(
+    launcher, tiny_model, tmp_path, monkeypatch
+):
     """Token ids past the vocabulary reach the ranks (the fixture records no model to check
     them against): the embedding lookup fails inside a rank, as a device mismatch did."""
+    warm, launch_log, says = LAUNCHERS[launcher]
+    monkeypatch.setenv("LPX_WARM_START", warm)
     rng = np.random.default_rng(0)
     table = table_from_sequences(
         "fixture", ["a", "b"], [rng.integers(3, 400, 6), rng.integers(3, 400, 6)],
@@ -125,11 +135,12 @@ def test_a_failing_rank_is_quoted_with_its_own_exception_and_log(tiny_model, tmp
     log = tmp_path / "replay.logs" / "rank0.log"
     assert f"(log: {log})" in line
     assert "Traceback" in log.read_text() and (tmp_path / "replay.logs/rank1.log").is_file()
-    assert "torch.distributed" in (tmp_path / "replay.logs/torchrun.log").read_text()
+    assert says in (tmp_path / "replay.logs" / launch_log).read_text()
     assert not out.exists()
 
 
-def test_a_rank_killed_by_a_signal_is_named(run_dir, tmp_path):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_rank_killed_by_a_signal_is_named(launcher, run_dir, tmp_path):
     """What the kernel's OOM killer does to a rank: SIGKILL, no Python error written."""
     out, logs = tmp_path / "replay.parquet", tmp_path / "ranks"
     process = subprocess.Popen(
@@ -137,15 +148,13 @@ def test_a_rank_killed_by_a_signal_is_named(run_dir, tmp_path):
          "--engine", "fsdp", "--nproc", "2", "--micro-batch-size", "1", "--rank-logs",
          str(logs), "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "LPX_WARM_START": LAUNCHERS[launcher][0]},
     )  # fmt: skip
     victim = None
     deadline = time.monotonic() + 120
     while victim is None and time.monotonic() < deadline and process.poll() is None:
-        found = subprocess.run(
-            ["pgrep", "-f", f"pipeline.engines.distributed.*{logs}"], capture_output=True, text=True
-        ).stdout.split()
-        ranks = [pid for pid in found if _rank_of(pid) == "1"]
-        victim = int(ranks[0]) if ranks and (logs / "rank1.log").is_file() else None
+        found = _rank_pid(process.pid, 1)
+        victim = found if found and (logs / "rank1.log").is_file() else None
         time.sleep(0.05)
     assert victim is not None, "rank 1 never started"
     os.kill(victim, signal.SIGKILL)
@@ -153,6 +162,27 @@ def test_a_rank_killed_by_a_signal_is_named(run_dir, tmp_path):
     assert process.returncode == 2
     assert "rank 1 was killed by SIGKILL" in stderr, stderr
     assert f"(log: {logs / 'rank1.log'})" in stderr
+
+
+def _rank_pid(root: int, rank: int) -> int | None:
+    """The pid of rank ``rank`` among ``root``'s descendants: a warm fork named lpx-rankN, or
+    a torchrun rank with RANK=N."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    for child in descendants:
+        try:
+            if child.name() == f"lpx-rank{rank}" or (
+                "pipeline.engines.distributed" in child.cmdline()
+                and _rank_of(str(child.pid)) == str(rank)
+            ):
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None
 
 
 def _rank_of(pid: str) -> str | None:
@@ -173,7 +203,7 @@ def test_rank_logs_are_kept_beside_the_output(run_dir, tmp_path):
     )
     assert result.exit_code == 0, result.output
     logs = tmp_path / "fsdp.logs"
-    assert sorted(p.name for p in logs.iterdir()) == ["rank0.log", "rank1.log", "torchrun.log"]
+    assert sorted(p.name for p in logs.iterdir()) == ["launch.log", "rank0.log", "rank1.log"]
     meta = read_table(out).metadata
     assert meta["layout"]["device"] == "cpu" and meta["hardware"]["device"] == "cpu"
 

@@ -187,16 +187,15 @@ class WorkerGroup:
             pass
 
     def _fail(self, what: str):
-        from pipeline.engines.distributed import failure
+        from pipeline.engines.distributed import failure, torchrun_reported
 
         self._failed = True
         running = self.process.poll() is None
         _kill(self.process, self.folder)
         self._log.flush()
         output = (self.folder / "torchrun.log").read_text(errors="replace")
-        result = subprocess.CompletedProcess(self.process.args, self.process.returncode, output, "")
         # A group that stopped answering was killed here: the ranks have no error of their own.
-        cause = "" if running else failure(self.folder, result)
+        cause = "" if running else failure(self.folder, torchrun_reported(output), output)
         detail = f": {cause}" if cause else f" (rank logs: {self.folder})"
         raise BadInput(
             f"{self.engine} capture on {self.nproc} rank(s) failed, {what}{detail}."
