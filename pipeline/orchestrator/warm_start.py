@@ -51,8 +51,9 @@ PRELOAD = (
 CHANGES_WITHOUT_EFFECT = ("PYTEST_CURRENT_TEST",)
 READY_WAIT_S = 120.0
 # Warm interpreters kept per lpx process, one per (interpreter, environment) in use: a
-# bisect alternates between its builds' interpreters and lpx's own.
-KEEP_AT_MOST = 3
+# bisect alternates between its builds' interpreters and lpx's own, a launch's ranks need
+# their engine's imports (~0.5 GB each).
+KEEP_AT_MOST = 4
 
 
 def enabled() -> bool:
