@@ -4,7 +4,7 @@ them.
 A rank of lpx's distributed replay imports torch.distributed, transformers and its engine
 (Megatron-core alone ~5 s) before its first collective; on a CPU that is most of a small
 replay, twice over for two ranks, plus torchrun's own start (~1.5 s). Forked from a warm
-interpreter (pipeline/orchestrator/warm_start.py) that has imported them once, the ranks
+interpreter (pipeline/warm_start.py) that has imported them once, the ranks
 start at once. Each rank gets the variables torchrun gives it (RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR/PORT: rank 0 hosts the store, as under `TORCHELASTIC_USE_AGENT_STORE
 =False`), runs `python -m MODULE ARGV...` in its own session, and shows as `lpx-rankN` in ps
@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import Interrupted
-from pipeline.orchestrator.warm_start import Forked, kill_group, warm_interpreter
+from pipeline.warm_start import Forked, kill_group, warm_interpreter
 
 STOP_GRACE_S = 10.0
 # What each engine's ranks import beyond torch and transformers (the warm interpreter's own).
@@ -36,19 +36,6 @@ ENGINE_IMPORTS = {
     "deepspeed": ("torch.distributed", "deepspeed"),
     "megatron": ("torch.distributed", "megatron.core", "megatron.core.models.gpt"),
 }
-
-
-@dataclass
-class Launch:
-    """How the ranks ended: each rank's exit code (negative: killed by that signal)."""
-
-    codes: dict[int, int]
-    lines: list[str] = field(default_factory=list)  # launch.log: what happened, in order
-
-    @property
-    def returncode(self) -> int:
-        failed = [code for code in self.codes.values() if code != 0]
-        return failed[0] if failed else 0
 
 
 def _free_port() -> int:
@@ -78,12 +65,93 @@ def rank_variables(rank: int, nproc: int, port: int, run_id: str) -> dict[str, s
     }
 
 
-def run_ranks(
+class RankGroup:
+    """Ranks forked warm: how each ended, and what a caller needs of torchrun's process
+    (`poll`, `wait`, `kill`, `returncode`). As torchrun does, the first rank that fails has
+    the others stopped: SIGTERM, and SIGKILL STOP_GRACE_S later."""
+
+    def __init__(self, warm, pids: list[int], port: int):
+        self.warm, self.pids = warm, pids
+        self.rank_of = {pid: rank for rank, pid in enumerate(pids)}
+        self.codes: dict[int, int] = {}  # rank -> exit code, negative: killed by that signal
+        self.lines = [f"{len(pids)} rank(s) forked warm, store on 127.0.0.1:{port}"]
+        self.lines += [f"rank {rank}: pid {pid}" for rank, pid in enumerate(pids)]
+        self.returncode: int | None = None
+        self._stop_by: float | None = None
+
+    @property
+    def running(self) -> list[int]:
+        return [pid for pid in self.pids if self.rank_of[pid] not in self.codes]
+
+    def send_signal(self, sig) -> None:
+        for pid in self.running:
+            kill_group(pid, sig)
+
+    def _collect(self, timeout_s: float | None) -> None:
+        """Read the ranks' exits for up to ``timeout_s`` (None: until every rank exited)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.running:
+            now = time.monotonic()
+            if self._stop_by is not None and now >= self._stop_by:
+                self.lines.append(f"ranks still running {STOP_GRACE_S:g} s later: SIGKILL")
+                self.send_signal(signal.SIGKILL)
+                self._stop_by = float("inf")
+            waits = [t for t in (deadline, self._stop_by) if t is not None and t != float("inf")]
+            left = None if not waits else max(0.0, min(waits) - now)
+            try:
+                ended = self.warm.next_exit(left)
+            except EOFError:  # the warm interpreter is gone: its ranks go with it
+                self.send_signal(signal.SIGKILL)
+                self.lines.append("the warm interpreter exited under its ranks")
+                for pid in self.running:
+                    self.codes[self.rank_of[pid]] = -int(signal.SIGKILL)
+                break
+            if ended is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
+                continue
+            pid, code = ended
+            self.codes[self.rank_of[pid]] = code
+            self.lines.append(f"rank {self.rank_of[pid]} (pid {pid}) exited {code}")
+            if code != 0 and self._stop_by is None and self.running:
+                self.lines.append("a rank failed: the others are sent SIGTERM")
+                self.send_signal(signal.SIGTERM)
+                self._stop_by = time.monotonic() + STOP_GRACE_S
+        failed = [self.codes[rank] for rank in sorted(self.codes) if self.codes[rank] != 0]
+        self.returncode = failed[0] if failed else 0
+        self.warm.lock.release()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._collect(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._collect(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired("warm ranks", timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running, and wait for them."""
+        if self.returncode is None:
+            self.send_signal(signal.SIGKILL)
+            self._collect(None)
+
+    def stop(self) -> None:
+        """What an interrupt of lpx does: SIGTERM, SIGKILL after the grace, wait."""
+        if self.returncode is None:
+            self.send_signal(signal.SIGTERM)
+            self._stop_by = time.monotonic() + STOP_GRACE_S
+            self._collect(None)
+
+
+def start_ranks(
     module: str, argv: list[str], nproc: int, env: dict[str, str], logs: Path, engine: str
-) -> Launch | None:
-    """Run ``nproc`` ranks of `python -m MODULE ARGV...` forked warm, each writing
-    logs/rankN.log; how they ended, or None where no warm interpreter can fork them (then
-    the caller starts torchrun)."""
+) -> RankGroup | None:
+    """Fork ``nproc`` ranks of `python -m MODULE ARGV...` from a warm interpreter, each
+    writing logs/rankN.log; None where none can fork them (then the caller starts torchrun)."""
     warm = warm_interpreter(sys.executable, env, ENGINE_IMPORTS.get(engine, ()))
     if warm is None:
         return None
@@ -101,60 +169,29 @@ def run_ranks(
             for rank in range(nproc)
         ]
         pids = warm.start(processes)
-        if not pids:
-            return None
-        return _watch(warm, pids, port)
-    finally:
+    except BaseException:
         warm.lock.release()
-
-
-def _watch(warm, pids: list[int], port: int) -> Launch:
-    rank_of = {pid: rank for rank, pid in enumerate(pids)}
-    launch = Launch({}, [f"{len(pids)} rank(s) forked warm, store on 127.0.0.1:{port}"])
-    launch.lines += [f"rank {rank}: pid {pid}" for pid, rank in rank_of.items()]
-    running = set(pids)
-    stop_by = None  # once a rank failed: when the others are killed if still running
-
-    def stop(sig) -> None:
-        for pid in running:
-            kill_group(pid, sig)
-
-    try:
-        while running:
-            left = None if stop_by is None else max(0.0, stop_by - time.monotonic())
-            try:
-                ended = warm.next_exit(left)
-            except EOFError:  # the warm interpreter is gone: its ranks go with it
-                stop(signal.SIGKILL)
-                for pid in running:
-                    launch.codes[rank_of[pid]] = -int(signal.SIGKILL)
-                launch.lines.append("the warm interpreter exited under its ranks")
-                return launch
-            if ended is None:
-                launch.lines.append(f"ranks still running {STOP_GRACE_S:g} s later: SIGKILL")
-                stop(signal.SIGKILL)
-                stop_by = float("inf")
-                continue
-            pid, code = ended
-            running.discard(pid)
-            launch.codes[rank_of[pid]] = code
-            launch.lines.append(f"rank {rank_of[pid]} (pid {pid}) exited {code}")
-            if code != 0 and stop_by is None and running:
-                launch.lines.append("a rank failed: the others are sent SIGTERM")
-                stop(signal.SIGTERM)
-                stop_by = time.monotonic() + STOP_GRACE_S
-    except Interrupted:
-        stop(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        while running:
-            ended = warm.next_exit(max(0.0, deadline - time.monotonic()))
-            if ended is None:
-                stop(signal.SIGKILL)
-                deadline = float("inf")
-                continue
-            running.discard(ended[0])
         raise
-    return launch
+    if not pids:
+        warm.lock.release()
+        return None
+    return RankGroup(warm, pids, port)  # it releases the warm interpreter when all exited
+
+
+def run_ranks(
+    module: str, argv: list[str], nproc: int, env: dict[str, str], logs: Path, engine: str
+) -> RankGroup | None:
+    """The ranks forked warm, run to their end (an interrupt of lpx stops them and is
+    raised again); None where none can be forked."""
+    group = start_ranks(module, argv, nproc, env, logs, engine)
+    if group is None:
+        return None
+    try:
+        group.wait()
+    except Interrupted:
+        group.stop()
+        raise
+    return group
 
 
 def address_taken(logs: Path) -> bool:

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline import warm_start
 from pipeline.errors import BadInput, Interrupted
-from pipeline.orchestrator import warm_start
 from pipeline.orchestrator.docker_mounts import HostView, stage_mounts
 from pipeline.orchestrator.stages import Stage
 

@@ -1,4 +1,4 @@
-"""Local stages forked from a warm interpreter (pipeline/orchestrator/warm_start.py): the same
+"""Local stages forked from a warm interpreter (pipeline/warm_start.py): the same
 outputs and exit codes as a plain `python -m pipeline` process, killed the same way."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline import warm_start
 from pipeline.errors import Interrupted
-from pipeline.orchestrator import warm_start
 from pipeline.orchestrator.runners import LocalRunner
 from pipeline.orchestrator.stages import Stage
 

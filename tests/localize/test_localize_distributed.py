@@ -28,10 +28,13 @@ SEQUENCES = [list(range(3, 40)), [7, 1, 300, 12, 45, 9, 511, 2, 88, 64, 17]]
 # (spec, largest relative divergence from hf per token, declared fp32 / reference fp64)
 # The ranks run one thread each and this process two, so even the HF model under FSDP may
 # round a matmul differently: fp32 agreement is to a few ulps, fp64 to a few fp64 ulps.
+# On the CPU the ranks are forked warm (pipeline/engines/warm_ranks.py), as a GPU's are not:
+# torchrun starts those, as it does the CPU's with LPX_WARM_START=0 (the last row).
 SIDES = [
-    ("fsdp:nproc=2", 5e-6, 1e-12),  # measured 8.2e-7 / 0.0
-    ("deepspeed:nproc=2", 5e-6, 1e-12),  # measured 8.2e-7 / 0.0
-    ("megatron:tp=2,dtype=fp32", 5e-6, 2e-6),  # measured 2.1e-6 / 5.2e-7
+    ("fsdp:nproc=2", 5e-6, 1e-12, "1"),  # measured 8.2e-7 / 0.0
+    ("deepspeed:nproc=2", 5e-6, 1e-12, "1"),  # measured 8.2e-7 / 0.0
+    ("megatron:tp=2,dtype=fp32", 5e-6, 2e-6, "1"),  # measured 2.1e-6 / 5.2e-7
+    ("fsdp:nproc=2", 5e-6, 1e-12, "0"),  # under torchrun
 ]
 
 
@@ -52,12 +55,19 @@ def hf_side(tiny_model):
     side.close()
 
 
-@pytest.mark.parametrize("spec,fp32_limit,fp64_limit", SIDES, ids=[s for s, _, _ in SIDES])
+@pytest.mark.parametrize(
+    "spec,fp32_limit,fp64_limit,warm", SIDES,
+    ids=[s + ("" if warm == "1" else "-torchrun") for s, _, _, warm in SIDES],
+)  # fmt: skip
 def test_captures_agree_with_hf_boundary_by_boundary(
-    spec, fp32_limit, fp64_limit, tiny_model, hf_side
+    spec, fp32_limit, fp64_limit, warm, tiny_model, hf_side, monkeypatch
 ):
+    from pipeline.engines.warm_ranks import RankGroup
+
+    monkeypatch.setenv("LPX_WARM_START", warm)
     side = open_side(spec, tiny_model)
     try:
+        assert isinstance(side.group.process, RankGroup) == (warm == "1")
         assert side.boundaries == hf_side.boundaries
         assert side.reference_dtype == "float64"
         assert side.layout["world_size"] == 2 and side.layout["dtype"] == "float32"

@@ -1,6 +1,8 @@
 """A capture session whose engine runs on torchrun ranks: one worker group per session.
 
-The parent (`lpx localize`) launches `torch.distributed.run` once when the side is opened;
+The parent (`lpx localize`) launches the ranks once when the side is opened (on the CPU
+forked from a warm interpreter, pipeline/engines/warm_ranks.py; on a GPU under
+`torch.distributed.run`);
 rank 0 listens on a Unix socket in the group's folder, takes one request per forward (a
 sequence, a precision, rows to swap in), shares it with the other ranks over the process
 group, and sends each boundary's rows back as they are computed. Models load on the ranks
@@ -23,8 +25,10 @@ import time
 import weakref
 from pathlib import Path
 
+from pipeline.engines import warm_ranks
 from pipeline.errors import BadInput
 
+RANK_MODULE = "pipeline.localize.adapters._rank"
 SOCKET = "rank0.sock"
 AUTHKEY_VARIABLE = "LPX_CAPTURE_AUTHKEY"
 PARENT_VARIABLE = "LPX_CAPTURE_PARENT"  # the ranks stop when this process is gone
@@ -48,25 +52,8 @@ class WorkerGroup:
         self._connection = None
         self._next_id = 0
         self._failed = False
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "pipeline.localize.adapters._rank",
-            "--engine",
-            engine,
-            "--model",
-            str(model_dir),
-            "--knobs",
-            json.dumps(knobs),
-            "--device",
-            device,
-            "--folder",
-            str(self.folder),
-        ]
+        worker = ["--engine", engine, "--model", str(model_dir), "--knobs", json.dumps(knobs),
+                  "--device", device, "--folder", str(self.folder)]  # fmt: skip
         # The ranks import the same lpx as this process, wherever they are started from.
         package_root = str(Path(__file__).resolve().parents[3])
         path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
@@ -77,15 +64,24 @@ class WorkerGroup:
                 "PYTHONPATH": path,
             }
         )
-        self._log = open(self.folder / "torchrun.log", "wb")  # noqa: SIM115 - closed in close()
-        self.process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=environment,
-            start_new_session=True,  # one process group: a stop reaches torchrun and every rank
-        )
+        # On the CPU the ranks are forked from a warm interpreter (engines/warm_ranks.py).
+        self._log = None
+        self.process = None
+        if device == "cpu":
+            self.process = warm_ranks.start_ranks(
+                RANK_MODULE, worker, nproc, environment, self.folder, engine
+            )
+        if self.process is None:
+            self._log = open(self.folder / "torchrun.log", "wb")  # noqa: SIM115 - closed in close()
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={nproc}", "-m", RANK_MODULE, *worker],
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=environment,
+                start_new_session=True,  # one process group: a stop reaches torchrun and every rank
+            )  # fmt: skip
         self._finalizer = weakref.finalize(self, _kill, self.process, self.folder)
 
     def request(self, message: dict, on_rows) -> None:
@@ -131,7 +127,8 @@ class WorkerGroup:
             pass
         _kill(self.process, self.folder)
         self._finalizer.detach()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
         if not self._failed:
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -192,10 +189,15 @@ class WorkerGroup:
         self._failed = True
         running = self.process.poll() is None
         _kill(self.process, self.folder)
-        self._log.flush()
-        output = (self.folder / "torchrun.log").read_text(errors="replace")
+        if isinstance(self.process, warm_ranks.RankGroup):
+            (self.folder / "launch.log").write_text("\n".join(self.process.lines) + "\n")
+            output, reported = "", sorted(self.process.codes.items())
+        else:
+            self._log.flush()
+            output = (self.folder / "torchrun.log").read_text(errors="replace")
+            reported = torchrun_reported(output)
         # A group that stopped answering was killed here: the ranks have no error of their own.
-        cause = "" if running else failure(self.folder, torchrun_reported(output), output)
+        cause = "" if running else failure(self.folder, reported, output)
         detail = f": {cause}" if cause else f" (rank logs: {self.folder})"
         raise BadInput(
             f"{self.engine} capture on {self.nproc} rank(s) failed, {what}{detail}."
@@ -212,9 +214,13 @@ def rank_pids(folder: Path) -> dict[int, int]:
     return pids
 
 
-def _kill(process: subprocess.Popen, folder: Path) -> None:
+def _kill(process, folder: Path) -> None:
     """Kill torchrun and every rank. torchrun starts each rank in a session of its own, so
-    the ranks are killed by their own ids: a stopped or hung rank ignores torchrun's SIGTERM."""
+    the ranks are killed by their own ids: a stopped or hung rank ignores torchrun's SIGTERM.
+    Ranks forked warm are killed by the group that knows their ids."""
+    if isinstance(process, warm_ranks.RankGroup):
+        process.kill()
+        return
     for pid in rank_pids(folder).values():
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()

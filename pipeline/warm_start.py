@@ -91,7 +91,7 @@ class WarmInterpreter:
         self.python, self.env, self.preload = python, dict(env), preload
         self.lock = threading.Lock()
         self.process = subprocess.Popen(
-            [python, "-m", "pipeline.orchestrator.warm_start", *preload],
+            [python, "-m", "pipeline.warm_start", *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -191,7 +191,12 @@ def warm_interpreter(
             warm = _warm[key] = WarmInterpreter(python, env, preload)
     if not warm.lock.acquire(blocking=False):  # another thread's forks are running in it
         return None
-    if not warm.is_ready(wait_s):
+    try:
+        ready = warm.is_ready(wait_s)
+    except BaseException:  # an interrupt while it imports: it stays for the next caller
+        warm.lock.release()
+        raise
+    if not ready:
         warm.lock.release()
         return None
     return warm
