@@ -123,8 +123,11 @@ def test_compare_killed_at_random_leaves_old_outputs_new_outputs_or_no_verdict(t
     _run(["compare", fixture, clean, "--out", out], tmp_path)
     old = _snapshot(files)
     assert old.keys() == new.keys() == {f.name for f in files} and old != new
+    kept = tmp_path / "cmp-old"  # the old run's outputs, put back before each kill
+    shutil.copytree(out, kept)
     for sig, delay in _delays("compare", duration):
-        _run(["compare", fixture, clean, "--out", out], tmp_path)
+        shutil.rmtree(out)
+        shutil.copytree(kept, out)
         code, err = _kill_at_random(new_args, tmp_path, sig, delay)
         _check_exit(code, err, sig)
         state = _snapshot(files)
@@ -153,9 +156,10 @@ def test_replay_killed_at_random_leaves_the_old_file_or_the_new_one(run_dir, tmp
     new_args = ["replay", fixture, "--dtype", "bf16", "--out", out]
     duration = _timed(new_args, tmp_path)
     new = _replay_content(out)
+    _run(["replay", fixture, "--dtype", "fp32", "--out", out], tmp_path)
+    old, old_bytes = _replay_content(out), out.read_bytes()
     for sig, delay in _delays("replay", duration):
-        _run(["replay", fixture, "--dtype", "fp32", "--out", out], tmp_path)
-        old = _replay_content(out)
+        out.write_bytes(old_bytes)  # the old file, as the fp32 replay wrote it
         code, err = _kill_at_random(new_args, tmp_path, sig, delay)
         _check_exit(code, err, sig)
         assert _replay_content(out) in (old, new), f"replay changed by {sig.name} at {delay:.2f}s"
@@ -183,9 +187,10 @@ def test_ingest_killed_at_random_leaves_the_old_file_or_the_new_one(tmp_path):
     new_args = ["ingest", tmp_path / "big.jsonl", "--out", out]
     duration = _timed(new_args, tmp_path)
     new = out.read_bytes()
+    _run(["ingest", tmp_path / "small.jsonl", "--out", out], tmp_path)
+    old = out.read_bytes()
     for sig, delay in _delays("ingest", duration):
-        _run(["ingest", tmp_path / "small.jsonl", "--out", out], tmp_path)
-        old = out.read_bytes()
+        out.write_bytes(old)  # the old file, as the small ingest wrote it
         code, err = _kill_at_random(new_args, tmp_path, sig, delay)
         _check_exit(code, err, sig)
         assert out.read_bytes() in (old, new), (
