@@ -27,7 +27,7 @@ import yaml
 from _commands import run_lpx
 
 SCALES = {"tiny": models.tiny, "16x1024": lambda: models.random_llama(16, 1024, 0.05)}
-REPLAYS = {"fsdp": [], "deepspeed": [], "megatron": ["--set", "tp_size=2"]}
+REPLAYS = {"fsdp": [], "deepspeed": [], "megatron": ["--set", "tensor_parallel_size=2"]}
 
 
 def _children_cpu() -> float:

@@ -67,7 +67,8 @@ from pipeline.plugins import SCORING
     type=RANKS,
     default=1,
     show_default=True,
-    help="Ranks for distributed engines (fsdp, deepspeed, megatron); lpx starts torchrun. "
+    help="Ranks for distributed engines (fsdp, deepspeed, megatron); lpx starts them "
+    "(torchrun on CUDA, forked warm on the CPU). "
     "On CUDA one rank per GPU; auto = every visible GPU (1 on the CPU).",
 )
 @device_option
@@ -104,8 +105,9 @@ def replay(
     to the fixture's recorded experts, R3; also megatron); fsdp: reduce_dtype; deepspeed:
     zero_stage=0..3; megatron: tensor_parallel_size=N, expert_model_parallel_size=N.
     Distributed engines run on --nproc ranks, one per GPU
-    on CUDA (lpx starts torchrun; under an existing torchrun launch it uses that one); each
-    rank's log is kept under --rank-logs.
+    on CUDA (lpx starts them: torchrun on CUDA, forked from a warm interpreter on the CPU;
+    under an existing torchrun launch it uses that one); each rank's log is kept under
+    --rank-logs.
 
     \b
     Example:
