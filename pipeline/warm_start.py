@@ -169,18 +169,27 @@ def warm_interpreter(
     env: dict[str, str] | None = None,
     preload: tuple[str, ...] = (),
     wait_s: float = READY_WAIT_S,
+    per_fork: tuple[str, ...] = (),
 ) -> WarmInterpreter | None:
     """A warm interpreter of ``python`` started in ``env`` (this process's environment by
     default) that has also imported ``preload``, ready and free to fork (its lock held:
     release it when its forks have exited); None where there is none. The first call starts
     one and waits up to ``wait_s`` for its imports: a process started beside them would
-    import the same libraries at the same time, on the same cores."""
+    import the same libraries at the same time, on the same cores. Variables in ``per_fork``
+    differ from one group of forks to the next and no import reads them (a session's key):
+    they do not call for a warm interpreter of their own."""
     if not enabled():
         return None
     env = dict(os.environ if env is None else env)
     key = (
         python,
-        tuple(sorted((k, v) for k, v in env.items() if k not in CHANGES_WITHOUT_EFFECT)),
+        tuple(
+            sorted(
+                (k, v)
+                for k, v in env.items()
+                if k not in CHANGES_WITHOUT_EFFECT and k not in per_fork
+            )
+        ),
         preload,
     )
     with _registry_lock:

@@ -148,11 +148,20 @@ class RankGroup:
 
 
 def start_ranks(
-    module: str, argv: list[str], nproc: int, env: dict[str, str], logs: Path, engine: str
+    module: str,
+    argv: list[str],
+    nproc: int,
+    env: dict[str, str],
+    logs: Path,
+    engine: str,
+    per_launch: tuple[str, ...] = (),
 ) -> RankGroup | None:
     """Fork ``nproc`` ranks of `python -m MODULE ARGV...` from a warm interpreter, each
-    writing logs/rankN.log; None where none can fork them (then the caller starts torchrun)."""
-    warm = warm_interpreter(sys.executable, env, ENGINE_IMPORTS.get(engine, ()))
+    writing logs/rankN.log; None where none can fork them (then the caller starts torchrun).
+    ``per_launch``: variables of ``env`` that change with every launch (a session key)."""
+    warm = warm_interpreter(
+        sys.executable, env, ENGINE_IMPORTS.get(engine, ()), per_fork=per_launch
+    )
     if warm is None:
         return None
     try:

@@ -160,8 +160,11 @@ def test_a_rank_that_dies_or_hangs_is_a_clear_error_not_a_hang(tiny_model):
         side.close()
     assert ranks_gone(pids.values())
     shutil.rmtree(side.group.folder)
+    first = side.group.process.warm
 
     side = open_side("fsdp:nproc=2", tiny_model)
+    # the next group's ranks fork from the same warm interpreter, whatever its session key
+    assert side.group.process.warm is first
     try:
         captured(side, SEQUENCES[1], "declared")
         pids = side.group.rank_pids()

@@ -69,8 +69,9 @@ class WorkerGroup:
         self.process = None
         if device == "cpu":
             self.process = warm_ranks.start_ranks(
-                RANK_MODULE, worker, nproc, environment, self.folder, engine
-            )
+                RANK_MODULE, worker, nproc, environment, self.folder, engine,
+                per_launch=(AUTHKEY_VARIABLE, PARENT_VARIABLE),
+            )  # fmt: skip
         if self.process is None:
             self._log = open(self.folder / "torchrun.log", "wb")  # noqa: SIM115 - closed in close()
             self.process = subprocess.Popen(
