@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
@@ -26,6 +27,39 @@ def tokenizer_fingerprint(model_dir: Path) -> str:
         Path(model_dir) / name for name in TOKENIZER_FILES if (Path(model_dir) / name).is_file()
     ]
     return _hash_files(files) if files else "none"
+
+
+def chat_template_fingerprint(model_dir: Path) -> str:
+    """sha256 over the model's chat templates, by name, wherever its tokenizer keeps them:
+    ``chat_template.jinja`` and ``additional_chat_templates/`` (transformers 5) or the
+    ``chat_template`` key of tokenizer_config.json (earlier releases). The same templates give
+    the same fingerprint in either layout. Apart from the tokenizer's: a template decides what
+    ids an agent loop renders, not how ids score, so only agent-loop series are keyed by it."""
+    templates = _chat_templates(Path(model_dir))
+    if not templates:
+        return "none"
+    encoded = json.dumps(sorted(templates.items()), ensure_ascii=False).encode()
+    return "sha256:" + hashlib.sha256(encoded).hexdigest()
+
+
+def _chat_templates(model_dir: Path) -> dict[str, str]:
+    templates: dict[str, str] = {}
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    kept = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(kept, str):
+        templates["default"] = kept
+    elif isinstance(kept, list):  # [{"name": ..., "template": ...}]
+        for entry in kept:
+            if isinstance(entry, dict) and isinstance(entry.get("template"), str):
+                templates[str(entry.get("name", "default"))] = entry["template"]
+    if (model_dir / "chat_template.jinja").is_file():
+        templates["default"] = (model_dir / "chat_template.jinja").read_text()
+    for extra in sorted((model_dir / "additional_chat_templates").glob("*.jinja")):
+        templates[extra.stem] = extra.read_text()
+    return templates
 
 
 def _hash_files(files: list[Path]) -> str:

@@ -19,7 +19,8 @@ from pipeline.fixture.presets import PRESETS
     default="generic",
     show_default=True,
     help="A framework's field names (docs/ingest.md): verl (DataProto rows, either stage), "
-    "verl-agent (the agent loop's output), skyrl, nemo-rl (message_log turns), "
+    "verl-agent (the agent loop's output), skyrl (TrajectoryOutput), skyrl-generator "
+    "(GeneratorOutput, a sample per line), nemo-rl (message_log turns), "
     "slime (Sample.to_dict, rollout stage), slime-train (train-stage samples), generic. Fields "
     "a stage may not have yet (old/ref logprobs, masks, weight versions) are read where "
     "present.",

@@ -68,6 +68,15 @@ from pipeline.plugins import ROLLOUT
     "re-rendered through the chat template and re-tokenized every turn.",
 )
 @click.option(
+    "--agent-render",
+    type=click.Choice(["engine", "lpx"]),
+    default="engine",
+    show_default=True,
+    help="messages mode: engine renders each turn through the rollout engine's own chat path "
+    "(vLLM's LLM.chat, SGLang's /v1/chat/completions) where it has one; lpx renders with "
+    "transformers (HF and engines without a chat path always do).",
+)
+@click.option(
     "--agent-think/--agent-no-think",
     default=True,
     show_default=True,
@@ -91,6 +100,7 @@ def rollout(
     logprobs_mode,
     agent_turns,
     agent_mode,
+    agent_render,
     agent_think,
     dtype,
     device,
@@ -144,7 +154,11 @@ def rollout(
         from pipeline.trajectory.agent_loop import LoopSettings, agent_rollout
 
         settings = LoopSettings(
-            turns=agent_turns, mode=agent_mode, think=agent_think, env_seed=seed
+            turns=agent_turns,
+            mode=agent_mode,
+            think=agent_think,
+            env_seed=seed,
+            render=agent_render,
         )
         texts = load_prompt_texts(prompts_path)
         table = agent_rollout(rollout_with, model_dir, texts, sampling, knobs, settings)

@@ -257,6 +257,7 @@ class ModelInfo(TypedDict, total=False):
     architecture: str | None
     weights_fingerprint: str | None
     tokenizer_fingerprint: str | None
+    chat_template_fingerprint: str | None
 
 
 @with_config(OPEN)

@@ -122,14 +122,37 @@ def _coerce_knob(engine: str, name: str, value, annotation: str):
         raise BadInput(f"{engine} knob {name}={value!r}: expected {annotation}.") from None
 
 
+@dataclass(frozen=True)
+class ChatPrompts:
+    """Conversations for an engine to render through its own chat path (a messages-mode
+    agent loop): an adapter whose session's ``sample`` takes these says so with
+    ``renders_chat`` (a name for its chat path) and records the ids its path rendered as each
+    row's prompt. With ``continue_final`` the last message is an opened assistant turn that
+    generation continues (an opened `<think>`), else the template's generation prompt is
+    added."""
+
+    conversations: list[list[dict]]
+    continue_final: bool = False
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    def __iter__(self):
+        return iter(self.conversations)
+
+
 def trajectories(
-    prompts: list[list[int]], sampling: SamplingParams
+    prompts: list[list[int]] | ChatPrompts, sampling: SamplingParams
 ) -> list[tuple[str, list[int], int]]:
     """(sequence id, prompt, seed) for every sample to draw: ids are 'PROMPT-SAMPLE' and
     seeds `seed + index`, the same for every rollout engine so their fixtures line up."""
     n = sampling.samples_per_prompt
     return [
-        (f"{p}-{s}", list(prompt), sampling.seed + p * n + s)
+        (
+            f"{p}-{s}",
+            prompt if isinstance(prompts, ChatPrompts) else list(prompt),
+            sampling.seed + p * n + s,
+        )  # fmt: skip
         for p, prompt in enumerate(prompts)
         for s in range(n)
     ]

@@ -1,5 +1,5 @@
 """What every engine records of the model it ran and the software it ran with: the model's
-identity, the config it read (and from which files), its generation defaults, and the
+identity (weights, tokenizer, chat template), the config it read (and from which files), its generation defaults, and the
 versions of the packages that can change a logprob.
 """
 
@@ -10,7 +10,11 @@ import platform
 from pathlib import Path
 
 from pipeline.engines.model_dir import check_model_dir
-from pipeline.fingerprint import tokenizer_fingerprint, weights_fingerprint
+from pipeline.fingerprint import (
+    chat_template_fingerprint,
+    tokenizer_fingerprint,
+    weights_fingerprint,
+)
 from pipeline.model_config import (
     config_files,
     numerics_config,
@@ -33,6 +37,7 @@ def model_metadata(model_dir: Path, resolved=None) -> dict:
         "vocab_size": config.get("vocab_size"),
         "weights_fingerprint": weights_fingerprint(model_dir),
         "tokenizer_fingerprint": tokenizer_fingerprint(model_dir),
+        "chat_template_fingerprint": chat_template_fingerprint(model_dir),
         # what an engine applies where the request leaves a sampling field unset
         "generation_config": generation_sampling(model_dir),
         "config_files": config_files(model_dir),

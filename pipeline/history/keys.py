@@ -222,7 +222,19 @@ def _agent_loop(side: Side) -> str | None:
     if loop.get("mode") == "ingested":
         return f"ingested ({loop.get('preset', 'unknown')})"
     think = ", thinking" if loop.get("think") else ""
-    return f"{loop.get('turns')} turns, {loop.get('mode')}{think}"
+    # the chat template renders the loop's opening, tool and user turns (and, in messages
+    # mode, every context): another template is another workload
+    template = (side.get("model") or {}).get("chat_template_fingerprint")
+    template = (
+        f", template {template.removeprefix('sha256:')[:12]}"
+        if template and template != "none" else ""
+    )  # fmt: skip
+    mode = loop.get("mode")
+    # a messages loop that the engine's own chat path rendered is another workload than one
+    # lpx rendered (a loop recorded before the renderer was has no rendered_by)
+    if mode == "messages" and not str(loop.get("rendered_by") or "lpx").startswith("lpx"):
+        mode = "messages through the engine's chat path"
+    return f"{loop.get('turns')} turns, {mode}{think}{template}"
 
 
 # keyed only where present (a side's numerics, an agent loop): every case recorded before

@@ -66,6 +66,9 @@ class Agent(_Strict):
     turns: Count = 4
     mode: Literal["tito", "messages"] = "tito"
     think: bool = True
+    # messages mode: the engine's own chat path renders each turn where it has one (vLLM,
+    # SGLang), else lpx renders with transformers
+    render: Literal["engine", "lpx"] = "engine"
 
 
 class Rollout(_Strict):

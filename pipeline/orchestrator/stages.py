@@ -206,4 +206,5 @@ def _agent(agent) -> list[str]:
     if agent is None:
         return []
     think = "--agent-think" if agent.think else "--agent-no-think"
-    return ["--agent-turns", str(agent.turns), "--agent-mode", agent.mode, think]
+    return ["--agent-turns", str(agent.turns), "--agent-mode", agent.mode, think,
+            "--agent-render", agent.render]  # fmt: skip

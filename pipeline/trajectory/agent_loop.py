@@ -25,11 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.engines.base import ChatPrompts
 from pipeline.errors import BadInput
 from pipeline.trajectory.environment import ToolEnvironment
 from pipeline.trajectory.template import END_OF_MODEL_TURN, GENERATION_PROMPT, encode, render
 
 MODES = ("tito", "messages")
+RENDERERS = ("engine", "lpx")
+LPX_RENDERING = "lpx (transformers' apply_chat_template, then the tokenizer)"
 THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n\n"
 TURN_SEED_STRIDE = 100_003  # each model turn's seeds: the rollout's, moved on by this
 
@@ -40,6 +43,7 @@ class LoopSettings:
     mode: str = "tito"
     think: bool = True
     env_seed: int = 0
+    render: str = "engine"  # messages mode: the engine's chat path where it has one, or lpx
 
     def as_dict(self) -> dict:
         return {"turns": self.turns, "mode": self.mode, "think": self.think,
@@ -80,6 +84,10 @@ def agent_rollout(rollout_with, model_dir: Path, prompt_texts: list[str], sampli
         raise BadInput(f"agent loop mode {settings.mode!r}: choose one of {', '.join(MODES)}")
     if settings.turns < 1:
         raise BadInput("an agent loop needs at least one model turn (--agent-turns N)")
+    if settings.render not in RENDERERS:
+        raise BadInput(
+            f"agent loop render {settings.render!r}: choose one of {', '.join(RENDERERS)}"
+        )
     tokenizer = load_tokenizer(model_dir)
     env = ToolEnvironment(settings.env_seed)
     think = THINK_OPEN if settings.think else ""
@@ -90,9 +98,18 @@ def agent_rollout(rollout_with, model_dir: Path, prompt_texts: list[str], sampli
             opening = opening_ids(tokenizer, messages, think)
             states.append(_Trajectory(f"{p}-{s}", messages, opening))
     longest = max(len(s.flat()) for s in states) + settings.turns * (sampling.max_tokens + 256)
-    with _engine_session(rollout_with, model_dir, sampling, knobs, longest) as sample:
-        table = _turns(sample, tokenizer, states, env, sampling, settings, think)
-    return _fixture(states, table, sampling, settings)
+    chat_path = getattr(rollout_with, "renders_chat", None)
+    engine_renders = settings.mode == "messages" and settings.render == "engine" and chat_path
+    with _engine_session(rollout_with, model_dir, sampling, knobs, longest,
+                         bool(engine_renders)) as sample:  # fmt: skip
+        table = _turns(sample, tokenizer, states, env, sampling, settings, think,
+                       bool(engine_renders))  # fmt: skip
+    fixture = _fixture(states, table, sampling, settings)
+    if settings.mode == "messages":  # who rendered each turn's context
+        fixture.metadata["agent_loop"]["rendered_by"] = (
+            chat_path if engine_renders else LPX_RENDERING
+        )
+    return fixture
 
 
 def opening_ids(tokenizer, messages: list[dict], think: str) -> list[list[int]]:
@@ -113,23 +130,32 @@ def environment_turn_ids(tokenizer, reply: dict, think: str) -> list[int]:
 
 
 @contextmanager
-def _engine_session(rollout_with, model_dir, sampling, knobs, longest):
+def _engine_session(rollout_with, model_dir, sampling, knobs, longest, chat: bool = False):
     """The engine held across turns where its adapter offers a session (vLLM, SGLang: one
     load, one server); else each turn is one call of its ``rollout``."""
     opened = getattr(rollout_with, "session", None)
     if opened is None:
         yield lambda prompts, asked: rollout_with.rollout(model_dir, prompts, asked, knobs)
         return
-    with opened(model_dir, sampling, knobs, longest=longest) as sample:
+    with opened(
+        model_dir, sampling, knobs, longest=longest, **({"chat": True} if chat else {})
+    ) as sample:
         yield sample
 
 
-def _turns(sample, tokenizer, states, env, sampling, settings: LoopSettings, think: str):
+def _turns(sample, tokenizer, states, env, sampling, settings: LoopSettings, think: str,
+           engine_renders: bool = False):  # fmt: skip
     """Every model turn of every trajectory, the environment answering between them; the
-    last turn's fixture (its metadata is the engine's)."""
+    last turn's fixture (its metadata is the engine's). Where the engine renders, each
+    context is the conversation so far (an opened `<think>` as a last assistant message to
+    continue) and the engine's fixture reports the ids it rendered."""
     last_table = None
     for t in range(settings.turns):
-        contexts = [_context(tokenizer, state, settings, think) for state in states]
+        if engine_renders:
+            opened = [{"role": "assistant", "content": think}] if think else []
+            contexts = ChatPrompts([state.messages + opened for state in states], bool(think))
+        else:
+            contexts = [_context(tokenizer, state, settings, think) for state in states]
         per_turn = replace(sampling, seed=sampling.seed + TURN_SEED_STRIDE * t,
                            samples_per_prompt=1)  # fmt: skip
         table = sample(contexts, per_turn)

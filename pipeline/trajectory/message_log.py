@@ -2,9 +2,16 @@
 and on the generated (assistant) turns the engine's `generation_logprobs`.
 
 One JSON object per line with a `message_log` list. The prompt is every turn before the first
-assistant turn; the completion every later one, masked to the assistant turns; the turns kept
+generated turn; the completion every later one, masked to the generated turns; the turns kept
 as the fixture's trajectories (pipeline/trajectory/fixture.py). Any role other than system,
 user and assistant (tool, environment, ...) is a tool turn.
+
+A message_log is read as the rollout leaves it and as GRPO's
+`add_grpo_token_loss_masks_and_generation_logprobs` (nemo_rl/algorithms/grpo.py, at 7ea279ab)
+leaves it: that step gives every turn a `token_loss_mask` (1 only on assistant turns that carry
+the engine's logprobs) and zero `generation_logprobs` where a turn had none. So a turn is
+generated where its `token_loss_mask` is 1, or, without one, where it is an assistant turn with
+`generation_logprobs`; an assistant turn of the prompt's history is context, like a user turn.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import numpy as np
 from pipeline.errors import BadInput
 from pipeline.trajectory.shape import MODEL_ROLE
 
-TOKENS, LOGPROBS = "token_ids", "generation_logprobs"
+TOKENS, LOGPROBS, LOSS_MASK = "token_ids", "generation_logprobs", "token_loss_mask"
 
 
 def read_message_logs(path: Path, metadata: dict):
@@ -76,13 +83,16 @@ def _turn(turn, where: str) -> tuple[str, list[int], list[float] | None]:
     ):
         raise BadInput(f"{where} ({turn.get('role')}): `{TOKENS}` must be a non-empty list of ids")
     values = turn.get(LOGPROBS)
-    if role != MODEL_ROLE:
-        if values is not None:
+    generated = _generated(turn, role, len(tokens), values, where)
+    if not generated:
+        if values is not None and not _zero_filled(values, len(tokens)):
             raise BadInput(
                 f"{where} ({turn.get('role')}): `{LOGPROBS}` on a turn the model did not "
-                "generate; only assistant turns carry the engine's logprobs"
+                "generate; only generated assistant turns carry the engine's logprobs (zeros, as "
+                "GRPO fills them in, are accepted)"
             )
-        return role, tokens, None
+        # an assistant turn of the prompt's history: context the engine was given
+        return ("user" if role == MODEL_ROLE else role), tokens, None
     if not isinstance(values, list) or len(values) != len(tokens):
         count = "none" if not isinstance(values, list) else len(values)
         raise BadInput(
@@ -93,3 +103,26 @@ def _turn(turn, where: str) -> tuple[str, list[int], list[float] | None]:
     except (TypeError, ValueError):
         raise BadInput(f"{where} (assistant): `{LOGPROBS}` must be numbers") from None
     return role, tokens, floats
+
+
+def _generated(turn: dict, role: str, n: int, values, where: str) -> bool:
+    mask = turn.get(LOSS_MASK)
+    if mask is None:
+        return role == MODEL_ROLE and values is not None
+    if not isinstance(mask, list) or len(mask) != n or not all(v in (0, 1) for v in mask):
+        raise BadInput(f"{where} ({turn.get('role')}): `{LOSS_MASK}` must be {n} values of 0 or 1")
+    if len(set(mask)) > 1:
+        raise BadInput(
+            f"{where} ({turn.get('role')}): `{LOSS_MASK}` mixes 0 and 1 inside one turn; a turn is "
+            "generated or not"
+        )
+    if mask[0] == 1 and role != MODEL_ROLE:
+        raise BadInput(
+            f"{where} ({turn.get('role')}): `{LOSS_MASK}` is 1 on a turn the model did not "
+            "generate; only assistant turns are trained on"
+        )
+    return mask[0] == 1
+
+
+def _zero_filled(values, n: int) -> bool:
+    return isinstance(values, list) and len(values) == n and all(v == 0 for v in values)

@@ -1,8 +1,8 @@
 """The agent loop on real engines, replayed and compared as `lpx` runs them: token-in-token-out
 trajectories pass at fp32 agreement, every one token-exact; the same loop in messages mode,
 through the tiny model's template that strips thinking, fails naming `thinking_stripped` at the
-first model turn after the user's follow-up, and the tokens whose context is exact stay inside
-precision."""
+first model turn after the user's follow-up (rendered by lpx, by vLLM's and by SGLang's own chat
+paths), and the tokens whose context is exact stay inside precision."""
 
 from __future__ import annotations
 
@@ -115,6 +115,32 @@ def test_messages_mode_through_a_template_that_strips_thinking_fails_naming_the_
     tmp_path, tiny_model, prompts
 ):
     done, report, fixture, _ = agent_run(tmp_path, tiny_model, prompts, mode="messages")
+    # HF has no chat path of its own: lpx renders with transformers
+    assert fixture.metadata["agent_loop"]["rendered_by"].startswith("lpx")
+    assert_thinking_stripped_named_and_nothing_else(done, report, fixture)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize(
+    "engine, path", [pytest.param("vllm", "vLLM LLM.chat", marks=pytest.mark.vllm),
+                     pytest.param("sglang", "SGLang /v1/chat/completions",
+                                  marks=pytest.mark.sglang)],
+)  # fmt: skip
+def test_messages_mode_through_the_engines_own_chat_path_names_the_stripped_thinking(
+    engine, path, tmp_path, tiny_model, prompts
+):
+    """vLLM renders each turn's conversation with LLM.chat, SGLang with its OpenAI chat
+    endpoint (the opened <think> continued as the final assistant message; SGLang tokenizes
+    it on its own): the ids each engine rendered are the contexts checked, and the same
+    class is named at the same turn as when lpx renders."""
+    done, report, fixture, _ = agent_run(tmp_path, tiny_model, prompts, engine=engine,
+                                         mode="messages")  # fmt: skip
+    assert fixture.metadata["agent_loop"]["rendered_by"].startswith(path)
+    assert fixture.metadata["prompts_rendered_by"].startswith(path)
+    assert_thinking_stripped_named_and_nothing_else(done, report, fixture)
+
+
+def assert_thinking_stripped_named_and_nothing_else(done, report, fixture):
     assert done.exit_code == 1, done.output
     assert report["verdict"] == "fail"
     tokens = [f for f in report["diagnosis"] if f["cause"] == "trajectory_tokens"]
@@ -176,6 +202,13 @@ def _agent_dump(table, path, shape: str, shift_mask_of: str | None = None):
         if shape == "verl-agent":
             lines.append({"prompt_ids": prompt, "response_ids": response, "response_mask": mask,
                           "response_logprobs": logprobs, "num_turns": 2 * turns})  # fmt: skip
+        elif shape == "skyrl":  # TrajectoryOutput
+            lines.append({"prompt_ids": prompt, "response_ids": response, "loss_mask": mask,
+                          "rollout_logprobs": logprobs, "stop_reason": "length"})  # fmt: skip
+        elif shape == "skyrl-generator":  # a sample of GeneratorOutput
+            lines.append({"prompt_token_ids": prompt, "response_ids": response,
+                          "loss_masks": mask, "rollout_logprobs": logprobs, "rewards": 0.0,
+                          "trajectory_ids": {"instance_id": sequence_id, "repetition_id": 0}})  # fmt: skip
         else:
             lines.append({"tokens": prompt + response, "response_length": len(response),
                           "loss_mask": mask, "rollout_log_probs": logprobs})  # fmt: skip
@@ -205,6 +238,25 @@ def test_an_agent_frameworks_dump_is_ingested_as_turns_and_its_masks_honoured(
     assert done.exit_code == 0 and report["verdict"] == "pass", done.output
     assert report["metrics"]["tokens"] == MODEL_TOKENS  # the tool turns' tokens masked
     assert report["metrics"]["max_abs_diff"] < FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("shape", ["skyrl", "skyrl-generator"])
+def test_skyrl_dumps_read_as_the_verl_agent_dump_of_the_same_trajectories(shape, tito, tmp_path):
+    """SkyRL's per-trajectory record and its batch's samples name the same things otherwise:
+    ingested, they are the verl-agent dump's fixture, token for token and turn for turn."""
+    _, _, table, _ = tito
+    fixtures = {}
+    for preset in ("verl-agent", shape):
+        dump = _agent_dump(table, tmp_path / f"{preset}.jsonl", preset)
+        fixtures[preset] = tmp_path / f"{preset}.parquet"
+        done = run_lpx("ingest", dump, "--preset", preset, "--out", fixtures[preset])
+        assert done.exit_code == 0, done.output
+    ours, theirs = read_table(fixtures["verl-agent"]), read_table(fixtures[shape])
+    assert theirs.completion_ids.tolist() == ours.completion_ids.tolist()
+    assert theirs.completion_mask.tolist() == ours.completion_mask.tolist()
+    assert theirs.channels["rollout"].tolist() == ours.channels["rollout"].tolist()
+    assert theirs.metadata["trajectories"] == ours.metadata["trajectories"]
+    assert int(theirs.completion_mask.sum()) == MODEL_TOKENS
 
 
 def test_a_dumps_mask_one_token_off_its_logprobs_is_named_and_kept_out_of_precision(
@@ -245,7 +297,11 @@ def test_the_example_agent_plan_runs_records_a_series_of_its_own_and_reports_per
     assert done.exit_code == 0, done.output
     with sqlite3.connect(db) as connection:
         loops = {row[0] for row in connection.execute("SELECT agent_loop FROM cases")}
-    assert loops == {"4 turns, tito, thinking"}
+    # the case names the loop and the template that rendered its turns
+    from pipeline.fingerprint import chat_template_fingerprint
+
+    template = chat_template_fingerprint(tmp_path / "run" / "model").removeprefix("sha256:")
+    assert loops == {f"4 turns, tito, thinking, template {template[:12]}"}
     page = (site / "runs" / "1.html").read_text()
     assert "of trajectories token-exact" in page and page.count('class="by-turn"') == 2
 
@@ -272,6 +328,27 @@ def _message_log(table, path):
     return path
 
 
+def _after_grpo(dump, path):
+    """The message_log as NeMo-RL's GRPO step rewrites it before training (grpo.py at
+    7ea279ab): token_loss_mask 1 on generated turns, 0 elsewhere; zero generation_logprobs
+    where a turn had none. The prompt's first half becomes an assistant turn of its history."""
+    lines = []
+    for line in dump.read_text().splitlines():
+        record = json.loads(line)
+        turns = record["message_log"]
+        prompt = turns[0]["token_ids"]
+        half = len(prompt) // 2
+        turns[:1] = [{"role": "user", "token_ids": prompt[:half]},
+                     {"role": "assistant", "token_ids": prompt[half:]}]  # fmt: skip
+        for turn in turns:
+            generated = "generation_logprobs" in turn
+            turn["token_loss_mask"] = [int(generated)] * len(turn["token_ids"])
+            turn.setdefault("generation_logprobs", [0.0] * len(turn["token_ids"]))
+        lines.append(json.dumps(record))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def test_a_nemo_rl_message_log_is_ingested_turn_by_turn(tito, tiny_model, tmp_path):
     _, _, table, _ = tito
     dump = _message_log(table, tmp_path / "message_log.jsonl")
@@ -287,6 +364,29 @@ def test_a_nemo_rl_message_log_is_ingested_turn_by_turn(tito, tiny_model, tmp_pa
     assert done.exit_code == 0 and report["verdict"] == "pass", done.output
     assert report["metrics"]["tokens"] == MODEL_TOKENS
     assert report["metrics"]["token_exact_rate"] == 1.0
+    # as GRPO's add_grpo_token_loss_masks_and_generation_logprobs leaves it: a token_loss_mask
+    # on every turn, zero generation_logprobs on the turns the model did not generate, and an
+    # assistant turn of the prompt's history (no logprobs, mask 0) is context
+    grpo = _after_grpo(dump, tmp_path / "grpo.jsonl")
+    done = run_lpx("ingest", grpo, "--preset", "nemo-rl", "--model", tiny_model, "--dtype",
+                   "fp32", "--out", tmp_path / "grpo.parquet")  # fmt: skip
+    assert done.exit_code == 0, done.output
+    done = run_lpx("compare", tmp_path / "grpo.parquet", replay, "--model", tiny_model, "--out",
+                   tmp_path / "c2")  # fmt: skip
+    report = read_report(tmp_path / "c2")
+    assert done.exit_code == 0 and report["verdict"] == "pass", done.output
+    assert report["metrics"]["tokens"] == MODEL_TOKENS
+    assert report["metrics"]["max_abs_diff"] < FP32_TOLERANCE
+    # a loss mask of 1 on a tool turn: one line naming the line and the turn
+    lines = grpo.read_text().splitlines()
+    bad = json.loads(lines[2])
+    turn = next(k for k, t in enumerate(bad["message_log"]) if t["role"] == "tool")
+    bad["message_log"][turn]["token_loss_mask"] = [1] * len(bad["message_log"][turn]["token_ids"])
+    lines[2] = json.dumps(bad)
+    grpo.write_text("\n".join(lines) + "\n")
+    done = run_lpx("ingest", grpo, "--preset", "nemo-rl", "--out", tmp_path / "bad.parquet")
+    assert done.exit_code == 2
+    assert f"{grpo} line 3, turn {turn} (tool): `token_loss_mask` is 1 on a turn" in done.output
     # a tool turn that carries logprobs: one line naming the line and the turn, nothing written
     lines = dump.read_text().splitlines()
     bad = json.loads(lines[1])

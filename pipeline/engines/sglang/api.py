@@ -100,6 +100,34 @@ def truncates(sampling) -> bool:
     return bool(sampling.top_k) or sampling.top_p < 1.0
 
 
+def render_chat(
+    connection: Connection, conversation: list[dict], continue_final: bool
+) -> list[int]:
+    """The ids SGLang's OpenAI chat path renders a conversation to: the model's template
+    through SGLang's own message handling and tokenization (with ``continue_final``, SGLang
+    renders the messages before the last with the generation prompt and appends the last
+    one's content tokenized on its own). One greedy token is asked, with
+    ``return_prompt_token_ids``, and the prompt's ids are read back."""
+    body = {
+        "messages": conversation,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "return_prompt_token_ids": True,
+        "continue_final_message": continue_final,
+    }
+    answer = connection.request("POST", "/v1/chat/completions", body)
+    try:
+        ids = answer["choices"][0]["prompt_token_ids"]
+        if not ids or not all(isinstance(i, int) for i in ids):
+            raise ValueError("no prompt ids")
+        return list(ids)
+    except SHAPE_ERRORS as error:
+        raise BadInput(
+            f"{connection.url}/v1/chat/completions returned no prompt_token_ids ({error!r}; "
+            f"{describe_json(answer)}); SGLang 0.5.23 or newer renders chats for lpx"
+        ) from None
+
+
 def generate_trajectory(
     connection: Connection, prompt: list[int], sampling, seed: int, asked: Asked
 ) -> Trajectory:

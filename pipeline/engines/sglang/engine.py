@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.engines.base import SamplingParams, trajectories
+from pipeline.engines.base import ChatPrompts, SamplingParams, trajectories
 from pipeline.engines.metadata import model_metadata
 from pipeline.engines.model_dir import check_model_dir
 from pipeline.engines.sglang import api as sglang_api
@@ -41,9 +41,16 @@ from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable, table_from_sequen
 from pipeline.progress import progress_bar
 from pipeline.routing import ROUTING_DTYPE, routing_metadata
 
+# a messages-mode agent loop's conversations go through SGLang's own chat path
+CHAT_PATH = (
+    "SGLang /v1/chat/completions (the model's chat template, SGLang's rendering and "
+    "tokenization; sampled by /generate from the ids it rendered)"
+)
+
 
 class SGLangRolloutEngine:
     name = "sglang"
+    renders_chat = CHAT_PATH
     knobs = SGLangKnobs
     takes_device = True
     log_dir: Path | None = None  # where the server's log is kept (the command sets it)
@@ -83,20 +90,27 @@ class SGLangRolloutEngine:
         return results
 
     @contextmanager
-    def session(self, model_dir: Path, sampling: SamplingParams, knobs: dict, longest: int = 0):
+    def session(self, model_dir: Path, sampling: SamplingParams, knobs: dict, longest: int = 0,
+                chat: bool = False):  # fmt: skip
         """One server held across calls (an agent loop's turns): yields
-        ``sample(prompts, sampling) -> fixture``; ``longest`` sizes its KV cache."""
+        ``sample(prompts, sampling) -> fixture``; ``longest`` sizes its KV cache; ``chat``
+        starts it with its tokenizer, for ``ChatPrompts``."""
         settings = SGLangKnobs.from_dict(knobs)
         wants_raw = sampling.logprobs_mode == "raw" or sampling.temperature in (0, 1)
         env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1" if wants_raw else "0"}
         routing = _routing(model_dir, settings, "rollout")
         with session(settings, model_dir, longest=longest, moe=routing is not None,
-                     log_dir=self.log_dir, role="rollout", env=env, say=_say) as found:  # fmt: skip
+                     log_dir=self.log_dir, role="rollout", env=env, say=_say,
+                     tokenizer=chat) as found:  # fmt: skip
             original = {}
 
             def sample(prompts, asked):
                 if not original:  # a server at a url is probed once, with the first prompts
-                    original["raw"] = _returns_original(settings, found, prompts, wants_raw)
+                    probe = prompts if not isinstance(prompts, ChatPrompts) else [
+                        sglang_api.render_chat(found.connection, prompts.conversations[0],
+                                               prompts.continue_final)
+                    ]  # fmt: skip
+                    original["raw"] = _returns_original(settings, found, probe, wants_raw)
                 return _rollout_on(found, settings, model_dir, prompts, asked, routing,
                                    original["raw"])  # fmt: skip
 
@@ -125,6 +139,14 @@ def _rollout_on(
         and bool(found.server_args().get("enable_return_routed_experts", False)),
         top_k=mask_top_k if not sampling.top_k else None,
     )
+    rendered_by = None
+    if isinstance(prompts, ChatPrompts):  # SGLang's chat path renders, /generate samples
+        with ThreadPoolExecutor(max_workers=settings.concurrency) as pool:
+            prompts = list(pool.map(
+                lambda c: sglang_api.render_chat(found.connection, c, prompts.continue_final),
+                prompts,
+            ))  # fmt: skip
+        rendered_by = CHAT_PATH
     work = trajectories(prompts, sampling)
     with ThreadPoolExecutor(max_workers=settings.concurrency) as pool:
         futures = [
@@ -161,6 +183,7 @@ def _rollout_on(
             "errors": dict(failed),
             "position_id_rule": "arange",
             **numerics_metadata(found),
+            **({"prompts_rendered_by": rendered_by} if rendered_by else {}),
         },
     )
     if asked.routed_experts:

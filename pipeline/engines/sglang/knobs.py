@@ -119,10 +119,17 @@ ALSO_RECORDED = ("page_size", "schedule_policy", "disable_overlap_schedule",
 
 
 def server_arguments(
-    settings: SGLangKnobs, model_dir: Path, device: str, longest: int, moe: bool
+    settings: SGLangKnobs,
+    model_dir: Path,
+    device: str,
+    longest: int,
+    moe: bool,
+    tokenizer: bool = False,
 ) -> list[str]:
-    """SGLang's command line for the knobs (host and port aside)."""
-    argv = ["--model-path", str(model_dir), "--skip-tokenizer-init", "--random-seed", "0",
+    """SGLang's command line for the knobs (host and port aside). lpx sends ids, so the
+    tokenizer is skipped unless a chat path is wanted (``tokenizer``)."""
+    argv = ["--model-path", str(model_dir),
+            *([] if tokenizer else ["--skip-tokenizer-init"]), "--random-seed", "0",
             "--dtype", settings.dtype, "--device", "cuda" if device.startswith("cuda") else "cpu",
             "--tp-size", str(settings.tensor_parallel_size)]  # fmt: skip
     backend = settings.attention_backend or ("torch_native" if device == "cpu" else None)
@@ -185,9 +192,10 @@ def session(
     role: str,
     env: dict[str, str] | None = None,
     say=None,
+    tokenizer: bool = False,
 ):
     """Yield a `Session` on the knobs' server: the one at ``url``, or one lpx starts on
-    ``model_dir`` (stopped after)."""
+    ``model_dir`` (stopped after; with its tokenizer where ``tokenizer``: a chat path)."""
     if settings.url:
         connection = settings.connection(settings.url)
         yield Session(
@@ -201,7 +209,7 @@ def session(
 
     device = resolve_device(settings.device, "--device")
     python = sglang_python(settings.python)
-    argv = server_arguments(settings, model_dir, device, longest, moe)
+    argv = server_arguments(settings, model_dir, device, longest, moe, tokenizer)
     folder = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="lpx-sglang-"))
     log = folder / f"sglang-{role}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     with running_server(python, argv, log, env, settings.startup_timeout_s, say) as server:

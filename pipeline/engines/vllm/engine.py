@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.engines.base import SamplingParams, trajectories
+from pipeline.engines.base import ChatPrompts, SamplingParams, trajectories
 from pipeline.engines.metadata import model_metadata
 from pipeline.engines.vllm.knobs import (
     VLLMKnobs,
@@ -30,10 +30,14 @@ from pipeline.errors import BadInput
 from pipeline.fixture.table import REPLAY_CHANNEL, TokenTable, table_from_sequences
 from pipeline.progress import progress_bar
 
+# a messages-mode agent loop's conversations go through vLLM's own chat path
+CHAT_PATH = "vLLM LLM.chat (the model's chat template, vLLM's rendering and tokenization)"
+
 
 class VLLMRolloutEngine:
     name = "vllm"
     knobs = VLLMKnobs
+    renders_chat = CHAT_PATH
 
     def rollout(
         self, model_dir: Path, prompts: list[list[int]], sampling: SamplingParams, knobs: dict
@@ -63,11 +67,13 @@ class VLLMRolloutEngine:
         return results
 
     @contextmanager
-    def session(self, model_dir: Path, sampling: SamplingParams, knobs: dict, longest: int = 0):
+    def session(self, model_dir: Path, sampling: SamplingParams, knobs: dict, longest: int = 0,
+                chat: bool = False):  # fmt: skip
         """One engine held across calls (an agent loop's turns): yields
-        ``sample(prompts, sampling) -> fixture``."""
+        ``sample(prompts, sampling) -> fixture``; ``chat`` loads its tokenizer, for
+        ``ChatPrompts``."""
         settings = VLLMKnobs.from_dict({"logprobs_mode": sampling.logprobs_mode, **knobs})
-        llm = create_llm(model_dir, settings, seed=sampling.seed)
+        llm = create_llm(model_dir, settings, seed=sampling.seed, tokenizer=chat)
         try:
             yield lambda prompts, asked: rollout_with(llm, model_dir, prompts, asked, settings)
         finally:
@@ -82,11 +88,14 @@ def rollout_with(
     from vllm.inputs import TokensPrompt
 
     work = trajectories(prompts, sampling)
+    chat = prompts if isinstance(prompts, ChatPrompts) else None
     stops = [] if sampling.ignore_eos else stop_token_ids(model_dir)
     routing = record_for(llm, model_dir, "rollout", settings.record_routing)
-    rows, routed = [], []
+    rows, routed, seen = [], [], []
     for batch in progress_bar(chunks(work, settings.batch_size), desc="vllm rollout", unit="batch"):
-        requests = [TokensPrompt(prompt_token_ids=prompt) for _, prompt, _ in batch]
+        requests = [
+            prompt if chat else TokensPrompt(prompt_token_ids=prompt) for _, prompt, _ in batch
+        ]
         params = [
             VSamplingParams(
                 max_tokens=sampling.max_tokens,
@@ -103,14 +112,14 @@ def rollout_with(
             )
             for _, _, seed in batch
         ]
-        outputs = _generate(llm, requests, params)
+        outputs = _generate(llm, requests, params, chat)
         sampled = [_sampled(output.outputs[0], settings.top_logprobs) for output in outputs]
         rows += sampled
+        # the ids the engine computed on: what its chat path rendered, or the ids as sent
+        given = [list(output.prompt_token_ids) for output in outputs]
+        seen += given
         if routing is not None:
-            sequences = [
-                list(prompt) + row["tokens"]
-                for (_, prompt, _), row in zip(batch, sampled, strict=True)
-            ]
+            sequences = [prompt + row["tokens"] for prompt, row in zip(given, sampled, strict=True)]
             routed += routing.sequences(outputs, sequences)
     channel = f"{settings.logprobs_mode} logprob of the sampled token"
     numerics, dropped = read_back_numerics(llm, settings)
@@ -124,11 +133,12 @@ def rollout_with(
         "position_id_rule": "arange",
         **numerics,
         **({"knobs_not_applied": dropped} if dropped else {}),
+        **({"prompts_rendered_by": CHAT_PATH} if chat else {}),
     }
     table = table_from_sequences(
         "fixture",
         [sequence_id for sequence_id, _, _ in work],
-        [prompt for _, prompt, _ in work],
+        seen,
         [r["tokens"] for r in rows],
         {"rollout": [r["logprobs"] for r in rows]},
         finish_reasons=[r["finish_reason"] for r in rows],
@@ -148,8 +158,12 @@ def _with_routing(table: TokenTable, routing, routed: list) -> TokenTable:
     return table
 
 
-def _generate(llm, requests, params):
+def _generate(llm, requests, params, chat: ChatPrompts | None = None):
     try:
+        if chat is not None:  # vLLM renders each conversation with the model's chat template
+            return llm.chat(requests, params, use_tqdm=False,
+                            add_generation_prompt=not chat.continue_final,
+                            continue_final_message=chat.continue_final)  # fmt: skip
         return llm.generate(requests, params, use_tqdm=False)
     except RuntimeError as error:
         if "Generator does not use offset" in str(error):

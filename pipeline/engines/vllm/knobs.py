@@ -73,8 +73,9 @@ class VLLMKnobs:
         return tuple(v for k, v in asdict(self).items() if k not in REQUEST_KNOBS)
 
 
-def create_llm(model_dir: Path, knobs: VLLMKnobs, seed: int = 0):
-    """An offline vLLM engine for a local model directory (token-id prompts, no tokenizer)."""
+def create_llm(model_dir: Path, knobs: VLLMKnobs, seed: int = 0, tokenizer: bool = False):
+    """An offline vLLM engine for a local model directory (token-id prompts; the tokenizer
+    loaded only where a chat path needs it)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(knobs.cpu_kv_cache_gib))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -108,7 +109,7 @@ def create_llm(model_dir: Path, knobs: VLLMKnobs, seed: int = 0):
     if "calculate_kv_scales" in numerics:
         _check_release_has("calculate_kv_scales")
     try:
-        return _llm(LLM, model_dir, knobs, seed, in_process, optional)
+        return _llm(LLM, model_dir, knobs, seed, in_process, {**optional, "tokenizer": tokenizer})
     except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
         if not numerics and isinstance(error, ValueError | TypeError):
             # vLLM's config classes refuse a setting with pydantic's header first: the
@@ -129,9 +130,11 @@ def create_llm(model_dir: Path, knobs: VLLMKnobs, seed: int = 0):
 
 
 def _llm(LLM, model_dir: Path, knobs: VLLMKnobs, seed: int, in_process: bool, optional: dict):
+    optional = dict(optional)
+    tokenizer = optional.pop("tokenizer", False)  # lpx sends ids: only a chat path needs it
     return LLM(
         model=str(model_dir),
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not tokenizer,
         dtype=knobs.dtype,
         seed=seed,
         logprobs_mode=LOGPROBS_MODES[knobs.logprobs_mode],
