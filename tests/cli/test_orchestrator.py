@@ -189,6 +189,8 @@ def test_a_stage_past_its_timeout_is_killed_and_named(tiny_model, tmp_path):
         "nightly-gpu.yaml",
         "nightly-sglang.yaml",
         "nightly-fp8.yaml",
+        "nightly-agent.yaml",
+        "smoke-agent.yaml",
     ],
 )
 def test_the_example_plans_are_valid(name):
