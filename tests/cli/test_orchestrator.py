@@ -159,16 +159,19 @@ def test_a_failing_stage_keeps_what_finished_and_resume_reruns_only_it(tiny_mode
 
 
 def test_a_stage_past_its_timeout_is_killed_and_named(tiny_model, tmp_path):
-    plan = write_plan(tmp_path, tiny_model, stage_timeout_s=0.5)
+    # a rollout that takes seconds even forked warm: 512 tokens, 2.1-2.5 s on a quiet machine
+    # (8 tokens took under 0.5 s from a warm interpreter the worker's earlier runs had started)
+    sampling = {"max_tokens": 512, "samples_per_prompt": 1}
+    plan = write_plan(tmp_path, tiny_model, stage_timeout_s=0.3, sampling=sampling)
     run_dir = tmp_path / "run"
     result = run_lpx("run", plan, "--out", run_dir)
     assert result.exit_code == 2
     stages = {s["name"]: s for s in manifest(run_dir)["stages"]}
     assert stages["rollout"]["status"] == "error"
-    assert "timed out after 0.5 s" in stages["rollout"]["message"]
+    assert "timed out after 0.3 s" in stages["rollout"]["message"]
     assert stages["replay-fp32"]["message"] == "not run: rollout failed"
     last = result.stderr.splitlines()[-1]
-    assert last.startswith("Error: stage rollout failed: timed out after 0.5 s; raise"), last
+    assert last.startswith("Error: stage rollout failed: timed out after 0.3 s; raise"), last
     assert "2 later stage(s) did not run" in last
 
 
