@@ -8,6 +8,22 @@ from pipeline.commands.options import OUTPUT_FILE, dtype_option
 from pipeline.fixture.presets import PRESETS
 
 
+def _message_logs():
+    from pipeline.trajectory.message_log import read_message_logs
+
+    return read_message_logs
+
+
+def _train_data():
+    from pipeline.trajectory.nemo_train import read_train_data
+
+    return read_train_data
+
+
+# presets whose dumps are not one JSON key per field: a reader of their own, imported on use
+READERS = {"nemo-rl": _message_logs, "nemo-rl-train": _train_data}
+
+
 @click.command(short_help="Convert another RL framework's JSONL rollouts to a fixture.")
 @click.argument("jsonl_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
@@ -15,12 +31,13 @@ from pipeline.fixture.presets import PRESETS
 )
 @click.option(
     "--preset",
-    type=click.Choice(sorted([*PRESETS, "nemo-rl"])),
+    type=click.Choice(sorted([*PRESETS, *READERS])),
     default="generic",
     show_default=True,
     help="A framework's field names (docs/ingest.md): verl (DataProto rows, either stage), "
     "verl-agent (the agent loop's output), skyrl (TrajectoryOutput), skyrl-generator "
-    "(GeneratorOutput, a sample per line), nemo-rl (message_log turns), "
+    "(GeneratorOutput, a sample per line), nemo-rl (message_log turns), nemo-rl-train "
+    "(GRPO's train_data_step*.jsonl), "
     "slime (Sample.to_dict, rollout stage), slime-train (train-stage samples), generic. Fields "
     "a stage may not have yet (old/ref logprobs, masks, weight versions) are read where "
     "present.",
@@ -86,12 +103,10 @@ def ingest(
     from pipeline.names import canonical_dtype
 
     overrides = parse_knobs(fields, option="--field", example="mask=loss_mask")
-    if preset == "nemo-rl" and overrides:
+    if preset in READERS and overrides:
         from pipeline.errors import BadInput
 
-        raise BadInput(
-            "--preset nemo-rl reads message_log turns as they are; --field does not apply"
-        )
+        raise BadInput(f"--preset {preset} reads its dump's own keys; --field does not apply")
     field_map = PRESETS.get(preset, PRESETS["generic"]).with_overrides(overrides)
     dtype = canonical_dtype(dtype)  # --dtype is one of its spellings (a click.Choice)
     metadata = {
@@ -106,16 +121,14 @@ def ingest(
         from pipeline.engines.metadata import model_metadata
 
         metadata["model"] = model_metadata(model_dir)
-    if preset == "nemo-rl":
-        from pipeline.trajectory.message_log import read_message_logs
-
-        table = read_message_logs(jsonl_path, metadata)
+    if preset in READERS:
+        table = READERS[preset]()(jsonl_path, metadata)
     else:
         table = ingest_jsonl(jsonl_path, field_map, metadata)
     if table.routed_experts is not None and model_dir:
         _routing_from_model(table, model_dir, jsonl_path)
     validate_table(table, jsonl_path, (metadata.get("model") or {}).get("vocab_size"))
-    if (multi_turn or field_map.multi_turn) and preset != "nemo-rl":
+    if (multi_turn or field_map.multi_turn or preset == "nemo-rl-train") and preset != "nemo-rl":
         from pipeline.trajectory.fixture import turns_from_mask
 
         table.metadata["trajectories"] = turns_from_mask(table, jsonl_path)

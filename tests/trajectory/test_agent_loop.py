@@ -259,6 +259,50 @@ def test_skyrl_dumps_read_as_the_verl_agent_dump_of_the_same_trajectories(shape,
     assert int(theirs.completion_mask.sum()) == MODEL_TOKENS
 
 
+def test_nemo_rl_grpo_train_data_reads_as_the_verl_agent_dump_of_the_same_trajectories(
+    tito, tmp_path
+):
+    """GRPO's train_data_step{N}.jsonl rows: the flattened sequence right-padded to the batch,
+    input_lengths, token_loss_mask, generation_logprobs (0.0 off the generated tokens) and
+    prev_logprobs over every token; ingested, the verl-agent dump's fixture, with the
+    trainer's prev_logprobs as the `old` channel. A mask that is not 0/1 is one line."""
+    _, _, table, _ = tito
+    verl = _agent_dump(table, tmp_path / "verl.jsonl", "verl-agent")
+    assert run_lpx("ingest", verl, "--preset", "verl-agent", "--out",
+                   tmp_path / "verl.parquet").exit_code == 0  # fmt: skip
+    rows = [json.loads(line) for line in verl.read_text().splitlines()]
+    longest = max(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
+    lines = []
+    for k, row in enumerate(rows):
+        tokens = row["prompt_ids"] + row["response_ids"]
+        pad = longest - len(tokens)
+        lines.append({"idx": k + 1, "content": "...", "input_lengths": len(tokens),
+                      "token_ids": tokens + [0] * pad,
+                      "token_loss_mask": [0] * len(row["prompt_ids"]) + row["response_mask"] + [0] * pad,
+                      "generation_logprobs": [0.0] * len(row["prompt_ids"]) + row["response_logprobs"] + [0.0] * pad,
+                      "prev_logprobs": [-0.5] * longest, "advantages": [0.0] * longest})  # fmt: skip
+    dump = tmp_path / "train_data_step1.jsonl"
+    dump.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = run_lpx("ingest", dump, "--preset", "nemo-rl-train", "--out", tmp_path / "n.parquet")
+    assert done.exit_code == 0, done.output
+    ours, theirs = read_table(tmp_path / "verl.parquet"), read_table(tmp_path / "n.parquet")
+    assert theirs.completion_ids.tolist() == ours.completion_ids.tolist()
+    assert theirs.completion_mask.tolist() == ours.completion_mask.tolist()
+    assert theirs.channels["rollout"].tolist() == ours.channels["rollout"].tolist()
+    assert set(theirs.channels["old"].tolist()) == {-0.5}
+    assert theirs.metadata["trajectories"] == ours.metadata["trajectories"]
+    assert theirs.metadata["agent_loop"] == {"mode": "ingested", "preset": "nemo-rl-train"}
+    lines[1]["token_loss_mask"][-1 - (longest - lines[1]["input_lengths"])] = 2
+    dump.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = run_lpx("ingest", dump, "--preset", "nemo-rl-train", "--out", tmp_path / "bad.parquet")
+    assert done.exit_code == 2
+    assert f"{dump} line 2: `token_loss_mask` is a mask: it must hold 0 or 1" in done.output
+    assert not (tmp_path / "bad.parquet").exists()
+    done = run_lpx("ingest", dump, "--preset", "nemo-rl-train", "--field", "mask=m", "--out",
+                   tmp_path / "bad.parquet")  # fmt: skip
+    assert done.exit_code == 2 and "--field does not apply" in done.output
+
+
 def test_a_dumps_mask_one_token_off_its_logprobs_is_named_and_kept_out_of_precision(
     tito, tiny_model, tmp_path
 ):
