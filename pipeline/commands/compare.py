@@ -212,11 +212,6 @@ def run_compare(
             f"--calibration {calibration_path} and --no-calibration contradict each other; give "
             "one of them."
         )
-    if model_dir is not None and no_verify:
-        raise BadInput(
-            f"--model {model_dir} and --no-verify contradict each other: --model names the model "
-            "that verifies the findings; give one of them."
-        )
     if verify_budget is not None and no_verify:
         raise BadInput(
             f"--verify-budget {verify_budget:g} and --no-verify contradict each other: the "
@@ -235,6 +230,12 @@ def run_compare(
 
     retract_verdicts(out_dir)
     fixture = read_table(fixture_path, expect_kind="fixture")  # once, however many replays
+    if model_dir is not None and no_verify and "trajectories" not in fixture.metadata:
+        # (a fixture of trajectories also takes its tokenizer from --model)
+        raise BadInput(
+            f"--model {model_dir} and --no-verify contradict each other: --model names the model "
+            "that verifies the findings; give one of them."
+        )
     policy = load_policy(policy_path)
     verifying = VerificationModel(fixture, fixture_path, model_dir, no_verify, allow_model_mismatch)
     if weights_store is not None:

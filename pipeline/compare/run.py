@@ -149,10 +149,6 @@ def compare_tables(
             "every token masked); comparing nothing is never a pass."
         )
     measured = measure(fixture, replay, aligned, tau)
-    if "trajectories" in fixture.metadata:
-        from pipeline.trajectory.fixture import by_turn
-
-        measured.metrics.update(token_metrics, by_turn=by_turn(fixture, aligned))
     completion = aligned.completion
     correction = correction_view(
         completion.train, completion.rollout, completion.offsets, policy.correction
@@ -162,6 +158,13 @@ def compare_tables(
     findings = diagnose(fixture, replay, aligned, measured, judging, dtypes)
     onset = _position_onset(fixture, aligned, judging, dtypes)
     findings = with_onset(findings, onset) + token_gap
+    if "trajectories" in fixture.metadata:
+        from pipeline.trajectory.fixture import by_turn, growth_findings
+
+        expected = judging.floor.expected_mean if judging.floor is not None else None
+        measured.metrics.update(token_metrics, by_turn=by_turn(fixture, aligned, expected))
+        limit = policy.profile(profile).get("limits", {}).get("mean_abs_diff")
+        findings += growth_findings(fixture, aligned, expected, limit)
     judgement = judge(
         policy, profile, measured.metrics, findings, judging.limits, options.exact, judging.gate
     )

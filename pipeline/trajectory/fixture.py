@@ -188,9 +188,9 @@ def token_findings(partings: list[Parting], excluded_tokens: int) -> list:
     return findings
 
 
-def by_turn(table, aligned) -> list[dict]:
-    """The compared tokens' drift per model-turn index (1 = each trajectory's first model
-    turn): where a gap grows with the turns, it shows here."""
+def token_turns(table, aligned) -> np.ndarray:
+    """Per compared completion token, the index of its model turn (0 = each trajectory's
+    first model turn; -1 outside every model turn)."""
     described = table.metadata.get("trajectories") or {}
     index = table.index_of()
     region = aligned.completion
@@ -205,13 +205,39 @@ def by_turn(table, aligned) -> list[dict]:
                  if t["role"] == "assistant"]  # fmt: skip
         for n, (start, end) in enumerate(spans):
             turn[lo:hi][(positions >= start) & (positions < end)] = n
+    return turn
+
+
+def by_turn(table, aligned, expected=None) -> list[dict]:
+    """The compared tokens' drift per model-turn index (1 = each trajectory's first model
+    turn): where a gap grows with the turns, it shows here. With ``expected`` (each token's
+    calibrated mean |d|), also the floor those tokens have."""
+    turn = token_turns(table, aligned)
+    region = aligned.completion
     diff = region.train.astype(np.float64) - region.rollout.astype(np.float64)
     rows = []
     for n in range(int(turn.max(initial=-1)) + 1):
-        chosen = diff[turn == n]
-        if len(chosen):
-            rows.append({"turn": n + 1, "tokens": int(len(chosen)),
-                         "mean_abs_diff": float(np.abs(chosen).mean()),
-                         "max_abs_diff": float(np.abs(chosen).max()),
-                         "mean_diff": float(chosen.mean())})  # fmt: skip
+        chosen = turn == n
+        if chosen.any():
+            row = {"turn": n + 1, "tokens": int(chosen.sum()),
+                   "mean_abs_diff": float(np.abs(diff[chosen]).mean()),
+                   "max_abs_diff": float(np.abs(diff[chosen]).max()),
+                   "mean_diff": float(diff[chosen].mean())}  # fmt: skip
+            if expected is not None:
+                row["floor_mean_abs_diff"] = float(np.asarray(expected)[chosen].mean())
+            rows.append(row)
     return rows
+
+
+def growth_findings(table, aligned, expected=None, limit: float | None = None) -> list:
+    """A `turn_growth` finding where the drift grows with the turns beyond what noise does
+    (turn_growth.py), else none; ``expected`` each token's calibrated mean |d|, or ``limit``
+    the profile's mean |d| limit."""
+    from pipeline.trajectory.turn_growth import growth_finding, turn_growth
+
+    region = aligned.completion
+    abs_diff = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
+    test = turn_growth(token_turns(table, aligned), abs_diff, region.offsets, expected, limit)
+    if test is None or not test.found:
+        return []
+    return [growth_finding(test, list(aligned.sequence_ids))]

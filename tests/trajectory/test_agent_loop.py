@@ -7,6 +7,7 @@ paths), and the tokens whose context is exact stay inside precision."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -441,3 +442,59 @@ def test_a_nemo_rl_message_log_is_ingested_turn_by_turn(tito, tiny_model, tmp_pa
     assert done.exit_code == 2
     assert f"{dump} line 2, turn 3 (tool): `generation_logprobs` on a turn" in done.output
     assert not (tmp_path / "bad.parquet").exists()
+
+
+def _positions_without_tool_turns(turns: list[dict], length: int):
+    """Position ids as an engine counts them when it resumes a session without counting the
+    tool turns' tokens: each turn after a tool turn starts that many positions early."""
+    import numpy as np
+
+    skipped = np.zeros(length + 1, dtype=np.int64)
+    for turn in turns:
+        if turn["role"] == "tool":
+            skipped[turn["end"]] += turn["end"] - turn["start"]
+    return np.arange(length) - np.cumsum(skipped)[:length]
+
+
+def test_a_rollout_whose_positions_skip_the_tool_turns_drifts_more_each_turn_and_is_named(
+    tito, tiny_model, tmp_path
+):
+    """The rollout engine's logprobs as the real model gives them when the engine counts no
+    positions for tool output: turn 1 is exact, each later turn sits closer to the context it
+    reads by every tool turn so far. Compare names the growth from turn 2, with turn 1 clean."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.faults.forward import score_sequence
+    from pipeline.fixture.io import write_table
+
+    _, _, table, fixture_path = tito
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    rollout = table.channels["rollout"].copy()
+    mask = table.completion_mask.astype(bool)
+    with torch.no_grad():
+        for row, sequence_id in enumerate(table.sequence_ids):
+            prompt, completion = table.prompt_of(row), table.completion_of(row)
+            turns = table.metadata["trajectories"][sequence_id]["turns"]
+            positions = _positions_without_tool_turns(turns, len(prompt) + len(completion))
+            scored = score_sequence(model, prompt, completion, positions=positions)
+            span = table.completion_slice(row)
+            rollout[span] = np.where(mask[span], scored, rollout[span])
+    faulted = tmp_path / "positions-skip-tools.parquet"
+    write_table(replace(table, channels={**table.channels, "rollout": rollout}), faulted)
+    replay = fixture_path.parent / "replay-hf.parquet"
+    done = run_lpx("compare", faulted, replay, "--model", tiny_model, "--no-verify",
+                   "--out", tmp_path / "c")  # fmt: skip
+    assert done.exit_code == 1, done.output
+    report = read_report(tmp_path / "c")
+    assert report["verdict"] == "fail"
+    (growth,) = [f for f in report["diagnosis"] if f["cause"] == "turn_growth"]
+    assert growth["severity"] == "fault" and growth["first_position"] == {"turn": 2}
+    assert growth["sequence_count"] == TRAJECTORIES
+    per_turn = growth["details"]["per_turn"]
+    assert [row["turn"] for row in per_turn] == list(range(1, TURNS + 1))
+    assert per_turn[0]["mean_abs_diff"] < FP32_TOLERANCE  # turn 1 saw no tool turn
+    assert growth["details"]["p"] < growth["details"]["alpha"] == 1e-3
+    by_turn = report["metrics"]["by_turn"]
+    assert by_turn[0]["max_abs_diff"] < FP32_TOLERANCE < by_turn[1]["mean_abs_diff"]
