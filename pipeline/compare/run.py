@@ -159,12 +159,13 @@ def compare_tables(
     onset = _position_onset(fixture, aligned, judging, dtypes)
     findings = with_onset(findings, onset) + token_gap
     if "trajectories" in fixture.metadata:
-        from pipeline.trajectory.fixture import by_turn, growth_findings
+        from pipeline.compare.turn_growth import growth_findings
+        from pipeline.trajectory.fixture import by_turn, token_turns
 
         expected = judging.floor.expected_mean if judging.floor is not None else None
         measured.metrics.update(token_metrics, by_turn=by_turn(fixture, aligned, expected))
         limit = policy.profile(profile).get("limits", {}).get("mean_abs_diff")
-        findings += growth_findings(fixture, aligned, expected, limit)
+        findings += growth_findings(token_turns(fixture, aligned), aligned, expected, limit)
     judgement = judge(
         policy, profile, measured.metrics, findings, judging.limits, options.exact, judging.gate
     )

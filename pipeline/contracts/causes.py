@@ -41,7 +41,7 @@ class Cause(StrEnum):
     # which class): a token gap, never an engine's drift (pipeline/trajectory/parting.py)
     TRAJECTORY_TOKENS = "trajectory_tokens"
     # a multi-turn trajectory's drift that grows with its turns beyond what precision does
-    # (pipeline/trajectory/turn_growth.py): a shape, measured with a stated error rate; the
+    # (pipeline/compare/turn_growth.py): a shape, measured with a stated error rate; the
     # other findings on the same tokens name what grows
     TURN_GROWTH = "turn_growth"
     UNEXPLAINED = "unexplained"  # beyond precision, and no signature names it

@@ -227,17 +227,3 @@ def by_turn(table, aligned, expected=None) -> list[dict]:
                 row["floor_mean_abs_diff"] = float(np.asarray(expected)[chosen].mean())
             rows.append(row)
     return rows
-
-
-def growth_findings(table, aligned, expected=None, limit: float | None = None) -> list:
-    """A `turn_growth` finding where the drift grows with the turns beyond what noise does
-    (turn_growth.py), else none; ``expected`` each token's calibrated mean |d|, or ``limit``
-    the profile's mean |d| limit."""
-    from pipeline.trajectory.turn_growth import growth_finding, turn_growth
-
-    region = aligned.completion
-    abs_diff = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
-    test = turn_growth(token_turns(table, aligned), abs_diff, region.offsets, expected, limit)
-    if test is None or not test.found:
-        return []
-    return [growth_finding(test, list(aligned.sequence_ids))]

@@ -31,7 +31,7 @@ NOT_REPRODUCIBLE = {
     Cause.TRAJECTORY_TOKENS: "a token gap, verified by re-tokenizing with the model's own "
     "tokenizer (pipeline/trajectory/parting.py), not by re-scoring",
     Cause.TURN_GROWTH: "a shape of the drift over the turns, measured with its error rate "
-    "(pipeline/trajectory/turn_growth.py); the findings on the same tokens are what re-scoring "
+    "(pipeline/compare/turn_growth.py); the findings on the same tokens are what re-scoring "
     "tests",
 }
 

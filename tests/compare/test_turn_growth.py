@@ -1,4 +1,4 @@
-"""The turn-growth test (pipeline/trajectory/turn_growth.py) on drift drawn as precision noise
+"""The turn-growth test (pipeline/compare/turn_growth.py) on drift drawn as precision noise
 draws it, with the tokens of one trajectory sharing their noise: its false-alarm rate at the
 token counts of an 8-turn agent batch, growth of the precision floor itself left alone, and a
 drift that grows from the second turn found."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.trajectory.turn_growth import ALPHA, GROWTH, turn_growth
+from pipeline.compare.turn_growth import ALPHA, GROWTH, turn_growth
 
 TRAJECTORIES, TURNS, TURN_TOKENS = 16, 8, 24
 

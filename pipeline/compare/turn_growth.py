@@ -231,3 +231,16 @@ def growth_finding(test: TurnGrowth, sequence_ids: list[str]):
             "calibrated": test.calibrated,
         },
     )
+
+
+def growth_findings(turn, aligned, expected=None, limit: float | None = None) -> list:
+    """A `turn_growth` finding where the drift grows with the turns beyond what noise does,
+    else none: ``turn`` each compared token's model turn (`trajectory.fixture.token_turns`),
+    ``expected`` each token's calibrated mean |d|, or ``limit`` the profile's mean |d|
+    limit."""
+    region = aligned.completion
+    abs_diff = np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64))
+    test = turn_growth(turn, abs_diff, region.offsets, expected, limit)
+    if test is None or not test.found:
+        return []
+    return [growth_finding(test, list(aligned.sequence_ids))]
