@@ -111,7 +111,9 @@ def launch(
         if launch is not None:
             (logs / "launch.log").write_text("\n".join(launch.lines) + "\n")
             if launch.returncode != 0 or not Path(out_path).is_file():
-                why = failure(logs, sorted(launch.codes.items()), "")
+                # in the order the ranks exited: a rank the launcher killed after the grace
+                # (SIGKILL too) exits after the one that failed first
+                why = failure(logs, list(launch.codes.items()), "")
                 raise BadInput(f"{engine} replay on {nproc} rank(s) failed: {why}")
             return
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -153,7 +155,8 @@ def torchrun_reported(output: str) -> list[tuple[int, int]]:
 
 def failure(logs: Path, reported: list[tuple[int, int]], output: str) -> str:
     """The failing rank's own error and where its log is, from each rank's exit code as the
-    launcher reported it and the launcher's ``output``.
+    launcher reported it (``reported``: in the order the ranks exited, where the launcher
+    knows it) and the launcher's ``output``.
 
     A rank killed by a signal it did not get from the launcher (SIGKILL from the kernel's
     OOM killer, SIGSEGV) is the cause: the others only fail after it. Otherwise the rank

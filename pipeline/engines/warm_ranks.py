@@ -73,7 +73,8 @@ class RankGroup:
     def __init__(self, warm, pids: list[int], port: int):
         self.warm, self.pids = warm, pids
         self.rank_of = {pid: rank for rank, pid in enumerate(pids)}
-        self.codes: dict[int, int] = {}  # rank -> exit code, negative: killed by that signal
+        # rank -> exit code, negative: killed by that signal; in the order the ranks exited
+        self.codes: dict[int, int] = {}
         self.lines = [f"{len(pids)} rank(s) forked warm, store on 127.0.0.1:{port}"]
         self.lines += [f"rank {rank}: pid {pid}" for rank, pid in enumerate(pids)]
         self.returncode: int | None = None
