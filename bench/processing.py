@@ -36,7 +36,13 @@ from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.fixture.io import read_table, write_table
 from pipeline.verify import verify_report
-from support.engine_like import PresenceFrequency, SoftCap, generated_rollout
+from support.engine_like import (
+    PresenceFrequency,
+    SoftCap,
+    generated_rollout,
+    penalty_counting_the_scored_token,
+    rescored,
+)
 
 CACHE = Path(os.environ.get("LPX_PROCESSING_CACHE") or Path.home() / ".cache/lpx/bench-processing")
 SCALES = {
@@ -63,6 +69,11 @@ def cases(base) -> dict:
         "clean (control)": {},
         "presence 0.5 + frequency 0.3": {"processors": lambda n: [PresenceFrequency(n, 0.5, 0.3)]},
         "repetition penalty 1.3": {"repetition_penalty": 1.3},
+        # issue 61: the penalty's seen set holds the token being scored (an off-by-one
+        # processor in the logprob path), transformers' penalty over the fixture's tokens
+        "repetition penalty 1.2, scored token counted": {
+            "rescore": penalty_counting_the_scored_token(1.2)
+        },
         "min-p 0.1": {"min_p": 0.1},
         "soft-cap 2 (extra)": {"processors": lambda n: [SoftCap(2.0)]},
         "logit bias +2 on 3 tokens": {"sequence_bias": {(t,): 2.0 for t in common}},
@@ -106,7 +117,14 @@ def run_case(state: dict, name: str, generate: dict, dtype: str) -> dict:
     faulted_path = state["folder"] / f"{slug}.parquet"
     if not faulted_path.exists():
         started = time.perf_counter()
-        faulted = generated_rollout(state["model_dir"], state["fixture"], seed=5, **generate)
+        if "rescore" in generate:
+            fixture = state["fixture"]
+            faulted = rescored(
+                state["model_dir"], fixture, range(fixture.num_sequences), generate["rescore"]
+            )
+            faulted.metadata = {**fixture.metadata, "sampling": {}}  # a dump that records none
+        else:
+            faulted = generated_rollout(state["model_dir"], state["fixture"], seed=5, **generate)
         write_table(faulted, faulted_path)
         print(f"  generated {name} in {time.perf_counter() - started:.0f} s", flush=True)
     faulted = read_table(faulted_path)

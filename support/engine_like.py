@@ -237,3 +237,28 @@ class SoftCap:
 
     def __call__(self, input_ids, scores):
         return (self.cap * (scores.double() / self.cap).tanh()).to(scores.dtype)
+
+
+def penalty_counting_the_scored_token(penalty: float, dtype: str = "float32"):
+    """A `rescored` score: the logprobs an engine returns when its logprob path runs
+    transformers' repetition penalty (prompt and output) over a history that already holds
+    the token being scored (the output appended before the processors ran): an off-by-one
+    processor. The penalty is transformers' own, applied one row at a time in float64 on the
+    model's logits (in ``dtype``'s forward)."""
+
+    def score(model, prompt, completion):
+        import torch
+        from transformers import RepetitionPenaltyLogitsProcessor
+
+        ids = np.concatenate([prompt, completion]).astype(np.int64)
+        forward = model.to(getattr(torch, dtype))
+        logits = forward(torch.as_tensor(ids)[None]).logits[0, len(prompt) - 1 : -1].double()
+        processor = RepetitionPenaltyLogitsProcessor(penalty)
+        out = []
+        for t, token in enumerate(completion):
+            through = torch.as_tensor(ids[: len(prompt) + t + 1])[None]  # the scored one too
+            row = processor(through, logits[t : t + 1].clone())
+            out.append(float(row.log_softmax(-1)[0, int(token)]))
+        return out
+
+    return score

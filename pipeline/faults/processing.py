@@ -14,8 +14,16 @@ from dataclasses import asdict, dataclass, fields, replace
 import numpy as np
 
 # Which tokens a penalty counts: the output so far (vLLM's and SGLang's presence and
-# frequency penalties) or the prompt too (HF's and vLLM's repetition penalty).
-SCOPES = ("output", "prompt+output")
+# frequency penalties) or the prompt too (HF's and vLLM's repetition penalty); and, as an
+# off-by-one processor counts them, with the token being scored already in its seen set
+# ("+scored": the output history appended before the logits are processed, not after) or
+# without the last one generated ("-last": a history updated one step late).
+BASE_SCOPES = ("output", "prompt+output")
+OFF_BY_ONE = {
+    "+scored": "the token being scored counted as seen already (an off-by-one processor)",
+    "-last": "the last generated token not yet counted (a history one step late)",
+}
+SCOPES = (*BASE_SCOPES, *(f"{base}{off}" for off in OFF_BY_ONE for base in BASE_SCOPES))
 MODEL_CAP = -1.0  # soft_cap: the model's own final-logit soft-cap (its config's), if any
 
 
@@ -109,22 +117,36 @@ def apply_seen(logits, processing: Processing, cap_of_model: float, history=None
     return process_logits(logits, top_k=processing.top_k, top_p=processing.top_p)
 
 
+def split_scope(scope: str) -> tuple[str, str]:
+    """("output" or "prompt+output", "" or an OFF_BY_ONE key)."""
+    for off in OFF_BY_ONE:
+        if scope.endswith(off):
+            return scope[: -len(off)], off
+    return scope, ""
+
+
 def seen_before(prompt, completion, rows: int, scope: str, device=None):
     """(the distinct tokens seen, [rows, seen] counts of each before row t): the output
-    before t, and the prompt too in the prompt+output scope."""
+    before t, and the prompt too in the prompt+output scope; with "+scored", the output
+    through t; with "-last", the output before t - 1."""
     import torch
 
+    base, off = split_scope(scope)
     output = torch.as_tensor(np.asarray(completion[:rows], dtype=np.int64), device=device)
     before = (
         torch.as_tensor(np.asarray(prompt, dtype=np.int64), device=device)
-        if scope == "prompt+output"
+        if base == "prompt+output"
         else output[:0]
     )
     seen, inverse = torch.unique(torch.cat([before, output]), return_inverse=True)
     in_prompt, in_output = inverse[: len(before)], inverse[len(before) :]
-    counts = torch.zeros((rows, len(seen)), dtype=torch.float64, device=device)
-    counts[torch.arange(rows, device=device), in_output] = 1.0
-    counts = counts.cumsum(0) - counts  # each row counts the output before it
+    step = torch.zeros((rows, len(seen)), dtype=torch.float64, device=device)
+    step[torch.arange(rows, device=device), in_output] = 1.0
+    counts = step.cumsum(0)  # each row counts the output through it
+    if off != "+scored":
+        counts = counts - step  # before it
+    if off == "-last":
+        counts[1:] -= step[:-1]  # before the one before it
     counts += torch.bincount(in_prompt, minlength=len(seen)).to(torch.float64)[None]
     return seen, counts
 

@@ -487,3 +487,25 @@ def test_generation_defaults_on_a_moe_are_one_processing_not_biases_fitted_to_ro
         "temperature", "top_k", "top_p"
     }, params  # fmt: skip
     assert near(params["temperature"], 0.6) and (params["top_k"], params["top_p"]) == (20, 0.95)
+
+
+def test_a_penalty_that_counts_the_token_being_scored_is_found_as_that_variant(
+    run_dir, tiny_model, tmp_path
+):
+    """An off-by-one processor (issue 61): transformers' repetition penalty of 1.2 over a
+    history that already holds the token being scored. Found as the repetition penalty it is,
+    counted over the prompt and output with the scored token included, verified to the floor;
+    the same penalty counted the right way does not reach it."""
+    from support.engine_like import penalty_counting_the_scored_token, rescored
+
+    base = read_table(run_dir / "fixture.parquet")
+    table = rescored(tiny_model, base, range(base.num_sequences),
+                     penalty_counting_the_scored_token(1.2))  # fmt: skip
+    table.metadata = {**base.metadata, "sampling": {}}  # a dump that records none
+    fixture = write_table(table, tmp_path / "off-by-one.parquet")
+    report = diagnosed(fixture, run_dir / "replay-float32.parquet", tmp_path / "d")
+    params = the_processing(report)
+    assert near(params["repetition_penalty"], 1.2), params
+    assert params["penalty_scope"] == "prompt+output+scored", params
+    (finding,) = [f for f in report["diagnosis"] if f["severity"] == "fault"]
+    assert "the token being scored counted as seen already" in finding["evidence"], finding

@@ -19,11 +19,13 @@ from pipeline.engines.metadata import generation_sampling
 from pipeline.faults.forward import completion_logits, select_processed
 from pipeline.faults.processing import (
     MODEL_CAP,
+    OFF_BY_ONE,
     SCOPES,
     Processing,
     apply,
     model_cap,
     seen_before,
+    split_scope,
     stacked,
 )
 from pipeline.faults.zoo import QWEN3_DEFAULTS
@@ -238,7 +240,9 @@ def describe(ref, found: Processing, side: str) -> dict:
     elif found.soft_cap != MODEL_CAP:
         words.append(f"a final-logit soft-cap of {found.soft_cap:.4g}")
     if found.penalises:
-        words.append(f"sampling penalties (counted over the {found.penalty_scope})")
+        base, off = split_scope(found.penalty_scope)
+        counted = f", {OFF_BY_ONE[off]}" if off else ""
+        words.append(f"sampling penalties (counted over the {base}{counted})")
     sampler = {k: v for k, v in found.changed().items() if k in SAMPLER}
     if sampler:
         config = generation_sampling(ref.model_dir)
