@@ -163,9 +163,10 @@ def compare_tables(
         from pipeline.trajectory.fixture import by_turn, token_turns
 
         expected = judging.floor.expected_mean if judging.floor is not None else None
-        measured.metrics.update(token_metrics, by_turn=by_turn(fixture, aligned, expected))
+        turn = token_turns(fixture, aligned)  # once: the table and the growth test read it
+        measured.metrics.update(token_metrics, by_turn=by_turn(turn, aligned, expected))
         limit = policy.profile(profile).get("limits", {}).get("mean_abs_diff")
-        findings += growth_findings(token_turns(fixture, aligned), aligned, expected, limit)
+        findings += growth_findings(turn, aligned, expected, limit)
     judgement = judge(
         policy, profile, measured.metrics, findings, judging.limits, options.exact, judging.gate
     )

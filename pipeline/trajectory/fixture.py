@@ -208,11 +208,10 @@ def token_turns(table, aligned) -> np.ndarray:
     return turn
 
 
-def by_turn(table, aligned, expected=None) -> list[dict]:
+def by_turn(turn: np.ndarray, aligned, expected=None) -> list[dict]:
     """The compared tokens' drift per model-turn index (1 = each trajectory's first model
-    turn): where a gap grows with the turns, it shows here. With ``expected`` (each token's
-    calibrated mean |d|), also the floor those tokens have."""
-    turn = token_turns(table, aligned)
+    turn; ``turn`` from `token_turns`): where a gap grows with the turns, it shows here. With
+    ``expected`` (each token's calibrated mean |d|), also the floor those tokens have."""
     region = aligned.completion
     diff = region.train.astype(np.float64) - region.rollout.astype(np.float64)
     rows = []
