@@ -63,21 +63,39 @@ def views(path: str) -> dict[str, str]:
 def stage_mounts(run_dir: Path, reads: tuple[OutsidePath, ...], host: HostView) -> list[MountSpec]:
     """The run directory (written) and what the stage reads outside it (read-only; the SQLite
     history's folder written), translated to what the daemon can mount."""
-    wanted: dict[str, tuple[str, bool]] = {str(run_dir): (os.path.realpath(run_dir), False)}
+    wanted: dict[str, tuple[str, bool, bool]] = {
+        str(run_dir): (os.path.realpath(run_dir), False, False)
+    }
     for outside in reads:
         if outside.writable:
-            Path(outside.path).mkdir(parents=True, exist_ok=True)
+            try:
+                Path(outside.path).mkdir(parents=True, exist_ok=True)
+            except OSError:
+                if outside.optional:
+                    continue
+                raise
         for target, source in views(outside.path).items():
-            wanted.setdefault(target, (source, not outside.writable))
+            wanted.setdefault(target, (source, not outside.writable, outside.optional))
     named = os.environ.get("LPX_DOCKER_VOLUME")
     mounts: dict[str, MountSpec] = {}
-    for target, (source, read_only) in wanted.items():
+    for target, (source, read_only, optional) in wanted.items():
         if named and target == str(run_dir):
             spec = _named_volume(named, run_dir)
         else:
-            spec = host.mount(target, source, read_only, _key_of(target, reads))
+            try:
+                spec = host.mount(target, source, read_only, _key_of(target, reads))
+            except BadInput:
+                if optional:  # a cache only lpx's own container holds: the stage goes without
+                    continue
+                raise
         mounts.setdefault(spec.target, spec)
     return list(mounts.values())
+
+
+def lent(path: str, mounts: list[MountSpec]) -> bool:
+    """Whether a stage's container with these mounts sees ``path`` where this process does
+    (a mount's target is the path as lpx sees it, or the whole volume that holds it)."""
+    return any(_within(path, m.target) for m in mounts)
 
 
 class HostView:

@@ -27,6 +27,8 @@ class OutsidePath:
     kind: Literal["dir", "file"]
     # The SQLite history the calibrate stage stores its calibration in: its folder, written.
     writable: bool = False
+    # A stage that can do without it (a cache): a runner that cannot bring it leaves it out.
+    optional: bool = False
 
 
 def outside_paths(plan: Plan) -> dict[str, OutsidePath]:
@@ -50,6 +52,27 @@ def outside_paths(plan: Plan) -> dict[str, OutsidePath]:
         # beside the file, so the folder is what it needs (made, as `lpx record` makes it)
         found["history.db"] = OutsidePath("history.db", str(sqlite.parent), "dir", writable=True)
     return found
+
+
+MODEL_CACHE = "model cache"
+
+
+def model_cache(plan: Plan) -> OutsidePath | None:
+    """Where this host keeps the tiny models it built (tinymodel/cache.py), for a plan on
+    `tiny`: a container runner lends it to the model stage, so that a build is trained once
+    per image's libraries on a host, not once per run (14-16 s a run in a container on two
+    cores; the compose smoke's two plans, and each container test, trained it again). None
+    without a cache (LPX_MODEL_CACHE=off) or without `tiny`."""
+    if plan.model != "tiny":
+        return None
+    from pipeline.tinymodel.cache import cache_root
+
+    root = cache_root()
+    if root is None:
+        return None
+    return OutsidePath(
+        MODEL_CACHE, str(root.expanduser().absolute()), "dir", writable=True, optional=True
+    )
 
 
 def sqlite_history(db: str | None) -> Path | None:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from pipeline import warm_start
 from pipeline.errors import BadInput, Interrupted
-from pipeline.orchestrator.docker_mounts import HostView, stage_mounts
+from pipeline.orchestrator.docker_mounts import HostView, lent, stage_mounts
+from pipeline.orchestrator.outside import MODEL_CACHE
 from pipeline.orchestrator.stages import Stage
 
 
@@ -217,10 +218,11 @@ class DockerRunner:
     def _common(self, run_dir: Path, stage: Stage) -> dict:
         from docker.types import Mount
 
-        mounts = [
-            Mount(m.target, m.source, type=m.kind, read_only=m.read_only)
-            for m in stage_mounts(run_dir, stage.reads, self.host)
-        ]
+        specs = stage_mounts(run_dir, stage.reads, self.host)
+        mounts = [Mount(m.target, m.source, type=m.kind, read_only=m.read_only) for m in specs]
+        # the host's kept tiny builds, where the model stage was lent them
+        kept = [r.path for r in stage.reads if r.key == MODEL_CACHE and lent(r.path, specs)]
+        cache = {"LPX_MODEL_CACHE": kept[0]} if kept else {}
         return dict(
             detach=True,
             working_dir=str(run_dir),
@@ -231,6 +233,7 @@ class DockerRunner:
                 "CI": "true",
                 "LPX_CACHE": f"{run_dir}/.cache",
                 "HOME": str(run_dir),
+                **cache,
                 **_thread_settings(),
             },
             shm_size="2g",  # torch.distributed's gloo/NCCL use /dev/shm

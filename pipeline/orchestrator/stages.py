@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pipeline.contracts.files import CALIBRATION
 from pipeline.names import canonical_dtype
-from pipeline.orchestrator.outside import OutsidePath, outside_paths, sqlite_history
+from pipeline.orchestrator.outside import OutsidePath, model_cache, outside_paths, sqlite_history
 from pipeline.orchestrator.plan import Plan, Server
 
 FIXTURE = "fixture.parquet"
@@ -51,9 +51,14 @@ def expand(plan: Plan) -> list[Stage]:
     model = plan.model
     if plan.model == "tiny":
         model = MODEL
+        cache = model_cache(plan)
         stages.append(
             Stage(
-                "model", ["make-model", MODEL], [f"{MODEL}/config.json"], image=plan.rollout.image
+                "model",
+                ["make-model", MODEL],
+                [f"{MODEL}/config.json"],
+                image=plan.rollout.image,
+                reads=(cache,) if cache else (),
             )
         )
     sampling = plan.sampling

@@ -247,3 +247,48 @@ def test_the_compose_nightly_mounts_the_checkpoints_where_a_plan_names_them():
     # the runs volume is found from the container's own mounts, not named twice
     assert "LPX_DOCKER_VOLUME" not in nightly["environment"]
     assert "/var/run/docker.sock:/var/run/docker.sock" in nightly["volumes"]
+
+
+def test_a_tiny_plans_model_stage_is_lent_the_hosts_kept_builds_where_a_container_can_see_them(
+    tmp_path, monkeypatch
+):
+    """The model stage of a `tiny` plan carries the host's tiny-model cache, written: a
+    container runner mounts it so that each run copies a build instead of training it again
+    (14-16 s a run on two cores). Where no stage container can see it (only inside lpx's own
+    container), the stage goes without, as it did before; LPX_MODEL_CACHE=off lends nothing."""
+    from pipeline.orchestrator.docker_mounts import lent
+
+    monkeypatch.setenv("LPX_MODEL_CACHE", str(tmp_path / "kept"))
+    plan = load_plan(plan_file(tmp_path, model="tiny"))
+    model = next(stage for stage in expand(plan) if stage.name == "model")
+    (cache,) = model.reads
+    assert (cache.key, cache.path, cache.writable, cache.optional) == (
+        "model cache", str(tmp_path / "kept"), True, True
+    )  # fmt: skip
+    run = tmp_path / "run"
+    mounts = stage_mounts(run, model.reads, HostView(None))
+    assert MountSpec(cache.path, cache.path, "bind", read_only=False) in mounts
+    assert lent(cache.path, mounts) and (tmp_path / "kept").is_dir()
+    # in the compose smoke's container (its runs volume here at tmp_path/runs): the cache on
+    # the volume travels with the run directory ...
+    runs = tmp_path / "runs"
+    smoke = HostView([{"Type": "volume", "Name": "lpx-runs", "Destination": str(runs)}])
+    on_volume = OutsidePath("model cache", str(runs / ".cache/models"), "dir", True, True)
+    mounts = stage_mounts(runs / "runs/x", (on_volume,), smoke)
+    assert mounts == [MountSpec(str(runs), "lpx-runs", "volume", read_only=False)]
+    assert lent(on_volume.path, mounts)
+    # ... and one only lpx's own container holds is left behind, not refused
+    inside = OutsidePath("model cache", str(tmp_path / "own"), "dir", True, True)
+    mounts = stage_mounts(runs / "runs/x", (inside,), smoke)
+    assert not lent(inside.path, mounts) and len(mounts) == 1
+    monkeypatch.setenv("LPX_MODEL_CACHE", "off")
+    assert next(s for s in expand(plan) if s.name == "model").reads == ()
+    # a plan on its own checkpoint builds nothing and borrows nothing
+    (tmp_path / "ckpt").mkdir()
+    assert "model" not in {s.name for s in expand(load_plan(plan_file(tmp_path)))}
+
+
+def test_the_compose_smoke_keeps_its_tiny_models_on_the_runs_volume():
+    smoke = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["smoke"]
+    kept = smoke["environment"]["LPX_MODEL_CACHE"]
+    assert kept.startswith("/runs/") and "runs:/runs" in smoke["volumes"]
