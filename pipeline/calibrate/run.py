@@ -39,6 +39,8 @@ from pipeline.compare.calibrated import (
 )
 from pipeline.compare.floor import bucket_of, expect, fit_floor
 from pipeline.compare.precision_gate import design_of
+from pipeline.compare.signed import STATISTICS as SIGN_STATISTICS
+from pipeline.compare.signed import prompt_clusters, signed_statistics
 from pipeline.contracts.numerics import canonical_precision, split_precision
 from pipeline.fixture.table import TokenTable
 
@@ -46,6 +48,9 @@ __all__ = ["CALIBRATION_FILE", "calibrate", "calibration_key", "precisions_for"]
 DEFAULT_SEQUENCES = 32
 MICRO_BATCHES = (8, 3)  # the SDPA prefill's and the eager prefill's
 DECODE_SEQUENCES = 16  # decoded in one batch: as cheap as 8, where 32 cost 1.3x (16 x 1024)
+# Tokens drawn at each calibrated position for the sign statistics' null (compare/signed.py):
+# scored at these ids in every precision's prefills, they cost a gather, not a forward.
+DRAWS = 4
 
 
 def sample_rows(fixture: TokenTable, sequences: int) -> list[int]:
@@ -81,13 +86,19 @@ def calibrate(
     positions = np.concatenate([np.arange(len(c)) for _, c in pairs])[active]
     lengths = np.array([int(m.sum()) for m in masks], dtype=np.int64)
     precisions = precisions_for(dtypes, device)
-    scored, timing = score_ways(model_dir, pairs, precisions, device, say)
+    temperature = drawing_temperature(fixture.metadata.get("sampling"))
+    scored, timing = score_ways(model_dir, pairs, precisions, device, say, temperature)
     scored = {key: values[active] for key, values in scored.items()}
     reference = scored["float32", "prefill"].astype(np.float64)
+    sequence_of = prompt_clusters([prompt for prompt, _ in pairs], lengths)
     floors = {}
     for a, b in itertools.combinations_with_replacement(precisions, 2):
         samples = _pair_samples(scored, a, b, -reference, positions)
         floors[pair_key(a, b)] = fit_pair(samples, -reference, positions, lengths)
+        if temperature:
+            floors[pair_key(a, b)]["signed"] = signed_null(
+                scored, a, b, positions, sequence_of, temperature
+            )
     return {
         "lpx_calibration": CALIBRATION_FORMAT,
         "key": calibration_key(model_metadata(model_dir), device) if keyed else {},
@@ -127,12 +138,18 @@ def same_precision_floor(
     return floor, scored[precision, "prefill"].astype(np.float64)
 
 
-def score_ways(model_dir: Path, pairs: list, precisions: list[str], device: str, say):
+def score_ways(
+    model_dir: Path, pairs: list, precisions: list[str], device: str, say, temperature=0.0
+):
     """Each pair's completion logprobs in every precision, three correct ways: ``prefill``
     (SDPA, micro-batches of 8), ``eager`` (eager attention, micro-batches of 3) and
     ``decode`` (teacher-forced decoding of `decode_rows`, NaN on the other sequences' tokens).
-    fp32 also gets its fp64 ground truth. Keyed (precision, way); timing per precision in
-    seconds."""
+    fp32 also gets its fp64 ground truth. With a ``temperature`` (the rollout's, > 0), DRAWS
+    tokens are drawn at each position from the fp64 distribution at that temperature
+    (``("float64", "draws")``, their ids; ``("float64", "exact@draws")``, their fp64
+    logprobs), and both prefills score them too (``(name, "prefill@draws")``,
+    ``(name, "eager@draws")``; [tokens, DRAWS] each). Keyed (precision, way); timing per
+    precision in seconds."""
     from pipeline.engines.hf.decode import decode_logprobs
     from pipeline.engines.hf.model import load_model
     from pipeline.engines.hf.replay import ReplayKnobs, score_batches
@@ -142,6 +159,17 @@ def score_ways(model_dir: Path, pairs: list, precisions: list[str], device: str,
     timing = {}
     decoded = decode_rows(len(pairs))
     lengths = [len(c) for _, c in pairs]
+    # fp32's own ground truth: what two fp32 engines' reduction orders scatter about; first,
+    # for the tokens it draws are scored in every precision
+    started = time.perf_counter()
+    drawn = None
+    if "float32" in precisions or temperature > 0:
+        exact, drawn, drawn_exact = score_exactly(model_dir, pairs, device, temperature)
+        scored["float64", "exact"] = exact
+    if drawn is not None:
+        scored["float64", "draws"] = np.concatenate(drawn)
+        scored["float64", "exact@draws"] = drawn_exact
+    exact_s = time.perf_counter() - started
     for name in precisions:
         dtype, tf32, numerics = split_precision(name)
         started = time.perf_counter()
@@ -149,24 +177,43 @@ def score_ways(model_dir: Path, pairs: list, precisions: list[str], device: str,
         devices.set_tf32(device, tf32)
         settings = ReplayKnobs(dtype=dtype, device=device)
         prefill, eager = MICRO_BATCHES
-        values = score_batches(model, _batched(pairs, prefill), settings, progress=False)
-        scored[name, "prefill"] = np.concatenate([s.completion for s in values])
-        chosen = [pairs[i] for i in decoded]
-        scored[name, "decode"] = _spread(
-            decode_logprobs(model, chosen, max(len(chosen), 1)), decoded, lengths
+        values = score_batches(
+            model,
+            _batched(pairs, prefill),
+            settings,
+            progress=False,
+            top_ids=None if drawn is None else _batched(drawn, prefill),
         )
+        scored[name, "prefill"] = np.concatenate([s.completion for s in values])
+        if drawn is not None:
+            scored[name, "prefill@draws"] = np.concatenate([s.top_logprob for s in values])
+        chosen = [pairs[i] for i in decoded]
+        if drawn is None:
+            values = decode_logprobs(model, chosen, max(len(chosen), 1))
+        else:
+            values, at_draws = decode_logprobs(
+                model, chosen, max(len(chosen), 1), draws=[drawn[i] for i in decoded]
+            )
+            scored[name, "decode@draws"] = _spread(at_draws, decoded, lengths, DRAWS)
+        scored[name, "decode"] = _spread(values, decoded, lengths)
         # another attention kernel and another batching on the same weights: what a different
         # engine's kernels and batch shapes move
         set_attention(model, "eager")
         settings = replace(settings, attn_implementation="eager", micro_batch_size=eager)
-        values = score_batches(model, _batched(pairs, eager), settings, progress=False)
+        values = score_batches(
+            model,
+            _batched(pairs, eager),
+            settings,
+            progress=False,
+            top_ids=None if drawn is None else _batched(drawn, eager),
+        )
         scored[name, "eager"] = np.concatenate([s.completion for s in values])
+        if drawn is not None:
+            scored[name, "eager@draws"] = np.concatenate([s.top_logprob for s in values])
         del model
         devices.release_memory(device)
-        if name == "float32":
-            # fp32's own ground truth: what two fp32 engines' reduction orders scatter about
-            scored["float64", "exact"] = score_exactly(model_dir, pairs, device)
-        timing[name] = round(time.perf_counter() - started, 2)
+        elapsed = time.perf_counter() - started + (exact_s if name == "float32" else 0.0)
+        timing[name] = round(elapsed, 2)
         say(
             f"calibrate: {name} scored {len(pairs)} sequences by prefill and eager attention, "
             f"{len(decoded)} by decoding, in {timing[name]:.1f} s"
@@ -182,15 +229,20 @@ def decode_rows(count: int) -> list[int]:
     return sorted({int(i) for i in np.linspace(0, count - 1, DECODE_SEQUENCES).round()})
 
 
-def score_exactly(model_dir: Path, pairs: list, device: str) -> np.ndarray:
+def score_exactly(model_dir: Path, pairs: list, device: str, temperature: float = 0.0):
     """Completion logprobs computed in fp64 throughout, one sequence at a time (eager
-    attention, an fp64 log-softmax): the reference fp32 implementations scatter about."""
+    attention, an fp64 log-softmax): the reference fp32 implementations scatter about. With a
+    ``temperature`` > 0, also DRAWS tokens drawn at each completion position from that
+    distribution at that temperature (seeded: the same draws every time), per pair
+    [completion, DRAWS], and their fp64 logprobs (untempered) [tokens, DRAWS]; else None,
+    None."""
     import torch
 
     from pipeline.engines.hf.model import load_model, model_device
 
     model = load_model(model_dir, "float64", attn_implementation="eager", device=device)
-    out = []
+    generator = torch.Generator().manual_seed(0)
+    out, drawn, drawn_exact = [], [], []
     with torch.no_grad():
         for prompt, completion in pairs:
             ids = np.concatenate([prompt, completion]).astype(np.int64)
@@ -200,21 +252,33 @@ def score_exactly(model_dir: Path, pairs: list, device: str) -> np.ndarray:
             logprobs = model.get_output_embeddings()(rows).log_softmax(-1)
             targets = torch.from_numpy(np.asarray(completion, dtype=np.int64)).to(rows.device)
             out.append(logprobs.gather(-1, targets[:, None])[:, 0].cpu().numpy())
+            if temperature > 0 and len(completion):
+                probs = (logprobs / temperature).softmax(-1).cpu()
+                ids_drawn = torch.multinomial(probs, DRAWS, replacement=True, generator=generator)
+                drawn.append(ids_drawn.numpy().astype(np.int64))
+                drawn_exact.append(logprobs.cpu().gather(-1, ids_drawn).numpy())
+            elif temperature > 0:
+                drawn.append(np.zeros((0, DRAWS), dtype=np.int64))
     del model
     devices.release_memory(device)
-    return np.concatenate(out) if out else np.zeros(0)
+    exact = np.concatenate(out) if out else np.zeros(0)
+    if temperature <= 0:
+        return exact, None, None
+    empty = np.zeros((0, DRAWS))
+    return exact, drawn, np.concatenate(drawn_exact) if drawn_exact else empty
 
 
 def _batched(pairs: list, size: int) -> list[list]:
     return [pairs[i : i + size] for i in range(0, len(pairs), size)]
 
 
-def _spread(values: list[np.ndarray], rows: list[int], lengths: list[int]) -> np.ndarray:
-    """The chosen rows' completion values in place among all rows' tokens, NaN elsewhere."""
-    out = [np.full(n, np.nan, dtype=np.float32) for n in lengths]
+def _spread(values: list[np.ndarray], rows: list[int], lengths: list[int], k: int = 0):
+    """The chosen rows' completion values in place among all rows' tokens, NaN elsewhere
+    (``k`` > 0: each token's k values)."""
+    out = [np.full((n, k) if k else n, np.nan, dtype=np.float32) for n in lengths]
     for row, row_values in zip(rows, values, strict=True):
         out[row] = np.asarray(row_values, dtype=np.float32)
-    return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+    return np.concatenate(out) if out else np.zeros((0, k) if k else 0, dtype=np.float32)
 
 
 def fit_pair(variants: dict[str, np.ndarray], surprisal, positions, lengths) -> dict:
@@ -280,6 +344,59 @@ def fit_pair(variants: dict[str, np.ndarray], surprisal, positions, lengths) -> 
     floor["tau_exceedance"] = {"count": exceeding, "samples": int(len(pooled))}
     floor["sequence_mean_abs_max"] = float(max(sequence_means))
     return floor
+
+
+def drawing_temperature(sampling: dict | None) -> float:
+    """The temperature the rollout sampled its tokens at, which the sign statistics' null
+    draws at: the fixture's, 1.0 where it does not say; 0 for greedy decoding (its tokens
+    were chosen, not drawn: no sign statistics)."""
+    value = (sampling or {}).get("temperature", 1.0)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return 1.0
+    return value if np.isfinite(value) and value > 0 else 0.0
+
+
+def signed_null(scored: dict, a: str, b: str, positions, sequence_of, temperature: float) -> dict:
+    """The sign statistics (compare/signed.py) of noise alone for the pair ``a``, ``b``, with
+    each side as the rollout: the drawn tokens, as the rollout precision's scoring would have
+    drawn them (importance weights (p_rollout / p_fp64) ** (1 / T): a rollout samples the
+    tokens its own noise made likelier), scored by both sides. Across precisions the
+    rollout's SDPA and eager prefills against the replay's SDPA one, and its SDPA against the
+    replay's eager; in one precision eager against SDPA both ways. Clustered by sequence
+    across the variants (they share the draws)."""
+    exact = scored["float64", "exact@draws"].astype(np.float64)
+    draws = exact.shape[1]
+    where = np.repeat(np.asarray(positions, dtype=np.float64), draws)
+    sequence = np.repeat(np.asarray(sequence_of), draws)
+    out = {"temperature": float(temperature), "draws": int(draws), "by_rollout": {}}
+    for rollout, replay in {(a, b), (b, a)}:
+        # the rollout decoded, as engines roll out, where it was decoded
+        ways = [("decode", "prefill"), ("decode", "eager")]
+        if rollout == replay:
+            ways += [("eager", "prefill"), ("prefill", "eager")]
+        else:
+            ways += [("prefill", "prefill"), ("eager", "prefill"), ("prefill", "eager")]
+        parts, each = [], []
+        for mine, theirs in ways:
+            sampled = scored[rollout, f"{mine}@draws"].astype(np.float64).ravel()
+            other = scored[replay, f"{theirs}@draws"].astype(np.float64).ravel()
+            weight = np.exp(np.clip((sampled - exact.ravel()) / temperature, -30, 30))
+            weight[~np.isfinite(sampled)] = np.nan  # not decoded: left out
+            parts.append((other - sampled, sampled, other, weight))
+            each.append(signed_statistics(other - sampled, sampled, other, where, sequence, weight))
+        d, sampled, other, weight = (np.concatenate(column) for column in zip(*parts, strict=True))
+        pooled = signed_statistics(
+            d, sampled, other, np.tile(where, len(ways)), np.tile(sequence, len(ways)), weight
+        )
+        # how far correct ways of computing the same numerics lean apart: an engine's kernels
+        # are another way, so the null is known no better than this (compare/signed.py)
+        for name in (*SIGN_STATISTICS, "mean_sq"):
+            values = [statistics[name]["value"] for statistics in each]
+            pooled[name]["spread"] = float(np.std(values))
+        out["by_rollout"][rollout] = pooled
+    return out
 
 
 def _measured_lengths(measured: np.ndarray, lengths: np.ndarray) -> np.ndarray:

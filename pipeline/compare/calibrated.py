@@ -26,6 +26,12 @@ from pipeline.compare.calibration_file import (
 )
 from pipeline.compare.floor import expect
 from pipeline.compare.precision_gate import ALPHA, noise_limits, precision_gate
+from pipeline.compare.signed import (
+    MIN_CLUSTERS,
+    sampled_as_reported,
+    signed_null_for,
+    signed_statistics,
+)
 from pipeline.contracts.files import CALIBRATION as CALIBRATION_FILE
 from pipeline.contracts.numerics import numerics_of, precision_text
 
@@ -35,6 +41,7 @@ __all__ = [
     "TAU_MARGIN",
     "TF32",
     "Calibrated",
+    "SignedSides",
     "as_calibration",
     "calibrated_judging",
     "effective_limits",
@@ -127,6 +134,7 @@ def calibrated_judging(
     abs_diff,
     alpha: float = ALPHA,
     gate_logprob=None,
+    sides: SignedSides | None = None,
 ) -> Calibrated:
     """Per-token thresholds, the precision gate on ``abs_diff``, and the values this batch's
     metrics reach under noise alone (at the gate's false-alarm rate).
@@ -144,7 +152,8 @@ def calibrated_judging(
     gate_tau = (
         tau if gate_logprob is None else token_tau(calibration, pair, gate_logprob, positions)
     )
-    gate = precision_gate(table, abs_diff, gated, positions, offsets, gate_tau, alpha)
+    signed, signed_note = sign_inputs(table, sides, positions, offsets)
+    gate = precision_gate(table, abs_diff, gated, positions, offsets, gate_tau, alpha, signed)
     under_noise, limits = noise_limits(table, expected, offsets, alpha)
     return Calibrated(
         pair=pair,
@@ -166,8 +175,41 @@ def calibrated_judging(
             "expected_under_noise": under_noise,
             "false_alarm_rate": alpha,
             "tau_margin": TAU_MARGIN,
+            "sign_tests": signed_note,
         },
     )
+
+
+@dataclass
+class SignedSides:
+    """What the sign tests read of a comparison besides |d| (compare/signed.py): both sides'
+    logprobs, the precision that rolled out, and how the rollout sampled."""
+
+    rollout: np.ndarray
+    train: np.ndarray
+    rollout_precision: str
+    sampling: dict | None
+    clusters: np.ndarray  # per token, its prompt's label (signed.prompt_clusters)
+
+
+def sign_inputs(table: dict, sides: SignedSides | None, positions, offsets):
+    """(null, the batch's statistics, whether the ratio's mean applies) for the precision
+    gate, or None; and a note of what was used or why not."""
+    if sides is None:
+        return None, {"used": False, "reason": "not given"}
+    null, why_not = signed_null_for(table, sides.rollout_precision, sides.sampling)
+    if null is None:
+        return None, {"used": False, "reason": why_not}
+    rollout = np.asarray(sides.rollout, dtype=np.float64)
+    train = np.asarray(sides.train, dtype=np.float64)
+    observed = signed_statistics(train - rollout, rollout, train, positions, sides.clusters)
+    if observed["sequences"] < MIN_CLUSTERS:
+        return None, {
+            "used": False,
+            "reason": f"{observed['sequences']} distinct prompts, fewer than {MIN_CLUSTERS}",
+        }
+    applies = sampled_as_reported(sides.sampling)
+    return (null, observed, applies), {"used": True, "ratio_mean": applies}
 
 
 def token_tau(

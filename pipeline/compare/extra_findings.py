@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.compare.align import Aligned
+from pipeline.compare.signed import STATISTICS as SIGN_STATISTICS
 from pipeline.contracts.causes import Cause, Severity, Status
 from pipeline.contracts.report import Finding, Judgement
 from pipeline.fixture.table import TokenTable
@@ -81,6 +82,28 @@ def routing_flips(
     ]
 
 
+SMALL_CHANGE = (
+    "a small change of every token, as other weights give (a stale or differently converted "
+    "checkpoint, another router), or computing in another precision than declared"
+)
+# what a failed sign test says (compare/signed.py): a direction rounding noise does not take
+SIGN_WORDS = {
+    "surprisal_slope": (
+        "the drift leans on the token's surprisal beyond what noise gives, as a temperature, a "
+        "soft-cap or a penalty does, and rounding does not"
+    ),
+    "position_slope": (
+        "the drift leans on the position beyond what noise gives, as a cache or position "
+        "encoding that changes along the sequence does"
+    ),
+    "ratio_mean": (
+        "the importance ratio's mean is not 1: the rollout sampled its tokens from another "
+        "distribution than the one whose logprobs it reported (a processor applied to one "
+        "and not the other)"
+    ),
+}
+
+
 def beyond_precision(gate: dict, findings: list[Finding], aligned: Aligned) -> list[Finding]:
     """The precision gate failed, yet no finding names a fault: the drift is small on every
     token (none past its tau) and beyond precision over the batch. A fault all the same, to
@@ -88,6 +111,7 @@ def beyond_precision(gate: dict, findings: list[Finding], aligned: Aligned) -> l
     if any(f.is_fault for f in findings):
         return []
     failed = [t for t in gate["tests"] if not t["passed"]]
+    leaning = [t["name"] for t in failed if t["name"] in SIGN_STATISTICS]
     said = "; ".join(
         f"{t['name']} {t['observed']:.3g} where noise gives {t['expected']:.3g} (at most "
         f"{t['critical']:.3g}, z {t['z']:.1f})"
@@ -99,9 +123,8 @@ def beyond_precision(gate: dict, findings: list[Finding], aligned: Aligned) -> l
             sequences=list(aligned.sequence_ids),
             evidence=(
                 f"the batch's drift is beyond what precision gives at {gate['tokens']} tokens "
-                f"({said}), though no token passes its tau: a small change of every token, as "
-                "other weights give (a stale or differently converted checkpoint, another "
-                "router), or computing in another precision than declared"
+                f"({said}), though no token passes its tau: "
+                + (SIGN_WORDS[leaning[0]] if leaning else SMALL_CHANGE)
             ),
             details={"precision_gate": [t["name"] for t in failed]},
             confidence=0.0,

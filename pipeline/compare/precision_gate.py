@@ -16,7 +16,12 @@ batch's token count and sequence lengths, and the gate asks whether the batch li
   are counts of rare events, overdispersed by the same clustering: a negative binomial with
   the count's mean and variance.
 
-The four tests share the false-alarm rate ALPHA equally (Bonferroni), so a batch of pure
+- **sign** (`signed.py`, where the calibration drew them and the rollout records its
+  sampling): the drift's slope on surprisal and on position, and the importance ratio's
+  mean, against what noise gives them; a fault smaller than a reduced precision's own noise
+  (a trainer temperature under an FP8 rollout) passes every magnitude and fails these.
+
+All the tests share the false-alarm rate ALPHA equally (Bonferroni), so a batch of pure
 noise fails the gate with probability at most ALPHA whatever its size. A fault fails it once
 its drift stands that many standard errors beyond noise, and at thousands of tokens the
 standard error is a few per cent of the noise's own level: a fixed multiple of the noise
@@ -32,6 +37,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from pipeline.compare.floor import MOMENTS, bucket_of, expect, mixture_quantile
+from pipeline.compare.signed import signed_tests
 
 ALPHA = 1e-3  # false alarms per comparison of pure noise, all tests together
 TESTS = ("mean_abs_diff", "tokens_over_q99", "tokens_over_q999", "tokens_over_tau")
@@ -65,10 +71,13 @@ def precision_gate(
     offsets,
     tau,
     alpha: float = ALPHA,
+    signed: tuple[dict, dict, bool] | None = None,
 ) -> dict:
     """The gate's verdict on one batch: ``abs_diff`` per token (in sequences split at
     ``offsets``), judged against ``floor`` (one pair of a calibration), each token bucketed by
     its ``surprisal`` and completion ``positions``; ``tau`` is each token's mismatch threshold.
+    ``signed``: (the calibration's sign statistics of noise, the batch's, whether the ratio's
+    mean applies) adds the sign tests (`signed.py`), which share ``alpha`` with the others.
 
     Returns {"alpha", "passed", "tokens", "sequences", "design_effect", "tests": [GateTest as
     dicts]}; a batch passes when every test does."""
@@ -81,7 +90,10 @@ def precision_gate(
     # each token's design effect: its sequence's 1 + (L - 1) icc
     deff = np.repeat(1.0 + (lengths - 1) * float(design.get("icc", 0.0)), lengths)
     deff_tail = np.repeat(1.0 + (lengths - 1) * float(design.get("icc_tail", 0.0)), lengths)
-    share = alpha / len(TESTS)
+    sign_tests = signed_tests(*signed[:2], 1.0, signed[2]) if signed else []
+    share = alpha / (len(TESTS) + len(sign_tests))
+    if sign_tests:
+        sign_tests = signed_tests(*signed[:2], share, signed[2])
     tests = [_level_test(expected, abs_diff, deff, design, share)]
     for name, (quantile, level) in TAIL_LEVELS.items():
         counts = expected["n"]
@@ -97,11 +109,11 @@ def precision_gate(
     )  # fmt: skip
     return {
         "alpha": alpha,
-        "passed": all(t.passed for t in tests),
+        "passed": all(t.passed for t in tests) and all(t["passed"] for t in sign_tests),
         "tokens": int(n),
         "sequences": int(len(lengths)),
         "design_effect": float(deff.mean()) if n else 1.0,
-        "tests": [asdict(t) for t in tests],
+        "tests": [asdict(t) for t in tests] + sign_tests,
     }
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from pipeline.compare.align import Aligned, align
 from pipeline.compare.calibrated import (
+    SignedSides,
     as_calibration,
     calibrated_judging,
     effective_limits,
@@ -45,6 +46,7 @@ from pipeline.compare.report_parts import (
     worst_tokens,
 )
 from pipeline.compare.sequence_table import sequence_columns
+from pipeline.compare.signed import prompt_clusters
 from pipeline.compare.topk import topk_kl
 from pipeline.contracts.calibration import Calibration
 from pipeline.contracts.report import Finding, Judgement, Report
@@ -293,10 +295,23 @@ def judged_against(
         options.calibration_source,
         np.abs(region.train.astype(np.float64) - region.rollout.astype(np.float64)),
         gate_logprob=region.rollout if nearer == "rollout" else None,
+        sides=SignedSides(
+            region.rollout,
+            region.train,
+            side_precision(fixture.metadata),
+            fixture.metadata.get("sampling"),
+            prompt_clusters(_prompts_of(fixture, aligned.sequence_ids), np.diff(region.offsets)),
+        ),
     )
     user_policy = policy.source != "default policy"
     limits = effective_limits(policy.profile(profile).get("limits", {}), floor.limits, user_policy)
     return Judging(floor.tau, limits, floor.gate, {**floor.note, "limits": limits}, floor)
+
+
+def _prompts_of(fixture: TokenTable, sequence_ids) -> list:
+    """Each compared sequence's prompt ids, in the comparison's order."""
+    row_of = {sequence_id: row for row, sequence_id in enumerate(fixture.sequence_ids)}
+    return [fixture.prompt_of(row_of[sequence_id]) for sequence_id in sequence_ids]
 
 
 def diagnose(

@@ -112,6 +112,41 @@ class TauExceedance(Open):
         return self
 
 
+class Estimate(Open):
+    """A statistic and its standard error (compare/signed.py)."""
+
+    value: Signed
+    se: Magnitude
+    # the standard deviation of the value across the correct ways it was measured
+    spread: Magnitude | None = None
+
+
+class SignedStatistics(Open):
+    """The sign statistics of noise alone with one side as the rollout."""
+
+    surprisal_slope: Estimate
+    position_slope: Estimate
+    ratio_mean: Estimate
+    mean_sq: Estimate
+    tokens: Count
+    sequences: Count
+
+    @model_validator(mode="after")
+    def _square_not_negative(self) -> SignedStatistics:
+        if self.mean_sq.value < 0:
+            raise ValueError(f"mean_sq.value ({self.mean_sq.value:g}) must not be negative")
+        return self
+
+
+class SignedNull(Open):
+    """What noise alone gives the drift's sign structure (calibrate/run.py `signed_null`):
+    drawn at the rollout's temperature, keyed by the precision that rolled out."""
+
+    temperature: Annotated[float, Field(gt=0, allow_inf_nan=False), AsWritten]
+    draws: Count
+    by_rollout: Annotated[dict[Precision, SignedStatistics], Field(min_length=1)]
+
+
 class Floor(Open):
     """One pair of precisions (calibrate/run.py `fit_pair`, floor.py `fit_floor`)."""
 
@@ -130,6 +165,8 @@ class Floor(Open):
     design: Design
     tau_exceedance: TauExceedance
     sequence_mean_abs_max: Magnitude
+    # absent in calibrations made before the sign statistics, and for greedy rollouts
+    signed: SignedNull | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Floor:

@@ -13,19 +13,27 @@ import numpy as np
 from pipeline.engines.hf.model import model_device
 
 
-def decode_logprobs(model, pairs, batch_size: int = 8) -> list[np.ndarray]:
+def decode_logprobs(model, pairs, batch_size: int = 8, draws=None):
     """Completion logprobs of each (prompt ids, completion ids) pair, decoded with a KV cache
-    from left-padded batches of ``batch_size`` (as `lpx rollout --engine hf` batches)."""
+    from left-padded batches of ``batch_size`` (as `lpx rollout --engine hf` batches).
+    ``draws`` (one [completion, k] id array per pair): also their logprobs at each step, and
+    then (logprobs, drawn logprobs) is returned."""
     import torch
 
     results: list[np.ndarray] = []
+    drawn: list[np.ndarray] = []
     with torch.no_grad():
         for start in range(0, len(pairs), batch_size):
-            results.extend(_decode_batch(model, pairs[start : start + batch_size]))
-    return results
+            chunk = slice(start, start + batch_size)
+            values, at_draws = _decode_batch(
+                model, pairs[chunk], None if draws is None else draws[chunk]
+            )
+            results.extend(values)
+            drawn.extend(at_draws)
+    return results if draws is None else (results, drawn)
 
 
-def _decode_batch(model, pairs) -> list[np.ndarray]:
+def _decode_batch(model, pairs, draws=None):
     import torch
 
     device = model_device(model)
@@ -55,10 +63,18 @@ def _decode_batch(model, pairs) -> list[np.ndarray]:
     tokens = torch.from_numpy(forced).to(device)
     still = torch.from_numpy(live).to(device)
     next_position = positions[:, -1] + 1
-    picked = []
+    picked, picked_draws = [], []
+    if draws is not None:
+        k = draws[0].shape[1]
+        drawn_ids = np.full((len(pairs), steps, k), pad_id, dtype=np.int64)
+        for i, ids in enumerate(draws):
+            drawn_ids[i, : len(ids)] = ids
+        drawn_ids = torch.from_numpy(drawn_ids).to(device)
     for step in range(steps):
         logprobs = out.logits[:, -1, :].log_softmax(-1, dtype=torch.float32)
         picked.append(logprobs.gather(-1, tokens[:, step : step + 1])[:, 0])
+        if draws is not None:
+            picked_draws.append(logprobs.gather(-1, drawn_ids[:, step]))
         if step + 1 == steps:
             break
         attention = torch.cat([attention, still[:, step : step + 1].long()], dim=1)
@@ -71,4 +87,8 @@ def _decode_batch(model, pairs) -> list[np.ndarray]:
         )
         next_position = next_position + 1
     values = torch.stack(picked, dim=1).cpu().numpy()
-    return [values[i, : len(c)].astype(np.float32) for i, c in enumerate(completions)]
+    out_values = [values[i, : len(c)].astype(np.float32) for i, c in enumerate(completions)]
+    if draws is None:
+        return out_values, []
+    at_draws = torch.stack(picked_draws, dim=1).cpu().numpy()
+    return out_values, [at_draws[i, : len(c)].astype(np.float32) for i, c in enumerate(completions)]

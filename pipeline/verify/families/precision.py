@@ -10,9 +10,17 @@ from dataclasses import replace
 
 import numpy as np
 
-from pipeline.compare.calibrated import TAU_MARGIN, pair_key, side_precision, surprisal_side
+from pipeline.compare.calibrated import (
+    TAU_MARGIN,
+    SignedSides,
+    pair_key,
+    side_precision,
+    sign_inputs,
+    surprisal_side,
+)
 from pipeline.compare.floor import expect
 from pipeline.compare.precision_gate import bucket_level_tests, precision_gate, rules_out_faults
+from pipeline.compare.signed import prompt_clusters
 from pipeline.contracts.causes import Cause, Severity
 from pipeline.contracts.numerics import without_tf32
 from pipeline.contracts.report import Finding
@@ -87,7 +95,20 @@ class Precision(Family):
         surprisal = -np.concatenate(rollout if nearer == "rollout" else replay)
         where = np.concatenate(positions)
         tau = TAU_MARGIN * np.maximum(expect(floor, surprisal, where)["q999"], 1e-12)
-        gate = precision_gate(floor, drift, surprisal, where, offsets, tau)
+        # the sign tests too: a trainer temperature under an FP8 rollout stays inside every
+        # magnitude band, and is not precision for that
+        sides = SignedSides(
+            np.concatenate(rollout),
+            np.concatenate(replay),
+            # as the calibration measured it (TF32 only where it can be measured here)
+            candidate.params["rollout"]
+            if pair == pair_key(*candidate.params.values())
+            else declared[0],
+            ref.fixture.metadata.get("sampling"),
+            prompt_clusters([ref.fixture.prompt_of(r) for r in rows], np.diff(offsets)),
+        )
+        signed, _ = sign_inputs(floor, sides, where, offsets)
+        gate = precision_gate(floor, drift, surprisal, where, offsets, tau, signed=signed)
         buckets = bucket_level_tests(floor, drift, surprisal, where, offsets)
         level = next(t for t in gate["tests"] if t["name"] == "mean_abs_diff")
         failed = [t["name"] for t in [*gate["tests"], *buckets] if not t["passed"]]
