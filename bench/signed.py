@@ -26,7 +26,6 @@ Pools and calibrations are cached under ~/.cache/lpx/bench-signed (delete it to 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from importlib import resources
@@ -51,7 +50,7 @@ from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.fixture.io import read_table, write_table
 from pipeline.fixture.table import REPLAY_CHANNEL
 from pipeline.prompts import tokenize
-from support.engine_like import load_fp32, temperature_after_log_softmax
+from support.engine_like import replay_scored_by, temperature_after_log_softmax
 
 CACHE = Path.home() / ".cache" / "lpx" / "bench-signed"
 SCALES = {
@@ -127,20 +126,8 @@ def build_pool(scale: str, mode: str, work: Path) -> dict:
 
 
 def _tempered(fixture, model_dir, temperature):
-    import torch
-
     replay = HFScoringEngine().score(fixture, model_dir, {"dtype": "fp32"})
-    score = temperature_after_log_softmax(temperature)
-    model = load_fp32(model_dir)
-    values = replay.channels[REPLAY_CHANNEL].copy()
-    with torch.no_grad():
-        for row in range(replay.num_sequences):
-            prompt = np.asarray(replay.prompt_of(row), dtype=np.int64)
-            completion = np.asarray(replay.completion_of(row), dtype=np.int64)
-            values[replay.completion_slice(row)] = score(model, prompt, completion)
-    out = copy.copy(replay)
-    out.channels = {**replay.channels, REPLAY_CHANNEL: values}
-    return out
+    return replay_scored_by(replay, model_dir, temperature_after_log_softmax(temperature))
 
 
 def rates(scale: str, mode: str, pool: dict, trials: int) -> list[dict]:

@@ -75,6 +75,26 @@ def rescored(model_dir, fixture, rows, score):
     return out
 
 
+def replay_scored_by(replay, model_dir, score):
+    """A copy of the replay table ``replay`` whose logprobs are ``score(model, prompt,
+    completion)`` on every row (the model in fp32): a trainer that computes them its own way,
+    its metadata the replay's."""
+    import torch
+
+    from pipeline.fixture.table import REPLAY_CHANNEL
+
+    model = load_fp32(model_dir)
+    values = replay.channels[REPLAY_CHANNEL].copy()
+    with torch.no_grad():
+        for row in range(replay.num_sequences):
+            prompt = np.asarray(replay.prompt_of(row), dtype=np.int64)
+            completion = np.asarray(replay.completion_of(row), dtype=np.int64)
+            values[replay.completion_slice(row)] = score(model, prompt, completion)
+    out = copy.copy(replay)
+    out.channels = {**replay.channels, REPLAY_CHANNEL: values}
+    return out
+
+
 def _logits(model, ids, positions=None, past=None):
     import torch
 

@@ -152,7 +152,7 @@ def score_ways(
     precision in seconds."""
     from pipeline.engines.hf.decode import decode_logprobs
     from pipeline.engines.hf.model import load_model
-    from pipeline.engines.hf.replay import ReplayKnobs, score_batches
+    from pipeline.engines.hf.replay import ReplayKnobs
     from pipeline.numerics.emulate import set_attention
 
     scored: dict[tuple[str, str], np.ndarray] = {}
@@ -177,16 +177,7 @@ def score_ways(
         devices.set_tf32(device, tf32)
         settings = ReplayKnobs(dtype=dtype, device=device)
         prefill, eager = MICRO_BATCHES
-        values = score_batches(
-            model,
-            _batched(pairs, prefill),
-            settings,
-            progress=False,
-            top_ids=None if drawn is None else _batched(drawn, prefill),
-        )
-        scored[name, "prefill"] = np.concatenate([s.completion for s in values])
-        if drawn is not None:
-            scored[name, "prefill@draws"] = np.concatenate([s.top_logprob for s in values])
+        _prefill(scored, (name, "prefill"), model, pairs, settings, prefill, drawn)
         chosen = [pairs[i] for i in decoded]
         if drawn is None:
             values = decode_logprobs(model, chosen, max(len(chosen), 1))
@@ -200,16 +191,7 @@ def score_ways(
         # engine's kernels and batch shapes move
         set_attention(model, "eager")
         settings = replace(settings, attn_implementation="eager", micro_batch_size=eager)
-        values = score_batches(
-            model,
-            _batched(pairs, eager),
-            settings,
-            progress=False,
-            top_ids=None if drawn is None else _batched(drawn, eager),
-        )
-        scored[name, "eager"] = np.concatenate([s.completion for s in values])
-        if drawn is not None:
-            scored[name, "eager@draws"] = np.concatenate([s.top_logprob for s in values])
+        _prefill(scored, (name, "eager"), model, pairs, settings, eager, drawn)
         del model
         devices.release_memory(device)
         elapsed = time.perf_counter() - started + (exact_s if name == "float32" else 0.0)
@@ -220,6 +202,23 @@ def score_ways(
         )
     devices.set_tf32(device, False)
     return scored, timing
+
+
+def _prefill(scored: dict, key: tuple, model, pairs, settings, size: int, drawn) -> None:
+    """One prefill way's completion logprobs into ``scored[key]``, in micro-batches of
+    ``size``; with ``drawn``, also the drawn tokens' (``(name, "way@draws")``)."""
+    from pipeline.engines.hf.replay import score_batches
+
+    values = score_batches(
+        model,
+        _batched(pairs, size),
+        settings,
+        progress=False,
+        top_ids=None if drawn is None else _batched(drawn, size),
+    )
+    scored[key] = np.concatenate([s.completion for s in values])
+    if drawn is not None:
+        scored[key[0], f"{key[1]}@draws"] = np.concatenate([s.top_logprob for s in values])
 
 
 def decode_rows(count: int) -> list[int]:

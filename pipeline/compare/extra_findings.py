@@ -113,8 +113,13 @@ def beyond_precision(gate: dict, findings: list[Finding], aligned: Aligned) -> l
     failed = [t for t in gate["tests"] if not t["passed"]]
     leaning = [t["name"] for t in failed if t["name"] in SIGN_STATISTICS]
     said = "; ".join(
-        f"{t['name']} {t['observed']:.3g} where noise gives {t['expected']:.3g} (at most "
-        f"{t['critical']:.3g}, z {t['z']:.1f})"
+        f"{t['name']} {t['observed']:.3g} where noise gives {t['expected']:.3g} ("
+        + (
+            f"within +/- {abs(t['critical'] - t['expected']):.3g}"
+            if t["name"] in SIGN_STATISTICS
+            else f"at most {t['critical']:.3g}"
+        )
+        + f", z {t['z']:.1f})"
         for t in failed
     )
     return [

@@ -10,6 +10,7 @@ import numpy as np
 from pipeline.compare.onset import onset_words
 from pipeline.compare.run import Comparison
 from pipeline.compare.sequence_table import write_sequence_table
+from pipeline.compare.signed import STATISTICS as SIGN_STATISTICS
 from pipeline.contracts.files import REPORT, SEQUENCES, SUMMARY, TOKENS
 from pipeline.contracts.metrics import SUMMARY_METRICS
 from pipeline.contracts.report import Finding, Report
@@ -344,8 +345,13 @@ def _gate_line(gate: dict) -> str:
     """`PASS at 1,536 tokens (false-alarm rate 0.001): mean |d| 0.0041 (noise 0.0044, at
     most 0.0059), ...`: each test's observed value against what noise gives."""
     tests = "; ".join(
-        f"{t['name']} {_fmt(t['observed'])} (noise {_fmt(t['expected'])}, at most "
-        f"{_fmt(t['critical'])}{'' if t['passed'] else ', FAILED'})"
+        f"{t['name']} {_fmt(t['observed'])} (noise {_fmt(t['expected'])}, "
+        + (
+            f"within +/- {_fmt(abs(t['critical'] - t['expected']))}"  # two-sided: the sign tests
+            if t["name"] in SIGN_STATISTICS
+            else f"at most {_fmt(t['critical'])}"
+        )
+        + f"{'' if t['passed'] else ', FAILED'})"
         for t in gate["tests"]
     )
     verdict = "PASS" if gate["passed"] else "FAIL"

@@ -11,11 +11,9 @@ little, not the tiny model's peaked ones, where 0.97 already fattens the tails."
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 
-import numpy as np
 import pytest
 
 from pipeline.calibrate.run import calibrate
@@ -24,10 +22,9 @@ from pipeline.contracts.calibration import Calibration
 from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.engines.hf.rollout import HFRolloutEngine
-from pipeline.fixture.table import REPLAY_CHANNEL
 from pipeline.prompts import smoke_prompt_texts, tokenize
 from pipeline.verify import verify_report
-from support.engine_like import load_fp32, temperature_after_log_softmax
+from support.engine_like import replay_scored_by, temperature_after_log_softmax
 
 FP8 = {"quantization": "fp8-block", "kv_cache_dtype": "fp8_e4m3"}
 DECLARED = "bfloat16+fp8-block+kv=fp8_e4m3"
@@ -59,7 +56,7 @@ def fp8_run(tiny_model, tmp_path_factory) -> dict:
     # the trainer at temperature 0.97, in fp32: the replay's values replaced by the engine-like
     # scorer's, its metadata an fp32 replay's
     tempered = HFScoringEngine().score(fixture, model_dir, {"dtype": "fp32"})
-    tempered = _scored_by(tempered, model_dir, temperature_after_log_softmax(0.97))
+    tempered = replay_scored_by(tempered, model_dir, temperature_after_log_softmax(0.97))
     calibration = calibrate(fixture, model_dir, ["bfloat16", DECLARED], sequences=32)
     return {
         "model": model_dir,
@@ -68,21 +65,6 @@ def fp8_run(tiny_model, tmp_path_factory) -> dict:
         "tempered": tempered,
         "calibration": calibration,
     }
-
-
-def _scored_by(replay, model_dir, score):
-    import torch
-
-    model = load_fp32(model_dir)
-    values = replay.channels[REPLAY_CHANNEL].copy()
-    with torch.no_grad():
-        for row in range(replay.num_sequences):
-            prompt = np.asarray(replay.prompt_of(row), dtype=np.int64)
-            completion = np.asarray(replay.completion_of(row), dtype=np.int64)
-            values[replay.completion_slice(row)] = score(model, prompt, completion)
-    out = copy.copy(replay)
-    out.channels = {**replay.channels, REPLAY_CHANNEL: values}
-    return out
 
 
 def _tests(report) -> dict:
