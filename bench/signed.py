@@ -43,7 +43,7 @@ from pipeline.compare.calibrated import (
     side_precision,
     surprisal_side,
 )
-from pipeline.compare.signed import STATISTICS, prompt_clusters
+from pipeline.compare.signed import STATISTICS, prompt_clusters, seen_before
 from pipeline.engines.base import SamplingParams
 from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.engines.hf.rollout import HFRolloutEngine
@@ -156,7 +156,8 @@ def rates(scale: str, mode: str, pool: dict, trials: int) -> list[dict]:
                     sides=SignedSides(rollout, train, rollout_precision,
                                       fixture.metadata.get("sampling"),
                                       prompt_clusters([fixture.prompt_of(r) for r in chosen],
-                                                      [len(per_row[r][0]) for r in chosen])),
+                                                      [len(per_row[r][0]) for r in chosen]),
+                                      np.concatenate([per_row[r][3] for r in chosen])),
                 )  # fmt: skip
                 tests = judged.gate["tests"]
                 magnitude_fails += not all(
@@ -178,7 +179,8 @@ def _row(fixture, replay, row: int):
     span = fixture.completion_slice(row)
     rollout = fixture.channels["rollout"][span].astype(np.float64)
     train = replay.channels[REPLAY_CHANNEL][span].astype(np.float64)
-    return rollout, train, np.arange(len(rollout), dtype=np.float64)
+    seen = seen_before(fixture.prompt_of(row), fixture.completion_of(row))
+    return rollout, train, np.arange(len(rollout), dtype=np.float64), seen
 
 
 def _line(row: dict) -> str:

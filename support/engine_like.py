@@ -265,6 +265,15 @@ def penalty_counting_the_scored_token(penalty: float, dtype: str = "float32"):
     the token being scored (the output appended before the processors ran): an off-by-one
     processor. The penalty is transformers' own, applied one row at a time in float64 on the
     model's logits (in ``dtype``'s forward)."""
+    return repetition_penalty(penalty, dtype, counting_the_scored_token=True)
+
+
+def repetition_penalty(penalty: float, dtype: str = "float32", counting_the_scored_token=False):
+    """A score: transformers' repetition penalty over the prompt and the output before each
+    token (with ``counting_the_scored_token``, the token itself too), applied one row at a
+    time in float64 on the model's logits (in ``dtype``'s forward): a trainer or an engine's
+    logprob path that penalises as its sampler does."""
+    extra = 1 if counting_the_scored_token else 0
 
     def score(model, prompt, completion):
         import torch
@@ -276,7 +285,7 @@ def penalty_counting_the_scored_token(penalty: float, dtype: str = "float32"):
         processor = RepetitionPenaltyLogitsProcessor(penalty)
         out = []
         for t, token in enumerate(completion):
-            through = torch.as_tensor(ids[: len(prompt) + t + 1])[None]  # the scored one too
+            through = torch.as_tensor(ids[: len(prompt) + t + extra])[None]
             row = processor(through, logits[t : t + 1].clone())
             out.append(float(row.log_softmax(-1)[0, int(token)]))
         return out

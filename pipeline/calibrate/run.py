@@ -40,7 +40,7 @@ from pipeline.compare.calibrated import (
 from pipeline.compare.floor import bucket_of, expect, fit_floor
 from pipeline.compare.precision_gate import design_of
 from pipeline.compare.signed import STATISTICS as SIGN_STATISTICS
-from pipeline.compare.signed import prompt_clusters, signed_statistics
+from pipeline.compare.signed import prompt_clusters, seen_before, signed_statistics
 from pipeline.contracts.numerics import canonical_precision, split_precision
 from pipeline.fixture.table import TokenTable
 
@@ -91,13 +91,19 @@ def calibrate(
     scored = {key: values[active] for key, values in scored.items()}
     reference = scored["float32", "prefill"].astype(np.float64)
     sequence_of = prompt_clusters([prompt for prompt, _ in pairs], lengths)
+    seen = None
+    if ("float64", "draws") in scored:  # which drawn tokens occurred earlier in their context
+        drawn = np.split(scored["float64", "draws"], np.cumsum(lengths)[:-1])
+        seen = np.concatenate(
+            [_seen_drawn(fixture, row, ids) for row, ids in zip(rows, drawn, strict=True)]
+        )
     floors = {}
     for a, b in itertools.combinations_with_replacement(precisions, 2):
         samples = _pair_samples(scored, a, b, -reference, positions)
         floors[pair_key(a, b)] = fit_pair(samples, -reference, positions, lengths)
         if temperature:
             floors[pair_key(a, b)]["signed"] = signed_null(
-                scored, a, b, positions, sequence_of, temperature
+                scored, a, b, positions, sequence_of, temperature, seen
             )
     return {
         "lpx_calibration": CALIBRATION_FORMAT,
@@ -357,7 +363,17 @@ def drawing_temperature(sampling: dict | None) -> float:
     return value if np.isfinite(value) and value > 0 else 0.0
 
 
-def signed_null(scored: dict, a: str, b: str, positions, sequence_of, temperature: float) -> dict:
+def _seen_drawn(fixture: TokenTable, row: int, ids: np.ndarray) -> np.ndarray:
+    """[compared tokens, DRAWS]: whether each drawn token occurred earlier in its context."""
+    mask = _mask(fixture, row)
+    every = np.zeros((len(mask), ids.shape[1]), dtype=np.int64)  # draws at every position
+    every[mask] = ids
+    return seen_before(fixture.prompt_of(row), fixture.completion_of(row), every)[mask]
+
+
+def signed_null(
+    scored: dict, a: str, b: str, positions, sequence_of, temperature: float, seen=None
+) -> dict:
     """The sign statistics (compare/signed.py) of noise alone for the pair ``a``, ``b``, with
     each side as the rollout: the drawn tokens, as the rollout precision's scoring would have
     drawn them (importance weights (p_rollout / p_fp64) ** (1 / T): a rollout samples the
@@ -369,6 +385,7 @@ def signed_null(scored: dict, a: str, b: str, positions, sequence_of, temperatur
     draws = exact.shape[1]
     where = np.repeat(np.asarray(positions, dtype=np.float64), draws)
     sequence = np.repeat(np.asarray(sequence_of), draws)
+    flags = None if seen is None else np.asarray(seen).ravel()
     out = {"temperature": float(temperature), "draws": int(draws), "by_rollout": {}}
     for rollout, replay in {(a, b), (b, a)}:
         # the rollout decoded, as engines roll out, where it was decoded
@@ -384,16 +401,25 @@ def signed_null(scored: dict, a: str, b: str, positions, sequence_of, temperatur
             weight = np.exp(np.clip((sampled - exact.ravel()) / temperature, -30, 30))
             weight[~np.isfinite(sampled)] = np.nan  # not decoded: left out
             parts.append((other - sampled, sampled, other, weight))
-            each.append(signed_statistics(other - sampled, sampled, other, where, sequence, weight))
+            each.append(
+                signed_statistics(other - sampled, sampled, other, where, sequence, weight, flags)
+            )
         d, sampled, other, weight = (np.concatenate(column) for column in zip(*parts, strict=True))
         pooled = signed_statistics(
-            d, sampled, other, np.tile(where, len(ways)), np.tile(sequence, len(ways)), weight
+            d,
+            sampled,
+            other,
+            np.tile(where, len(ways)),
+            np.tile(sequence, len(ways)),
+            weight,
+            None if flags is None else np.tile(flags, len(ways)),
         )
         # how far correct ways of computing the same numerics lean apart: an engine's kernels
         # are another way, so the null is known no better than this (compare/signed.py)
         for name in (*SIGN_STATISTICS, "mean_sq"):
-            values = [statistics[name]["value"] for statistics in each]
-            pooled[name]["spread"] = float(np.std(values))
+            values = [statistics[name]["value"] for statistics in each if name in statistics]
+            if name in pooled:
+                pooled[name]["spread"] = float(np.std(values))
         out["by_rollout"][rollout] = pooled
     return out
 

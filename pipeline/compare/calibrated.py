@@ -190,6 +190,7 @@ class SignedSides:
     rollout_precision: str
     sampling: dict | None
     clusters: np.ndarray  # per token, its prompt's label (signed.prompt_clusters)
+    seen: np.ndarray | None = None  # per token, whether it occurred earlier in its context
 
 
 def sign_inputs(table: dict, sides: SignedSides | None, positions, offsets):
@@ -202,7 +203,9 @@ def sign_inputs(table: dict, sides: SignedSides | None, positions, offsets):
         return None, {"used": False, "reason": why_not}
     rollout = np.asarray(sides.rollout, dtype=np.float64)
     train = np.asarray(sides.train, dtype=np.float64)
-    observed = signed_statistics(train - rollout, rollout, train, positions, sides.clusters)
+    observed = signed_statistics(
+        train - rollout, rollout, train, positions, sides.clusters, seen=sides.seen
+    )
     if observed["sequences"] < MIN_CLUSTERS:
         return None, {
             "used": False,

@@ -96,6 +96,11 @@ SIGN_WORDS = {
         "the drift leans on the position beyond what noise gives, as a cache or position "
         "encoding that changes along the sequence does"
     ),
+    "seen_gap": (
+        "the drift differs between tokens seen earlier in their context and the rest beyond "
+        "what noise gives, as a repetition, presence or frequency penalty applied on one side "
+        "does"
+    ),
     "ratio_mean": (
         "the importance ratio's mean is not 1: the rollout sampled its tokens from another "
         "distribution than the one whose logprobs it reported (a processor applied to one "

@@ -46,7 +46,7 @@ from pipeline.compare.report_parts import (
     worst_tokens,
 )
 from pipeline.compare.sequence_table import sequence_columns
-from pipeline.compare.signed import prompt_clusters
+from pipeline.compare.signed import prompt_clusters, seen_before
 from pipeline.compare.topk import topk_kl
 from pipeline.contracts.calibration import Calibration
 from pipeline.contracts.report import Finding, Judgement, Report
@@ -301,6 +301,7 @@ def judged_against(
             side_precision(fixture.metadata),
             fixture.metadata.get("sampling"),
             prompt_clusters(_prompts_of(fixture, aligned.sequence_ids), np.diff(region.offsets)),
+            _seen(fixture, aligned.sequence_ids, region.positions, region.offsets),
         ),
     )
     user_policy = policy.source != "default policy"
@@ -312,6 +313,17 @@ def _prompts_of(fixture: TokenTable, sequence_ids) -> list:
     """Each compared sequence's prompt ids, in the comparison's order."""
     row_of = {sequence_id: row for row, sequence_id in enumerate(fixture.sequence_ids)}
     return [fixture.prompt_of(row_of[sequence_id]) for sequence_id in sequence_ids]
+
+
+def _seen(fixture: TokenTable, sequence_ids, positions, offsets) -> np.ndarray:
+    """Per compared token: whether it occurred earlier in its context (prompt or output)."""
+    row_of = {sequence_id: row for row, sequence_id in enumerate(fixture.sequence_ids)}
+    out = []
+    for k, sequence_id in enumerate(sequence_ids):
+        row = row_of[sequence_id]
+        flags = seen_before(fixture.prompt_of(row), fixture.completion_of(row))
+        out.append(flags[np.asarray(positions[offsets[k] : offsets[k + 1]], dtype=np.int64)])
+    return np.concatenate(out) if out else np.zeros(0, dtype=bool)
 
 
 def diagnose(

@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 
 SLOPES = ("surprisal_slope", "position_slope")
-STATISTICS = (*SLOPES, "ratio_mean")
+STATISTICS = (*SLOPES, "seen_gap", "ratio_mean")
 POSITION_UNIT = 1000.0  # position slopes are per this many positions
 MIN_CLUSTERS = 8  # fewer clusters (distinct prompts) give no usable standard error
 # How far the compared batch's noise may scale the calibrated null (observed mean d^2 over
@@ -51,12 +51,15 @@ SCALE_LIMITS = (0.25, 4.0)
 
 
 def signed_statistics(
-    diff, logprob_rollout, logprob_train, positions, sequence_of, weights=None
+    diff, logprob_rollout, logprob_train, positions, sequence_of, weights=None, seen=None
 ) -> dict:
     """The sign statistics of tokens with drift ``diff`` = train - rollout, each with its
     standard error clustered by ``sequence_of`` (one label per token: `prompt_clusters`),
     ``weights`` per token (importance weights: the calibration's draws; None: the batch as
     sampled).
+
+    ``seen``: per token, whether it occurred earlier in its context (prompt or output), for
+    ``seen_gap``; without it that statistic is left out.
 
     Returns {name: {"value", "se"}} for STATISTICS, plus "mean_sq" (of d), "tokens",
     "sequences" (the clusters)."""
@@ -73,6 +76,10 @@ def signed_statistics(
         "ratio_mean": _mean(np.expm1(d), w, cluster),
         "mean_sq": _mean(d * d, w, cluster),
     }
+    if seen is not None:
+        flag = np.asarray(seen, dtype=np.float64)[keep]
+        if 0 < flag.sum() < len(flag):  # both kinds of token present
+            out["seen_gap"] = _slope(d, flag, w, cluster)
     return out | {"tokens": int(len(d)), "sequences": int(cluster.max() + 1 if len(d) else 0)}
 
 
@@ -96,6 +103,8 @@ def signed_tests(null: dict, observed: dict, share: float, ratio_applies: bool) 
     for name in STATISTICS:
         if name == "ratio_mean" and not ratio_applies:
             continue
+        if name not in null or name not in observed:
+            continue  # seen_gap: where both hold tokens seen before and tokens not
         expected = null[name]["value"] * scale
         known = np.hypot(null[name]["se"], null[name].get("spread", 0.0)) * scale
         sd = float(np.hypot(observed[name]["se"], known))
@@ -188,6 +197,20 @@ def signed_null_for(floor: dict, rollout_precision: str, sampling: dict | None):
     if null is None:
         return None, f"the calibration has no sign statistics with {rollout_precision} rolling out"
     return null, ""
+
+
+def seen_before(prompt, completion, ids=None) -> np.ndarray:
+    """Whether each completion token (or each of ``ids``, [completion, k] candidates at each
+    position) occurred earlier in its context: in the prompt or the output before it."""
+    prompt = np.asarray(prompt, dtype=np.int64)
+    completion = np.asarray(completion, dtype=np.int64)
+    candidates = completion[:, None] if ids is None else np.asarray(ids, dtype=np.int64)
+    seen = set(prompt.tolist())
+    out = np.zeros(candidates.shape, dtype=bool)
+    for t in range(len(completion)):
+        out[t] = [int(i) in seen for i in candidates[t]]
+        seen.add(int(completion[t]))
+    return out[:, 0] if ids is None else out
 
 
 def prompt_clusters(prompts, lengths) -> np.ndarray:

@@ -128,6 +128,8 @@ class SignedStatistics(Open):
     position_slope: Estimate
     ratio_mean: Estimate
     mean_sq: Estimate
+    # where the draws held tokens seen earlier in their context and tokens not
+    seen_gap: Estimate | None = None
     tokens: Count
     sequences: Count
 

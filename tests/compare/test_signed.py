@@ -181,3 +181,20 @@ def test_a_null_is_used_only_for_the_rollout_precision_and_temperature_it_was_dr
         assert found is None and why in reason
     assert "predates" in signed_null_for({}, "bfloat16", None)[1]
     assert "does not record" in signed_null_for(floor, "bfloat16", {"top_k": 0})[1]
+
+
+def test_seen_before_reads_the_prompt_and_the_output_before_each_token():
+    from pipeline.compare.signed import seen_before
+
+    prompt, completion = [5, 6], [7, 5, 7, 8]
+    assert seen_before(prompt, completion).tolist() == [False, True, True, False]
+    drawn = [[6, 9], [7, 8], [8, 8], [8, 7]]  # candidates at each position
+    assert seen_before(prompt, completion, drawn).tolist() == [
+        [True, False], [True, False], [False, False], [False, True],
+    ]  # fmt: skip
+
+
+def test_every_sign_statistic_says_in_words_which_way_the_drift_leans():
+    from pipeline.compare.extra_findings import SIGN_WORDS
+
+    assert set(SIGN_WORDS) == set(STATISTICS)

@@ -20,7 +20,7 @@ from pipeline.compare.calibrated import (
 )
 from pipeline.compare.floor import expect
 from pipeline.compare.precision_gate import bucket_level_tests, precision_gate, rules_out_faults
-from pipeline.compare.signed import prompt_clusters
+from pipeline.compare.signed import prompt_clusters, seen_before
 from pipeline.contracts.causes import Cause, Severity
 from pipeline.contracts.numerics import without_tf32
 from pipeline.contracts.report import Finding
@@ -106,6 +106,14 @@ class Precision(Family):
             else declared[0],
             ref.fixture.metadata.get("sampling"),
             prompt_clusters([ref.fixture.prompt_of(r) for r in rows], np.diff(offsets)),
+            np.concatenate(
+                [
+                    seen_before(ref.fixture.prompt_of(r), ref.fixture.completion_of(r))[
+                        np.asarray(at, dtype=np.int64)
+                    ]
+                    for r, at in zip(rows, positions, strict=True)
+                ]
+            ),
         )
         signed, _ = sign_inputs(floor, sides, where, offsets)
         gate = precision_gate(floor, drift, surprisal, where, offsets, tau, signed=signed)
