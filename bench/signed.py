@@ -7,9 +7,9 @@ precision (bf16; bf16 with block FP8 weights and activations and an FP8 KV cache
 the HF engine rolls out a pool of 128 sequences x 64 tokens at temperature 1, and scores it:
 
 - clean: an HF bf16 replay;
-- fault: the trainer at temperature 0.97, computed in fp32 the way an engine that tempers
-  its logprobs does (support/engine_like.py `temperature_after_log_softmax`, not lpx's
-  emulation).
+- faults, each the trainer in fp32 computing its logprobs an engine's own way
+  (support/engine_like.py, not lpx's emulation): at temperature 0.97 (tempering its
+  logprobs), and with transformers' repetition penalty of 1.1 over the prompt and the output.
 
 The model is calibrated (`lpx calibrate`'s function) on the pool's first 32 sequences; then
 random batches of 16 and 32 held-out sequences (of the other 96) are judged by the precision
@@ -50,7 +50,11 @@ from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.fixture.io import read_table, write_table
 from pipeline.fixture.table import REPLAY_CHANNEL
 from pipeline.prompts import tokenize
-from support.engine_like import replay_scored_by, temperature_after_log_softmax
+from support.engine_like import (
+    repetition_penalty,
+    replay_scored_by,
+    temperature_after_log_softmax,
+)
 
 CACHE = Path.home() / ".cache" / "lpx" / "bench-signed"
 SCALES = {
@@ -67,6 +71,7 @@ SEQUENCES, TOKENS, PROMPT_TOKENS = 128, 64, 24
 CALIBRATION_SEQUENCES = 32
 BATCH_SEQUENCES = (16, 32)
 FAULT_T = 0.97
+PENALTY = 1.1
 
 
 def main() -> None:
@@ -110,7 +115,10 @@ def build_pool(scale: str, mode: str, work: Path) -> dict:
         ),
     )
     clean = cached("clean", lambda: HFScoringEngine().score(fixture, model_dir, {"dtype": "bf16"}))
-    fault = cached("fault", lambda: _tempered(fixture, model_dir, FAULT_T))
+    fault = cached(
+        "fault", lambda: _scored(fixture, model_dir, temperature_after_log_softmax(FAULT_T))
+    )
+    penalty = cached("penalty", lambda: _scored(fixture, model_dir, repetition_penalty(PENALTY)))
     path = work / "calibration.json"
     if not path.is_file():
         began = time.perf_counter()
@@ -120,14 +128,19 @@ def build_pool(scale: str, mode: str, work: Path) -> dict:
         print(f"  {scale} {mode}: calibration in {time.perf_counter() - began:.0f} s", flush=True)
     return {
         "fixture": fixture,
-        "replays": {"clean bf16": clean, f"trainer T {FAULT_T}": fault},
+        "replays": {
+            "clean bf16": clean,
+            f"trainer T {FAULT_T}": fault,
+            f"trainer penalty {PENALTY}": penalty,
+        },
         "calibration": json.loads(path.read_text()),
     }
 
 
-def _tempered(fixture, model_dir, temperature):
+def _scored(fixture, model_dir, score):
+    """The trainer in fp32, its logprobs ``score``'s (an engine's own arithmetic)."""
     replay = HFScoringEngine().score(fixture, model_dir, {"dtype": "fp32"})
-    return replay_scored_by(replay, model_dir, temperature_after_log_softmax(temperature))
+    return replay_scored_by(replay, model_dir, score)
 
 
 def rates(scale: str, mode: str, pool: dict, trials: int) -> list[dict]:
@@ -143,7 +156,7 @@ def rates(scale: str, mode: str, pool: dict, trials: int) -> list[dict]:
         per_row = [_row(fixture, replay, r) for r in range(fixture.num_sequences)]
         for size in BATCH_SEQUENCES:
             magnitude_fails = sign_fails = 0
-            z_slope = []
+            z_of = {"surprisal_slope": [], "seen_gap": []}
             for _ in range(trials):
                 chosen = rng.choice(held_out, size, replace=False)
                 rollout, train, positions = (np.concatenate([per_row[r][k] for r in chosen])
@@ -164,12 +177,15 @@ def rates(scale: str, mode: str, pool: dict, trials: int) -> list[dict]:
                     t["passed"] for t in tests if t["name"] not in STATISTICS
                 )
                 sign_fails += not judged.gate["passed"]
-                z_slope += [t["z"] for t in tests if t["name"] == "surprisal_slope"]
+                for t in tests:
+                    if t["name"] in z_of:
+                        z_of[t["name"]].append(t["z"])
             rows.append({
                 "scale": scale, "mode": mode, "pair": name, "sequences": int(size),
                 "tokens": int(size * TOKENS), "trials": trials,
                 "magnitude_only": magnitude_fails / trials, "with_sign": sign_fails / trials,
-                "median_z_slope": float(np.median(z_slope)) if z_slope else float("nan"),
+                **{f"z {name}": float(np.median(z)) if z else float("nan")
+                   for name, z in z_of.items()},
             })  # fmt: skip
             print(_line(rows[-1]), flush=True)
     return rows
@@ -187,18 +203,20 @@ def _line(row: dict) -> str:
     return (
         f"  {row['scale']:8s} {row['mode']:5s} {row['pair']:18s} {row['sequences']:3d} seq "
         f"{row['tokens']:5d} tok  fails: magnitudes {row['magnitude_only']:6.1%}  "
-        f"with sign tests {row['with_sign']:6.1%}  (median z of the slope "
-        f"{row['median_z_slope']:+.1f}; {row['trials']} batches)"
+        f"with sign tests {row['with_sign']:6.1%}  (median z: slope "
+        f"{row['z surprisal_slope']:+.1f}, seen gap {row['z seen_gap']:+.1f}; "
+        f"{row['trials']} batches)"
     )
 
 
 def print_table(rows: list[dict]) -> None:
     print("\n| scale | rollout | replay | sequences x tokens | fails: magnitudes alone | "
-          "with the sign tests | median z, surprisal slope |")  # fmt: skip
+          "with the sign tests | median z: surprisal slope, seen gap |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['scale']} | {r['mode']} | {r['pair']} | {r['sequences']} x {TOKENS} | "
-              f"{r['magnitude_only']:.1%} | {r['with_sign']:.1%} | {r['median_z_slope']:+.1f} |")  # fmt: skip
+              f"{r['magnitude_only']:.1%} | {r['with_sign']:.1%} | "
+              f"{r['z surprisal_slope']:+.1f}, {r['z seen_gap']:+.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
