@@ -139,7 +139,7 @@ def test_a_clean_bf16_replay_passes_the_gate(llama, tmp_path):
     assert gate["passed"] and gate["tokens"] == 32 * 48 and gate["alpha"] == 1e-3
     names = [t["name"] for t in gate["tests"]]
     assert names == ["mean_abs_diff", "tokens_over_q99", "tokens_over_q999", "tokens_over_tau",
-                     "surprisal_slope", "position_slope", "ratio_mean"]  # fmt: skip
+                     "surprisal_slope", "position_slope", "seen_gap", "ratio_mean"]  # fmt: skip
     level = gate["tests"][0]
     assert level["observed"] < level["critical"] < 2 * level["expected"]
     assert report["policy"]["gate"] == {"passed": True, "alpha": 1e-3}
