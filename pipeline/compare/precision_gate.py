@@ -17,8 +17,9 @@ batch's token count and sequence lengths, and the gate asks whether the batch li
   the count's mean and variance.
 
 - **sign** (`signed.py`, where the calibration drew them and the rollout records its
-  sampling): the drift's slope on surprisal and on position, and the importance ratio's
-  mean, against what noise gives them; a fault smaller than a reduced precision's own noise
+  sampling): the drift's slope on surprisal and on position, its gap between tokens seen
+  before in their context and the rest, and the importance ratio's mean, against what noise
+  gives them; a fault smaller than a reduced precision's own noise
   (a trainer temperature under an FP8 rollout) passes every magnitude and fails these.
 
 All the tests share the false-alarm rate ALPHA equally (Bonferroni), so a batch of pure

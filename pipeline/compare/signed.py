@@ -25,6 +25,8 @@ calibration's own sampling error. The statistics:
   logprob_train) / 2, where the two sides' errors in variables cancel (clean FP8 pairs:
   +0.002 and -0.003 at 24 x 2048 and 16 x 1024; a temperature T gives about -(1/T - 1));
 - ``position_slope``: the slope of d on the completion position, per 1,000 positions;
+- ``seen_gap``: mean d on tokens that occurred earlier in their context (prompt or output)
+  minus mean d on the rest: a repetition, presence or frequency penalty on one side;
 - ``ratio_mean``: the mean of exp(d) - 1, the token-level importance ratio's mean minus one,
   which is zero for any trainer whatever the noise when the rollout reports the logprobs of
   the distribution it sampled from (temperature 1, no top-k or top-p, or processed
