@@ -286,6 +286,7 @@ def judged_against(
         return Judging(tau, None, None, note)
     region = aligned.completion
     nearer = surprisal_side(side_precision(fixture.metadata), side_precision(replay.metadata))
+    rows = _rows_of(fixture, aligned.sequence_ids)
     floor = calibrated_judging(
         calibration,
         pair,
@@ -300,8 +301,8 @@ def judged_against(
             region.train,
             side_precision(fixture.metadata),
             fixture.metadata.get("sampling"),
-            prompt_clusters(_prompts_of(fixture, aligned.sequence_ids), np.diff(region.offsets)),
-            _seen(fixture, aligned.sequence_ids, region.positions, region.offsets),
+            prompt_clusters([fixture.prompt_of(row) for row in rows], np.diff(region.offsets)),
+            _seen(fixture, rows, region.positions, region.offsets),
         ),
     )
     user_policy = policy.source != "default policy"
@@ -309,18 +310,16 @@ def judged_against(
     return Judging(floor.tau, limits, floor.gate, {**floor.note, "limits": limits}, floor)
 
 
-def _prompts_of(fixture: TokenTable, sequence_ids) -> list:
-    """Each compared sequence's prompt ids, in the comparison's order."""
+def _rows_of(fixture: TokenTable, sequence_ids) -> list[int]:
+    """Each compared sequence's row in the fixture, in the comparison's order."""
     row_of = {sequence_id: row for row, sequence_id in enumerate(fixture.sequence_ids)}
-    return [fixture.prompt_of(row_of[sequence_id]) for sequence_id in sequence_ids]
+    return [row_of[sequence_id] for sequence_id in sequence_ids]
 
 
-def _seen(fixture: TokenTable, sequence_ids, positions, offsets) -> np.ndarray:
+def _seen(fixture: TokenTable, rows: list[int], positions, offsets) -> np.ndarray:
     """Per compared token: whether it occurred earlier in its context (prompt or output)."""
-    row_of = {sequence_id: row for row, sequence_id in enumerate(fixture.sequence_ids)}
     out = []
-    for k, sequence_id in enumerate(sequence_ids):
-        row = row_of[sequence_id]
+    for k, row in enumerate(rows):
         flags = seen_before(fixture.prompt_of(row), fixture.completion_of(row))
         out.append(flags[np.asarray(positions[offsets[k] : offsets[k + 1]], dtype=np.int64)])
     return np.concatenate(out) if out else np.zeros(0, dtype=bool)
