@@ -19,10 +19,20 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "int8")
-KV_ELEMENTS = ("fp8_e4m3", "fp8_e5m2")
-WEIGHT_GRANULARITIES = ("tensor", "channel", "block128", "mx32")
-ACTIVATION_GRANULARITIES = ("none", "tensor", "token", "group128", "mx32")
+ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "int8", "fp4_e2m1")
+KV_ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+WEIGHT_GRANULARITIES = ("tensor", "channel", "block128", "mx32", "nv16")
+ACTIVATION_GRANULARITIES = ("none", "tensor", "token", "group128", "mx32", "nv16")
+# FP4 is block-scaled only: OCP MX's 32 (MXFP4) or NVIDIA's 16 with E4M3 scales (NVFP4)
+FP4_GRANULARITIES = ("mx32", "nv16")
+# which linear layers a quantization reaches: all (""), the MLPs only (attention kept, as
+# NeMo-RL and verl FP8 recipes may), or the routed MoE experts only (FP4 expert recipes)
+ONLY = ("", "mlp", "experts")
+# how a quantized GEMM's arithmetic runs: ``scaled`` multiplies the quantized operands and
+# applies the scales to a float32 (or integer) accumulator, then casts (W8A8 GEMMs,
+# CUTLASS); ``dequantized`` multiplies operands dequantized into the model's dtype (bf16)
+# in that dtype (a weight-only kernel's way, which some W8A8 paths take too)
+GEMMS = ("scaled", "dequantized")
 # float: a float32 scale = amax / the element's largest value; ue8m0: that scale rounded up
 # to a power of two (DeepGEMM's scale_fmt ue8m0; what vLLM, SGLang and torchao's RCEIL give
 # MX blocks); ocp: OCP MX v1.0's rule, 2^(floor(log2 amax) - emax), the largest values
@@ -49,6 +59,12 @@ PRESETS = {
     "mxfp8-w8a16": "fp8_e4m3:w=mx32,a=none,scales=ue8m0",
     "int8": "int8:w=channel,a=token",
     "int8-w8a16": "int8:w=channel,a=none",
+    # NVFP4 (ModelOpt's, vLLM's and SGLang's modelopt_fp4): E2M1 in blocks of 16 with E4M3
+    # scales under an FP32 tensor scale, W4A4 or weight-only; MXFP4 (OCP): blocks of 32
+    "nvfp4": "fp4_e2m1:w=nv16,a=nv16",
+    "nvfp4-w4a16": "fp4_e2m1:w=nv16,a=none",
+    "mxfp4": "fp4_e2m1:w=mx32,a=mx32,scales=ue8m0",
+    "mxfp4-w4a16": "fp4_e2m1:w=mx32,a=none,scales=ue8m0",
 }
 # vLLM 0.33's names for its online quantizations
 PRESET_ALIASES = {
@@ -57,8 +73,10 @@ PRESET_ALIASES = {
     "fp8_per_channel": "fp8-channel",
     "w8a8_int8": "int8",
     "w8a8_fp8": "fp8",
+    "modelopt_fp4": "nvfp4",
 }
-KV_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+KV_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
+              "nvfp4": "fp4_e2m1", "fp4_e2m1": "fp4_e2m1"}  # fmt: skip
 NO_KV = ("", "auto", "none", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
 NO_QUANTIZATION = ("", "none", "null")
 
@@ -76,12 +94,25 @@ class LinearQuantization:
     keep_first: int = 0
     keep_last: int = 0
     quantized_too: tuple[str, ...] = ()
+    only: str = ""
+    gemm: str = "scaled"
 
     def __post_init__(self):
         _one_of("element", self.element, ELEMENTS)
         _one_of("weight granularity w", self.weights, WEIGHT_GRANULARITIES)
         _one_of("activation granularity a", self.activations, ACTIVATION_GRANULARITIES)
         _one_of("scales", self.scales, SCALE_RULES)
+        _one_of("only", self.only, ONLY)
+        _one_of("gemm", self.gemm, GEMMS)
+        fp4 = self.element == "fp4_e2m1"
+        for what, granularity in (("w", self.weights), ("a", self.activations)):
+            if granularity == "none":
+                continue
+            if fp4 and granularity not in FP4_GRANULARITIES:
+                raise ValueError(f"fp4_e2m1 is block-scaled: {what}= takes "
+                                 f"{' or '.join(FP4_GRANULARITIES)}, not {granularity}")  # fmt: skip
+            if granularity == "nv16" and not fp4:
+                raise ValueError("nv16 (NVFP4's blocks of 16) scales fp4_e2m1 values only")
         for name in self.quantized_too:
             _one_of("layer", name, OPTIONAL_LAYERS)
         if self.keep_first < 0 or self.keep_last < 0:
@@ -103,24 +134,36 @@ class LinearQuantization:
             parts.append(f"keep_first={self.keep_first}")
         if self.keep_last:
             parts.append(f"keep_last={self.keep_last}")
+        if self.only:
+            parts.append(f"only={self.only}")
+        if self.gemm != "scaled":
+            parts.append(f"gemm={self.gemm}")
         parts += sorted(self.quantized_too)
         return f"{self.element}:{','.join(parts)}"
 
     @property
     def description(self) -> str:
         """In words: ``E4M3 weights per 128 x 128 block, activations per 1 x 128 group``."""
-        element = {"fp8_e4m3": "E4M3", "fp8_e5m2": "E5M2", "int8": "INT8"}[self.element]
+        element = {"fp8_e4m3": "E4M3", "fp8_e5m2": "E5M2", "int8": "INT8",
+                   "fp4_e2m1": "FP4 (E2M1)"}[self.element]  # fmt: skip
         weights = {"tensor": "one scale per weight matrix", "channel": "per output channel",
-                   "block128": "per 128 x 128 block", "mx32": "per 32 (MX)"}[self.weights]  # fmt: skip
+                   "block128": "per 128 x 128 block", "mx32": "per 32 (MX)",
+                   "nv16": "per 16 (NVFP4: E4M3 scales)"}[self.weights]  # fmt: skip
         activations = {"none": "activations unquantized (weight-only)",
                        "tensor": "activations per tensor (dynamic)",
                        "token": "activations per token (dynamic)",
                        "group128": "activations per 1 x 128 group",
-                       "mx32": "activations per 32 (MX)"}[self.activations]  # fmt: skip
+                       "mx32": "activations per 32 (MX)",
+                       "nv16": "activations per 16 (NVFP4)"}[self.activations]  # fmt: skip
         scales = {"float": "", "ue8m0": ", power-of-two scales", "ocp": ", OCP MX scales"}
         kept = []
         if self.keep_first or self.keep_last:
             kept.append(f"first {self.keep_first} and last {self.keep_last} layers kept")
+        if self.only:
+            kept.append({"mlp": "MLP layers only, attention kept",
+                         "experts": "routed experts only"}[self.only])  # fmt: skip
+        if self.gemm == "dequantized":
+            kept.append("GEMM on operands dequantized into the model's dtype")
         kept += [f"{name} quantized too" for name in self.quantized_too]
         extra = f" ({'; '.join(kept)})" if kept else ""
         return f"{element} weights {weights}, {activations}{scales[self.scales]}{extra}"
@@ -129,7 +172,7 @@ class LinearQuantization:
     def label(self) -> str:
         """The preset's name where one computes this (with what it keeps or adds: ``mxfp8
         (keep_first=2, lm_head)``), else the canonical text."""
-        base = replace(self, keep_first=0, keep_last=0, quantized_too=())
+        base = replace(self, keep_first=0, keep_last=0, quantized_too=(), only="", gemm="scaled")
         for name, text in PRESETS.items():
             if text == base.text:
                 extras = self.text[len(text) :].lstrip(",")
@@ -145,12 +188,15 @@ class KVCacheQuantization:
     """The KV cache stored as ``element`` values of K / k_scale and V / v_scale (keys after
     the rotary embedding, as engines store them), rounded to nearest (SGLang, vLLM's CUDA
     kernels) or toward zero (vLLM-CPU's store cuts the mantissa); attention reads them back
-    multiplied by the scales."""
+    multiplied by the scales. ``from_position``: only queries at that position and later
+    read the rounded cache (an FP8 attention path that parts prefill from decode, as
+    FlashAttention-3's did at 97 and SGLang's at 96); earlier ones read K/V as computed."""
 
     element: str = "fp8_e4m3"
     k_scale: float = 1.0
     v_scale: float = 1.0
     rounding: str = "nearest"
+    from_position: int = 0
 
     def __post_init__(self):
         _one_of("kv cache element", self.element, KV_ELEMENTS)
@@ -159,15 +205,21 @@ class KVCacheQuantization:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and value < float("inf")):
                 raise ValueError(f"kv cache {name} must be a positive number, not {value!r}")
+        if not isinstance(self.from_position, int) or self.from_position < 0:
+            raise ValueError(f"kv cache from= takes a position (0 or more), not "
+                             f"{self.from_position!r}")  # fmt: skip
 
     @property
     def text(self) -> str:
-        """``kv=fp8_e4m3``, ``kv=fp8_e4m3:toward_zero``, ``kv=fp8_e5m2@0.5/0.25``."""
+        """``kv=fp8_e4m3``, ``kv=fp8_e4m3:toward_zero``, ``kv=fp8_e5m2@0.5/0.25``,
+        ``kv=fp8_e4m3,from=96``."""
         text = f"kv={self.element}"
         if self.rounding != "nearest":
             text += f":{self.rounding}"
         if (self.k_scale, self.v_scale) != (1.0, 1.0):
             text += f"@{self.k_scale:.9g}/{self.v_scale:.9g}"
+        if self.from_position:
+            text += f",from={self.from_position}"
         return text
 
 
@@ -193,12 +245,15 @@ class Numerics:
     def description(self) -> str:
         parts = [f"{self.linear.label}: {self.linear.description}"] if self.linear else []
         if self.kv_cache:
-            element = "E4M3" if self.kv_cache.element == "fp8_e4m3" else "E5M2"
+            element = {"fp8_e4m3": "E4M3", "fp8_e5m2": "E5M2",
+                       "fp4_e2m1": "NVFP4"}[self.kv_cache.element]  # fmt: skip
             scales = (self.kv_cache.k_scale, self.kv_cache.v_scale)
             rounded = "rounded toward zero" if self.kv_cache.rounding == "toward_zero" else (
                 "rounded to nearest")  # fmt: skip
+            onset = self.kv_cache.from_position
+            read = f", read by the queries from position {onset} on" if onset else ""
             parts.append(
-                f"an {element} KV cache ({rounded}, K/V scales {scales[0]:g}/{scales[1]:g})"
+                f"an {element} KV cache ({rounded}, K/V scales {scales[0]:g}/{scales[1]:g}{read})"
             )
         return "; ".join(parts) or "no reduced-precision numerics"
 
@@ -247,7 +302,8 @@ def parse_quantization(text: str) -> LinearQuantization | None:
     fields: dict = {"element": head}
     too: list[str] = []
     names = {"w": "weights", "a": "activations", "scales": "scales",
-             "keep_first": "keep_first", "keep_last": "keep_last"}  # fmt: skip
+             "keep_first": "keep_first", "keep_last": "keep_last", "only": "only",
+             "gemm": "gemm"}  # fmt: skip
     for option in filter(None, (o.strip() for o in options.split(","))):
         key, eq, value = option.partition("=")
         if not eq:
@@ -271,22 +327,29 @@ def parse_quantization(text: str) -> LinearQuantization | None:
 def parse_kv_cache(
     text: str, k_scale: float = 1.0, v_scale: float = 1.0, rounding: str = "nearest"
 ):
-    """An engine's kv_cache_dtype (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``; ``auto`` and the
-    model's dtypes: none), or the canonical ``kv=fp8_e4m3:toward_zero@0.5/0.25`` with its
-    rounding and scales."""
+    """An engine's kv_cache_dtype (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``, ``nvfp4``; ``auto``
+    and the model's dtypes: none), or the canonical ``kv=fp8_e4m3:toward_zero@0.5/0.25``
+    with its rounding and scales, and ``,from=96`` where only later queries read it."""
     text = str(text or "").strip().lower().removeprefix("kv=")
     if text in NO_KV:
         return None
+    text, _, onset = text.partition(",from=")
+    try:
+        from_position = int(onset or 0)
+    except ValueError:
+        raise ValueError(f"kv cache {text!r}: from= takes a position, not {onset!r}") from None
     element, _, scales = text.partition("@")
     element, _, named_rounding = element.partition(":")
     rounding = named_rounding or rounding
     if element not in KV_ALIASES:
         raise ValueError(
-            f"unknown kv cache dtype {text!r}; use auto, fp8 (E4M3), fp8_e4m3 or fp8_e5m2"
+            f"unknown kv cache dtype {text!r}; use auto, fp8 (E4M3), fp8_e4m3, fp8_e5m2 or nvfp4"
         )
     if scales:
         k_scale, v_scale = parse_kv_scales(scales, f"kv cache {text!r}")
-    return KVCacheQuantization(KV_ALIASES[element], float(k_scale), float(v_scale), rounding)
+    return KVCacheQuantization(
+        KV_ALIASES[element], float(k_scale), float(v_scale), rounding, from_position
+    )
 
 
 def parse_kv_scales(text: str, what: str) -> tuple[float, float]:

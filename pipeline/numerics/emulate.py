@@ -97,6 +97,8 @@ def _quantize_linear_layers(model, spec: LinearQuantization) -> None:
         if index in kept:
             continue
         for parent in layer.modules():
+            if spec.only == "mlp" and _is_attention(parent):
+                continue
             _quantize_children(parent, spec, "router" in spec.quantized_too)
     if "lm_head" in spec.quantized_too:
         head = model.get_output_embeddings()
@@ -123,6 +125,8 @@ def _quantize_children(parent: nn.Module, spec: LinearQuantization, routers: boo
         router = name in ROUTER_NAMES and _is_router(parent, child)
         if router and not routers:
             continue
+        if spec.only == "experts" and not _is_fused_experts(child):
+            continue  # routed experts only: the rest (shared experts too) as computed
         if isinstance(child, nn.Linear):
             child.forward = _QuantizedLinear(child, spec, shared.get(id(child)))
         elif router and _has_matrix(child):
@@ -137,6 +141,10 @@ def _quantize_router_weight(router: nn.Module, spec: LinearQuantization) -> None
     original kept to be put back (`remove_numerics`)."""
     router.lpx_original_weight = router.weight.data
     router.weight.data = _quantized_weight(router.weight.detach(), spec).to(router.weight.dtype)
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return hasattr(module, "k_proj") and hasattr(module, "v_proj")
 
 
 def _is_router(parent: nn.Module, child: nn.Module) -> bool:
@@ -166,7 +174,7 @@ def _quantized_weight(weight: torch.Tensor, spec: LinearQuantization, amax=None)
     if amax is not None:  # one per-tensor scale shared with the layers fused with it
         scale = float_scale(amax, spec.element, spec.scales)
         return round_to_element(weight.float() / scale, spec.element) * scale
-    if spec.weights == "tensor" and weight.dim() == 3:  # one scale per expert
+    if spec.weights in ("tensor", "nv16") and weight.dim() == 3:  # one scale per expert
         return torch.stack([_quantized_weight(w, spec) for w in weight])
     granularity = "channel" if spec.weights == "channel" else spec.weights
     return quantize_dequantize(weight.detach(), spec.element, granularity, spec.scales)
@@ -185,15 +193,24 @@ class _QuantizedLinear:
         self.weight = _quantized_weight(module.weight.detach(), spec, amax)
         bias = getattr(module, "bias", None)
         self.bias = None if bias is None else bias.detach().float()
-        if spec.activations == "none":  # W8A16: the GEMM runs in the model's dtype
+        if _in_model_dtype(spec):  # W8A16, or dequantized operands: a GEMM in the dtype
             self.weight = self.weight.to(self.dtype)
             self.bias = None if bias is None else bias.detach()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.activations == "none":
             return nn.functional.linear(x, self.weight, self.bias)
+        if self.spec.gemm == "dequantized":
+            return nn.functional.linear(_quantized_input(x, self.spec).to(x.dtype), self.weight,
+                                        self.bias)  # fmt: skip
         y = nn.functional.linear(_quantized_input(x, self.spec), self.weight, self.bias)
         return y.to(x.dtype)
+
+
+def _in_model_dtype(spec: LinearQuantization) -> bool:
+    """The GEMM multiplies operands in the model's dtype: weight-only, or where the spec
+    says the engine dequantizes both operands first (``gemm=dequantized``)."""
+    return spec.activations == "none" or spec.gemm == "dequantized"
 
 
 class _QuantizedEmbedding:
@@ -216,7 +233,7 @@ class _QuantizedExperts:
         self.module, self.spec = module, spec
         self.gate_up = _quantized_weight(module.gate_up_proj.detach(), spec)
         self.down = _quantized_weight(module.down_proj.detach(), spec)
-        if spec.activations == "none":
+        if _in_model_dtype(spec):
             self.gate_up = self.gate_up.to(module.gate_up_proj.dtype)
             self.down = self.down.to(module.down_proj.dtype)
 
@@ -237,6 +254,8 @@ class _QuantizedExperts:
     def _linear(self, x, weight):
         if self.spec.activations == "none":
             return nn.functional.linear(x, weight)
+        if self.spec.gemm == "dequantized":
+            return nn.functional.linear(_quantized_input(x, self.spec).to(x.dtype), weight)
         return nn.functional.linear(_quantized_input(x, self.spec), weight).to(x.dtype)
 
 
@@ -266,8 +285,14 @@ def _quantize_kv_cache(model, spec: KVCacheQuantization) -> None:
 def kv_rounded(
     states: torch.Tensor, element: str, scale: float, rounding: str = "nearest"
 ) -> torch.Tensor:
-    """Keys or values as attention reads them from an FP8 cache: states / scale rounded to
-    the element (to nearest, or toward zero), times the scale, in the states' dtype."""
+    """Keys or values as attention reads them from a reduced-precision cache: states / scale
+    rounded to the element (to nearest, or toward zero), times the scale, in the states'
+    dtype. An FP4 cache (NVFP4) is block-scaled along the head dimension, 16 values a block,
+    under the scale as its tensor scale."""
+    if element == "fp4_e2m1":
+        return (quantize_dequantize(states.float() / scale, element, "nv16") * scale).to(
+            states.dtype
+        )
     rounded = truncate_to_element if rounding == "toward_zero" else round_to_element
     return (rounded(states.float() / scale, element) * scale).to(states.dtype)
 
@@ -275,12 +300,29 @@ def kv_rounded(
 def _kv_attention(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         spec = getattr(module, "lpx_kv_cache", None)
-        if spec is not None:
-            key = kv_rounded(key, spec.element, spec.k_scale, spec.rounding)
-            value = kv_rounded(value, spec.element, spec.v_scale, spec.rounding)
-        return _base_attention(module, base)(module, query, key, value, attention_mask, **kwargs)
+        forward = _base_attention(module, base)
+        if spec is None:
+            return forward(module, query, key, value, attention_mask, **kwargs)
+        rounded_key = kv_rounded(key, spec.element, spec.k_scale, spec.rounding)
+        rounded_value = kv_rounded(value, spec.element, spec.v_scale, spec.rounding)
+        out = forward(module, query, rounded_key, rounded_value, attention_mask, **kwargs)
+        first = _first_rounded_query(query, key, spec.from_position)
+        if first == 0:
+            return out
+        # the queries before the onset read K/V as computed (a prefill kernel's bf16 path)
+        plain = forward(module, query, key, value, attention_mask, **kwargs)
+        output = torch.cat([plain[0][:, :first], out[0][:, first:]], dim=1)
+        return output, out[1]
 
     return attention
+
+
+def _first_rounded_query(query: torch.Tensor, key: torch.Tensor, from_position: int) -> int:
+    """The index of the first query that reads the rounded cache. The queries are the last
+    of the keys' positions (a prefill from 0: all of them; a decode step: the newest), so
+    query i sits at position keys - queries + i. Unpadded sequences, as lpx scores them."""
+    queries, keys = query.shape[-2], key.shape[-2]
+    return int(min(max(from_position - (keys - queries), 0), queries))
 
 
 def _base_attention(module, base: str):

@@ -1,6 +1,6 @@
-"""The formats' arithmetic: a tensor rounded to FP8 (E4M3, E5M2) or INT8 values under a
-scale shared by a tensor, a row, a 128 x 128 block, a group of 128 or an OCP MX block of 32,
-and given back dequantized (what a kernel multiplies with).
+"""The formats' arithmetic: a tensor rounded to FP8 (E4M3, E5M2), INT8 or FP4 (E2M1) values
+under a scale shared by a tensor, a row, a 128 x 128 block, a group of 128, an OCP MX block of
+32 or an NVFP4 block of 16, and given back dequantized (what a kernel multiplies with).
 
 Each rule as its definition states it (references in docs/reduced-precision.md):
 - FP8 values: round to nearest, ties to even (torch's casts), after a clamp to the largest
@@ -8,6 +8,9 @@ Each rule as its definition states it (references in docs/reduced-precision.md):
   torch's E5M2 cast gives inf past the largest value; or toward zero, where an engine cuts
   the mantissa (vLLM-CPU's KV cache);
 - INT8: round half to even of x / scale, clamped to [-128, 127];
+- FP4 E2M1 (OCP MX v1.0): +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, to nearest, ties to even,
+  saturating at 6; NVFP4 (NVIDIA's): blocks of 16, each scale E4M3 under an FP32 tensor
+  scale; MXFP4: blocks of 32 under a power-of-two scale (emax 2);
 - a float scale is amax / the element's largest value (amax floored at MIN_AMAX, so an
   all-zero group keeps its zeros; a per-token or per-tensor FP8 activation scale at least
   1 / (448 x 512), vLLM's floor); a UE8M0 scale is that scale rounded up to a power of
@@ -28,15 +31,16 @@ import math
 import torch
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-LARGEST = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
+LARGEST = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0, "fp4_e2m1": 6.0}
 # the largest normal value's exponent (OCP MX's emax_elem)
-EMAX = {"fp8_e4m3": 8, "fp8_e5m2": 15}
+EMAX = {"fp8_e4m3": 8, "fp8_e5m2": 15, "fp4_e2m1": 2}
 MIN_AMAX = 1e-10  # an all-zero group's amax (verl's, SGLang's): its scale stays finite
 # vLLM's floor on a dynamic per-token or per-tensor FP8 activation scale, 1 / (448 x 512)
 MIN_ACTIVATION_SCALE = 1.0 / (448.0 * 512.0)
 BLOCK = 128
 GROUP = 128
 MX_BLOCK = 32
+NV_BLOCK = 16  # NVFP4: 16 E2M1 values share an E4M3 scale, under one FP32 scale per tensor
 
 
 def round_to_element(values: torch.Tensor, element: str) -> torch.Tensor:
@@ -44,8 +48,20 @@ def round_to_element(values: torch.Tensor, element: str) -> torch.Tensor:
     values = values.float()
     if element == "int8":
         return torch.round(values).clamp_(-128.0, 127.0)
+    if element == "fp4_e2m1":
+        return _round_to_e2m1(values)
     largest = LARGEST[element]
     return values.clamp(-largest, largest).to(FP8_DTYPES[element]).float()
+
+
+def _round_to_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """E2M1 (OCP MX's FP4): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. The spacing is 0.5
+    below 2, then 1, then 2: ``values / spacing`` rounded half to even lands ties on the
+    value whose mantissa bit is 0, as round-to-nearest-even does; past 6 it saturates."""
+    x = values.clamp(-6.0, 6.0)
+    binade = torch.floor(torch.log2(x.abs().clamp(min=1.0))).clamp(max=2.0)
+    spacing = 0.5 * torch.exp2(binade)
+    return torch.round(x / spacing) * spacing
 
 
 MANTISSA_BITS = {"fp8_e4m3": 3, "fp8_e5m2": 2}
@@ -99,6 +115,8 @@ def quantize_dequantize(
         return round_to_element(x / scale, element) * scale
     if granularity == "group128":
         return _grouped(x, GROUP, element, rule)
+    if granularity == "nv16":
+        return _nvfp4(x)
     if granularity == "mx32":
         return _grouped(x, MX_BLOCK, element, rule if rule == "ocp" else "ue8m0")
     if granularity == "block128":
@@ -120,6 +138,24 @@ def _grouped(x: torch.Tensor, size: int, element: str, rule: str) -> torch.Tenso
     groups = x.reshape(*x.shape[:-1], padded // size, size)
     scale = _scale(groups.abs().amax(dim=-1, keepdim=True), element, rule)
     out = (round_to_element(groups / scale, element) * scale).reshape(*x.shape[:-1], padded)
+    return out[..., :width]
+
+
+def _nvfp4(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4: E2M1 values in blocks of 16 along the last dimension, each block's scale
+    amax / 6 stored as E4M3 relative to one FP32 scale per tensor (amax / (448 x 6), so the
+    largest block scale is E4M3's largest); activations take theirs per call from their own
+    amax (dynamic). A stack of weight matrices is quantized one matrix at a time."""
+    tensor_scale = x.abs().amax().clamp(min=MIN_AMAX) / (448.0 * 6.0)
+    width = x.shape[-1]
+    padded = math.ceil(width / NV_BLOCK) * NV_BLOCK
+    if padded != width:
+        x = torch.nn.functional.pad(x, (0, padded - width))
+    blocks = x.reshape(*x.shape[:-1], padded // NV_BLOCK, NV_BLOCK)
+    stored = round_to_element(blocks.abs().amax(dim=-1, keepdim=True) / 6.0 / tensor_scale,
+                              "fp8_e4m3")  # fmt: skip
+    scale = (stored * tensor_scale).clamp(min=MIN_AMAX / 6.0)
+    out = (round_to_element(blocks / scale, "fp4_e2m1") * scale).reshape(*x.shape[:-1], padded)
     return out[..., :width]
 
 
