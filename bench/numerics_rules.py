@@ -25,6 +25,7 @@ Fixtures are cached under ~/.cache/lpx/bench-numerics-rules.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from importlib import resources
 from pathlib import Path
@@ -99,7 +100,11 @@ def run_case(scale: str, case: str, model_dir: Path, work: Path, fixture, replay
         text = f"kv=fp8_e4m3@{LOST_SCALES[0]}/{LOST_SCALES[1]}"
         rollout = declared_as(rollout, text)
         precisions.append(f"bfloat16+{text}")
-    calibration = calibrate(rollout, model_dir, precisions, rows=list(range(CALIBRATION)))
+    cached = work / f"calibration-{'-'.join(precisions).replace('/', '_')}.json"
+    if not cached.is_file():
+        rows = list(range(CALIBRATION))
+        cached.write_text(json.dumps(calibrate(rollout, model_dir, precisions, rows=rows)))
+    calibration = json.loads(cached.read_text())
     held = [f"{s}" for s in rollout.sequence_ids[CALIBRATION:]]
     rollout, judged_replay = select_sequences(rollout, held), select_sequences(replay, held)
     began = time.perf_counter()
@@ -131,6 +136,7 @@ def main() -> None:
         began = time.perf_counter()
         replay = HFScoringEngine().score(fixture, model_dir, {"dtype": "bf16"})
         replay_s = time.perf_counter() - began
+        write_table(replay, work / "replay.parquet")
         print(f"\n== {scale}: {fixture.num_sequences} x {TOKENS} tokens, one bf16 replay "
               f"{replay_s:.1f} s", flush=True)  # fmt: skip
         cases = MOE_CASES if scale.startswith("moe") else DENSE_CASES

@@ -320,7 +320,8 @@ def _kv_attention(base: str):
 def _first_rounded_query(query: torch.Tensor, key: torch.Tensor, from_position: int) -> int:
     """The index of the first query that reads the rounded cache. The queries are the last
     of the keys' positions (a prefill from 0: all of them; a decode step: the newest), so
-    query i sits at position keys - queries + i. Unpadded sequences, as lpx scores them."""
+    query i sits at position keys - queries + i: unpadded or right-padded sequences (lpx's
+    scoring default); a left-padded batch would shift the onset by its padding."""
     queries, keys = query.shape[-2], key.shape[-2]
     return int(min(max(from_position - (keys - queries), 0), queries))
 

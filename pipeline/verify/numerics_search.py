@@ -162,6 +162,22 @@ def from_onset(score: Score, declared: Numerics, onset: int | None) -> None:
             score(Numerics(declared.linear, kv))
 
 
+def pooled_onset(absolute_positions, abs_diff) -> int | None:
+    """Where the drift of the judged sequences, pooled, rises: the split of their tokens by
+    position into a lower level before and a higher one after (`compare.onset.drift_start`
+    on |d| in units of its median). Where the batch showed no onset (a KV cache's step is
+    2-3x, under the onset rule's), a hypothesis to re-score, not a claim."""
+    import numpy as np
+
+    from pipeline.compare.onset import drift_start
+
+    d = np.asarray(abs_diff, dtype=np.float64)
+    if len(d) == 0:
+        return None
+    unit = max(float(np.median(d)), 1e-12)
+    return drift_start(np.asarray(absolute_positions), d / unit)
+
+
 def lost_scales(score: Score, declared: Numerics) -> None:
     """A declared KV cache with calibrated scales, computed with 1.0 (an engine that lost
     them, NeMo-RL#3225)."""

@@ -182,3 +182,21 @@ def test_a_kv_cache_read_from_a_position_on_matches_a_cache_stored_rounded(tiny_
     assert np.abs(ours[:73] - plain[:73]).max() == 0.0
     assert np.abs(ours[73:116] - plain[73:116]).mean() > 0
     assert np.abs(engine_way - ours).mean() < 0.5 * np.abs(engine_way - everywhere).mean()
+
+
+def test_vllm_fp4_layers_read_back_name_the_block_format_and_the_parts():
+    """What vLLM's worker holds (read_numerics' answer, as a GPU build gives it: this CPU's
+    vLLM builds run no FP4 kernel) named: ModelOpt's NVFP4 on the routed experts only."""
+    from pipeline.engines.vllm.numerics import numerics_of
+
+    nvfp4 = {"method": "ModelOptNvFp4FusedMoE", "kernel": None, "weight_dtype": "uint8",
+             "weights": None, "activations": None, "quantizes_input": True}  # fmt: skip
+    read = {"linear": nvfp4, "layers": {"0": False, "1": True, "2": True, "3": True},
+            "lm_head": False, "embeddings": False, "router": False, "parts": ["experts"],
+            "kv_cache": []}  # fmt: skip
+    assert numerics_of(read, "bfloat16", "cuda").text == (
+        "fp4_e2m1:w=nv16,a=nv16,keep_first=1,only=experts"
+    )
+    mx = {**nvfp4, "method": "Mxfp4MoEMethod", "quantizes_input": False}
+    assert numerics_of({**read, "linear": mx, "parts": ["attention", "experts"]},
+                       "bfloat16", "cuda").label == "mxfp4-w4a16 (keep_first=1)"  # fmt: skip

@@ -23,6 +23,9 @@ from pipeline.contracts.numerics import (
 WEIGHT_SHAPES = {(-1, -1): "tensor", (-1, 1): "channel", (128, 128): "block128", (1, 32): "mx32"}
 ACTIVATION_SHAPES = {(-1, -1): "tensor", (1, -1): "token", (1, 128): "group128", (1, 32): "mx32"}
 _LAYER = re.compile(r"\blayers\.(\d+)\.")
+# FP4 quantization methods (ModelOpt's NVFP4, OCP MXFP4: their weights packed two to a
+# byte) by what their class names hold, lowercased -> the block granularity
+FP4_METHODS = {"nvfp4": "nv16", "mxfp4": "mx32"}
 
 
 def read_numerics(worker) -> dict:
@@ -30,6 +33,7 @@ def read_numerics(worker) -> dict:
     model = worker.model_runner.model
     layers: dict[int, bool] = {}
     linear, head, embeddings, router = None, False, False, False
+    parts: set[str] = set()  # which kinds of layer hold quantized weights
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if method is None:
@@ -50,6 +54,8 @@ def read_numerics(worker) -> dict:
             continue
         index = int(match.group(1))
         layers[index] = layers.get(index, False) or quantized
+        if quantized:
+            parts.add("experts" if "MoE" in kind else "attention" if "attn" in name else "mlp")
         if quantized and linear is None:
             linear = _linear(module, method)
     return {
@@ -58,6 +64,7 @@ def read_numerics(worker) -> dict:
         "lm_head": head,
         "embeddings": embeddings,
         "router": router,
+        "parts": sorted(parts),
         "kv_cache": _kv_caches(worker),
     }
 
@@ -119,6 +126,9 @@ def _linear_numerics(read: dict) -> LinearQuantization | None:
     )
     weights = WEIGHT_SHAPES.get(tuple(linear["weights"] or (-1, -1)))
     activations = ACTIVATION_SHAPES.get(tuple(linear["activations"] or (-1, -1)))
+    fp4 = next((g for key, g in FP4_METHODS.items() if key in linear["method"].lower()), None)
+    if fp4 is not None:  # packed E2M1 (uint8 storage): the method names the block format
+        element, weights, activations = "fp4_e2m1", fp4, fp4
     if element is None or weights is None or activations is None:
         raise ValueError(
             f"vLLM runs {linear['method']} ({linear['weight_dtype']} weights, weight scale "
@@ -131,9 +141,16 @@ def _linear_numerics(read: dict) -> LinearQuantization | None:
     keep_first = next((i for i, q in enumerate(layers) if q), len(layers))
     keep_last = next((i for i, q in enumerate(reversed(layers)) if q), 0)
     too = tuple(name for name in ("lm_head", "embeddings", "router") if read.get(name))
+    parts = set(read.get("parts") or ())
+    # attention kept (MLPs, dense or experts, quantized), or the routed experts alone
+    only = ""
+    if parts == {"experts"}:
+        only = "experts"
+    elif parts and "attention" not in parts:
+        only = "mlp"
     return LinearQuantization(
         element, weights, activations, "ue8m0" if "mx32" in (weights, activations) else "float",
-        keep_first, keep_last, too,
+        keep_first, keep_last, too, only,
     )  # fmt: skip
 
 
