@@ -11,7 +11,9 @@ verified as `lpx compare --verify` does. Cases:
 - ``fp8-kept``: FP8 blocks (verl's recipe) on every decoder layer but the first and last;
 - ``kv96``: an E4M3 KV cache read by the queries from position 96 on;
 - ``int8-deq``: INT8 W8A8 whose operands are dequantized into bf16 and multiplied there;
-- ``kv-lost``: an E4M3 KV cache declared with calibrated scales, computed with 1.0;
+- ``kv-lost``: an E4M3 KV cache declared with its calibrated scales (amax / 448), computed
+  with 1.0, on the model rewritten to hold keys and values 300x larger (q and o scaled to
+  match: the same function), as models whose FP8 cache needs scales do;
 - ``nvfp4-experts`` (MoE scales): NVFP4 on the routed experts only.
 
 Prints, per case: the verdict, each fault's cause, status and the numerics found, and the
@@ -57,7 +59,7 @@ SCALES = {
 DENSE_CASES = ("fp8-kept", "kv96", "int8-deq", "kv-lost")
 MOE_CASES = ("nvfp4-experts",)
 SEQUENCES, TOKENS, PROMPT_TOKENS, CALIBRATION = 24, 128, 24, 12
-LOST_SCALES = (0.0731, 0.0412)  # declared calibrated K/V scales (not powers of two)
+LARGE_KV = 300.0  # keys and values scaled so that a KV scale of 1.0 saturates at 448
 
 
 def case_score(case: str):
@@ -90,6 +92,10 @@ def declared_as(table, text: str):
 
 
 def run_case(scale: str, case: str, model_dir: Path, work: Path, fixture, replay) -> str:
+    scales = None
+    if case == "kv-lost":  # keys and values LARGE_KV times larger, the same function
+        model_dir, scales = engine.with_large_kv(model_dir, work / "large-kv", LARGE_KV)
+        replay = HFScoringEngine().score(fixture, model_dir, {"dtype": "bf16"})
     path = work / f"{case}.parquet"
     if not path.is_file():
         rows = range(fixture.num_sequences)
@@ -97,15 +103,18 @@ def run_case(scale: str, case: str, model_dir: Path, work: Path, fixture, replay
     rollout = read_table(path)
     precisions = ["bfloat16"]
     if case == "kv-lost":
-        text = f"kv=fp8_e4m3@{LOST_SCALES[0]}/{LOST_SCALES[1]}"
+        text = f"kv=fp8_e4m3@{scales[0]:.4g}/{scales[1]:.4g}"
         rollout = declared_as(rollout, text)
+        rollout.metadata["model"] = replay.metadata["model"]  # the rewritten model ran it
         precisions.append(f"bfloat16+{text}")
-    cached = work / f"calibration-{'-'.join(precisions).replace('/', '_')}.json"
+    cached = (
+        work / f"calibration-{case if scales else ''}{'-'.join(precisions).replace('/', '_')}.json"
+    )
     if not cached.is_file():
         rows = list(range(CALIBRATION))
         cached.write_text(json.dumps(calibrate(rollout, model_dir, precisions, rows=rows)))
     calibration = json.loads(cached.read_text())
-    held = [f"{s}" for s in rollout.sequence_ids[CALIBRATION:]]
+    held = list(range(CALIBRATION, rollout.num_sequences))
     rollout, judged_replay = select_sequences(rollout, held), select_sequences(replay, held)
     began = time.perf_counter()
     report = compare_tables(rollout, judged_replay, "f", "r", calibration=calibration).report

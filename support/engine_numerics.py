@@ -226,18 +226,71 @@ def kv_from(position: int, k_scale: float = 1.0, v_scale: float = 1.0):
         ids = np.concatenate([prompt, completion])
         cut = min(position, len(ids) - 1)
         cache = DynamicCache(config=model.config)
-        first = model(input_ids=torch.as_tensor(ids[:cut])[None], past_key_values=cache)
+        rounding = {"on": False}
         for layer in cache.layers:
-            layer.keys = stored(layer.keys, k_scale)
-            layer.values = stored(layer.values, v_scale)
             plain = layer.update
 
             def update(key, value, *args, _plain=plain, **kwargs):
-                return _plain(stored(key, k_scale), stored(value, v_scale), *args, **kwargs)
+                if rounding["on"]:
+                    key, value = stored(key, k_scale), stored(value, v_scale)
+                return _plain(key, value, *args, **kwargs)
 
             layer.update = update
-        rest = model(input_ids=torch.as_tensor(ids[cut:])[None], past_key_values=cache)
-        logits = torch.cat([first.logits, rest.logits], dim=1)
-        return _logprobs(logits, ids, len(prompt))
+        logits = []
+        if cut > 0:
+            logits.append(
+                model(input_ids=torch.as_tensor(ids[:cut])[None], past_key_values=cache).logits
+            )
+            for layer in cache.layers:  # the prefill's K/V as the decode steps read them
+                layer.keys = stored(layer.keys, k_scale)
+                layer.values = stored(layer.values, v_scale)
+        rounding["on"] = True
+        logits.append(
+            model(input_ids=torch.as_tensor(ids[cut:])[None], past_key_values=cache).logits
+        )
+        return _logprobs(torch.cat(logits, dim=1), ids, len(prompt))
 
     return score
+
+
+def with_large_kv(model_dir, out, factor: float):
+    """A copy of a llama-like model computing the same function with its keys and values
+    ``factor`` times larger (q and o scaled down to match): the K/V magnitudes of models whose
+    FP8 KV cache needs calibrated scales, where a scale of 1.0 saturates at 448. Returns
+    ``out`` and the calibrated K/V scales (amax / 448 over a forward of a few tokens)."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in _layers(model):
+            attention = layer.self_attn
+            attention.q_proj.weight /= factor
+            attention.k_proj.weight *= factor
+            attention.v_proj.weight *= factor
+            attention.o_proj.weight /= factor
+    model.save_pretrained(out)
+    for extra in Path(model_dir).iterdir():
+        if extra.is_file() and not (out / extra.name).exists():
+            shutil.copy(extra, out / extra.name)
+    amax = {"k": 0.0, "v": 0.0}
+
+    def hook(name):
+        def record(module, args, output):
+            amax[name] = max(amax[name], float(output.abs().max()))
+
+        return record
+
+    handles = [
+        getattr(layer.self_attn, f"{name}_proj").register_forward_hook(hook(name))
+        for layer in _layers(model)
+        for name in ("k", "v")
+    ]
+    with torch.no_grad():
+        model(input_ids=torch.arange(3, 67)[None])
+    for handle in handles:
+        handle.remove()
+    return out, (amax["k"] / 448.0, amax["v"] / 448.0)

@@ -41,6 +41,8 @@ FP4_KV_CACHES = ("fp8_e4m3", "nvfp4")
 FAMILY_MARGIN = 1.1
 # the formats of the leading family whose layer rules are searched
 REFINED_FORMATS = 2
+# the parts of a model every format is also screened on alone (experts too, on a MoE)
+PARTS = ("mlp",)
 # the share of layers SkyRL keeps in bf16 at the end
 LAST_SHARE = 0.15
 
@@ -56,15 +58,22 @@ def family_of(numerics: Numerics) -> str:
     return "kv" if numerics.kv_cache is not None else "none"
 
 
-def whole_model(score: Score, declared: Numerics) -> None:
+def whole_model(score: Score, declared: Numerics, moe: bool = False) -> None:
     """The declared numerics, every format with every KV cache and each alone (FP4 formats
-    with the caches FP4 rollouts use)."""
+    with the caches FP4 rollouts use); and each format on the MLPs only and (MoE) the routed
+    experts only: where a format's own noise is large (FP4), applying it to attention too
+    moves a side further than its format's share of the rounding brings it back, and the
+    right family would not rank ahead on the whole model (NVFP4 experts on the tiny
+    Qwen3-MoE: 0.19 whole-model weight-only, against 0.11 for plain bf16)."""
     score(declared)
     for name, caches in ((None, (*KV_CACHES, "nvfp4")), *((f, KV_CACHES) for f in FORMATS),
                          *((f, FP4_KV_CACHES) for f in FP4_FORMATS)):  # fmt: skip
         linear = parse_quantization(name) if name else None
         for cache in (None, *caches):
             score(Numerics(linear, parse_kv_cache(cache) if cache else None))
+    for part in PARTS + (("experts",) if moe else ()):
+        for name in (*FORMATS, *FP4_FORMATS):
+            score(Numerics(replace(parse_quantization(name), only=part), None))
 
 
 def ranking(tried: dict[str, float]) -> list[tuple[str, float, str]]:
@@ -198,7 +207,7 @@ def search(score: Score, declared: Numerics, layers: int, moe: bool, onset: int 
             tried[numerics.text] = score(numerics)
         return tried[numerics.text]
 
-    whole_model(scored, declared)
+    whole_model(scored, declared, moe)
     lost_scales(scored, declared)
     from_onset(scored, declared, onset)
     best = parse_numerics(min(tried, key=tried.get))

@@ -108,7 +108,7 @@ def test_layers_kept_are_searched_when_the_format_ranks_ahead_though_farther_tha
     score, asked = _side(truth)
     tried = numerics_search.search(score, Numerics(), layers=16, moe=False)
     assert min(tried, key=tried.get) == truth
-    assert len(asked) == len(set(asked)) < 100  # each once; the whole screen is ~70
+    assert len(asked) == len(set(asked)) < 130  # each once; the screen is ~100, rules ~20
 
 
 def test_routed_experts_only_with_layers_kept_is_found_in_two_rounds():
@@ -123,7 +123,7 @@ def test_no_layer_rules_where_no_family_ranks_ahead():
     tried = numerics_search.search(
         lambda n: 1.0 if n.linear is None else 1.5, Numerics(), 16, False
     )
-    assert not any("keep_" in t or "only=" in t for t in tried)
+    assert not any("keep_" in t or "gemm=" in t or "lm_head" in t for t in tried)
 
 
 def test_the_onset_and_lost_scales_are_tried():
