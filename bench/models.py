@@ -206,3 +206,15 @@ def calibration_fixture(scale: str, model_dir: Path) -> Path:
         write_table(table, path)
         print(f"  {scale}: rollout in {time.perf_counter() - began:.0f} s", flush=True)
     return path
+
+
+def corpus_prompts(model_dir: Path, count: int, tokens: int) -> list[list[int]]:
+    """The first ``count`` lines of the tiny model's corpus, tokenized for ``model_dir``
+    and cut to ``tokens`` ids: the benches' prompts."""
+    from importlib import resources
+
+    from pipeline.prompts import tokenize
+
+    lines = resources.files("pipeline").joinpath("tinymodel/corpus.txt").read_text()
+    texts = [x for x in lines.splitlines() if x.strip()][:count]
+    return [p[:tokens] for p in tokenize(model_dir, texts)]

@@ -32,7 +32,6 @@ import argparse
 import json
 import time
 from dataclasses import replace
-from importlib import resources
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
@@ -52,7 +51,6 @@ from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.faults import FaultSettings, rescore
 from pipeline.fixture.io import read_table, write_table
 from pipeline.fixture.table import REPLAY_CHANNEL, select_sequences
-from pipeline.prompts import tokenize
 from pipeline.verify import verify_report
 
 CACHE = Path.home() / ".cache" / "lpx" / "bench-numerics"
@@ -95,9 +93,7 @@ def pool(scale: str, model_dir: Path, work: Path):
     """The declared FP8 rollout (cached) and its plain bf16 replay, timed."""
     path = work / "fixture.parquet"
     if not path.is_file():
-        lines = resources.files("pipeline").joinpath("tinymodel/corpus.txt").read_text()
-        texts = [x for x in lines.splitlines() if x.strip()][:SEQUENCES]
-        prompts = [p[:PROMPT_TOKENS] for p in tokenize(model_dir, texts)]
+        prompts = models.corpus_prompts(model_dir, SEQUENCES, PROMPT_TOKENS)
         params = SamplingParams(max_tokens=TOKENS, seed=0, ignore_eos=True)
         began = time.perf_counter()
         table = HFRolloutEngine().rollout(model_dir, prompts, params,

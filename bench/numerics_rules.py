@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from importlib import resources
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
@@ -43,7 +42,6 @@ from pipeline.engines.hf.replay import HFScoringEngine
 from pipeline.engines.hf.rollout import HFRolloutEngine
 from pipeline.fixture.io import read_table, write_table
 from pipeline.fixture.table import select_sequences
-from pipeline.prompts import tokenize
 from pipeline.verify import verify_report
 from support import engine_numerics as engine
 
@@ -75,9 +73,7 @@ def case_score(case: str):
 def sampled(model_dir: Path, work: Path):
     path = work / "sampled.parquet"
     if not path.is_file():
-        lines = resources.files("pipeline").joinpath("tinymodel/corpus.txt").read_text()
-        texts = [x for x in lines.splitlines() if x.strip()][:SEQUENCES]
-        prompts = [p[:PROMPT_TOKENS] for p in tokenize(model_dir, texts)]
+        prompts = models.corpus_prompts(model_dir, SEQUENCES, PROMPT_TOKENS)
         params = SamplingParams(max_tokens=TOKENS, seed=0, ignore_eos=True)
         table = HFRolloutEngine().rollout(model_dir, prompts, params, {"dtype": "bf16"})
         write_table(table, path)
