@@ -110,13 +110,13 @@ def correction_view(train, rollout, offsets, settings: CorrectionSettings | None
     settings = settings or CorrectionSettings()
     d, lengths = _log_ratios(train, rollout, offsets)
     _, cap = parse_threshold(settings.rollout_is_threshold)
-    rejection = {}
-    for mode in RS_MODES:
-        rejection[mode] = rejection_view(d, lengths, mode, RS_DEFAULT_THRESHOLDS[mode])
-    for mode, threshold in rs_thresholds(settings).items():
-        rejection[mode] = rejection_view(d, lengths, mode, threshold)
+    # the eleven modes read three token statistics and their sums, means and maxima per
+    # sequence: computed once, each mode then only thresholds them
+    statistics = RejectionStatistics.of(d, lengths)
+    thresholds = {**RS_DEFAULT_THRESHOLDS, **rs_thresholds(settings)}
+    rejection = {mode: statistics.view(mode, thresholds[mode]) for mode in RS_MODES}
     configured = is_view(d, lengths, settings.rollout_is, settings.rollout_is_threshold)
-    configured.update(rejection_summary(d, lengths, rs_thresholds(settings)))
+    configured.update(statistics.summary(rs_thresholds(settings)))
     return {
         "settings": {
             "rollout_is": settings.rollout_is,
@@ -200,30 +200,88 @@ def is_view(d: np.ndarray, lengths: np.ndarray, level: str, threshold: str) -> d
 def rejection_view(d: np.ndarray, lengths: np.ndarray, mode: str, threshold: str) -> dict:
     """One rejection mode: its statistic's mean and max, and the tokens and sequences it
     masks (verl's `rollout_rs_{mode}_masked_fraction` and `_seq_masked_fraction`)."""
-    keep = _rs_keep(d, lengths, mode, threshold)
-    statistic = _rs_statistic(d, lengths, mode)
-    valid = lengths > 0
-    return {
-        "threshold": threshold,
-        "mean": _mean(statistic),
-        "max": float(statistic.max(initial=0.0)),
-        "masked_fraction": _mean(~keep),
-        "seq_masked_fraction": float(np.mean(_any_per_sequence(~keep, lengths)[valid]))
-        if valid.any()
-        else 0.0,
-    }
+    return RejectionStatistics.of(d, lengths).view(mode, threshold)
 
 
 def rejection_summary(d, lengths, thresholds: dict[str, str]) -> dict:
     """verl's `rollout_rs_masked_fraction` and `rollout_rs_seq_masked_fraction`: the tokens
     and sequences every configured mode together masks (0 with none)."""
-    keep = np.ones(len(d), dtype=bool)
-    for mode, threshold in thresholds.items():
-        keep &= _rs_keep(d, lengths, mode, threshold)
-    return {
-        "rollout_rs_masked_fraction": _mean(~keep),
-        "rollout_rs_seq_masked_fraction": _fraction(_any_per_sequence(~keep, lengths)),
-    }
+    return RejectionStatistics.of(d, lengths).summary(thresholds)
+
+
+@dataclass(frozen=True)
+class RejectionStatistics:
+    """What every rejection mode reads, computed once per batch: each token's k1, k2 and k3
+    (d clamped as verl clamps it) and, per sequence, their sums, means and maxima. A token
+    mode thresholds its tokens; a sequence mode thresholds one value per sequence and masks
+    or keeps the sequence's tokens whole, so its counts need no per-token pass."""
+
+    lengths: np.ndarray
+    token: dict  # kind -> per-token statistic
+    per_sequence: dict  # (reduction, kind) -> per-sequence statistic
+
+    @classmethod
+    def of(cls, d, lengths) -> RejectionStatistics:
+        e = np.clip(np.asarray(d, dtype=np.float64), -SAFETY_BOUND, SAFETY_BOUND)
+        token = {"k1": -e, "k2": 0.5 * e * e, "k3": np.expm1(e) - e}
+        per_sequence = {}
+        for kind, values in token.items():
+            sums = _sequence_sums(values, lengths)
+            per_sequence["sum", kind] = sums
+            per_sequence["mean", kind] = sums / (lengths + EPS)
+            if kind != "k1":  # no seq_max_k1 mode
+                per_sequence["max", kind] = _sequence_maxima(values, lengths)
+        return cls(np.asarray(lengths), token, per_sequence)
+
+    def _sequence_statistic(self, mode: str) -> np.ndarray:
+        _, reduction, kind = mode.split("_")
+        return self.per_sequence[reduction, kind]
+
+    def view(self, mode: str, threshold: str) -> dict:
+        lower, upper = parse_rs_threshold(mode, threshold)
+        lengths, n = self.lengths, int(self.lengths.sum())
+        valid = lengths > 0
+        if mode.startswith("token_"):
+            statistic = self.token[mode.split("_")[1]]
+            masked = ~((statistic >= lower) & (statistic <= upper))
+            mean, top = _mean(statistic), float(statistic.max(initial=0.0))
+            masked_fraction = _mean(masked)
+            masked_sequences = _any_per_sequence(masked, lengths)
+        else:
+            statistic = self._sequence_statistic(mode)
+            masked_sequences = ~((statistic >= lower) & (statistic <= upper)) & valid
+            # the token-weighted mean of a value each sequence repeats on its tokens
+            mean = float((statistic * lengths).sum() / (n + EPS))
+            top = float(statistic[valid].max(initial=0.0))
+            masked_fraction = float(lengths[masked_sequences].sum() / (n + EPS))
+        return {
+            "threshold": threshold,
+            "mean": mean,
+            "max": top,
+            "masked_fraction": masked_fraction,
+            "seq_masked_fraction": float(np.mean(masked_sequences[valid])) if valid.any() else 0.0,
+        }
+
+    def _keep(self, mode: str, threshold: str) -> np.ndarray:
+        """Per token, whether the mode keeps it."""
+        lower, upper = parse_rs_threshold(mode, threshold)
+        if mode.startswith("token_"):
+            statistic = self.token[mode.split("_")[1]]
+            return (statistic >= lower) & (statistic <= upper)
+        statistic = self._sequence_statistic(mode)
+        kept = ((statistic >= lower) & (statistic <= upper)) | (self.lengths == 0)
+        return np.repeat(kept, self.lengths)
+
+    def summary(self, thresholds: dict[str, str]) -> dict:
+        """verl's `rollout_rs_masked_fraction` and `rollout_rs_seq_masked_fraction`: what
+        every mode of ``thresholds`` together masks (0 with none)."""
+        keep = np.ones(int(self.lengths.sum()), dtype=bool)
+        for mode, threshold in thresholds.items():
+            keep &= self._keep(mode, threshold)
+        return {
+            "rollout_rs_masked_fraction": _mean(~keep),
+            "rollout_rs_seq_masked_fraction": _fraction(_any_per_sequence(~keep, self.lengths)),
+        }
 
 
 def off_policy(d, train, rollout, lengths) -> dict:
@@ -321,32 +379,6 @@ def _log_ratios(train, rollout, offsets) -> tuple[np.ndarray, np.ndarray]:
     d = np.asarray(train, dtype=np.float64) - np.asarray(rollout, dtype=np.float64)
     lengths = np.diff(np.asarray(offsets, dtype=np.int64))
     return d, lengths
-
-
-def _rs_statistic(d, lengths, mode: str) -> np.ndarray:
-    """Per token, the mode's statistic (a sequence mode's value repeated on its tokens)."""
-    e = np.clip(d, -SAFETY_BOUND, SAFETY_BOUND)
-    kind = mode.rsplit("_", 1)[1]
-    token = {"k1": -e, "k2": 0.5 * e * e, "k3": np.expm1(e) - e}[kind]
-    if mode.startswith("token_"):
-        return token
-    if mode.startswith("seq_sum_"):
-        per_sequence = _sequence_sums(token, lengths)
-    elif mode.startswith("seq_mean_"):
-        per_sequence = _sequence_means(token, lengths)
-    else:
-        per_sequence = _sequence_maxima(token, lengths)
-    return np.repeat(per_sequence, lengths)
-
-
-def _rs_keep(d, lengths, mode: str, threshold: str) -> np.ndarray:
-    lower, upper = parse_rs_threshold(mode, threshold)
-    statistic = _rs_statistic(d, lengths, mode)
-    keep = (statistic >= lower) & (statistic <= upper)
-    if mode.startswith("token_"):
-        return keep
-    # a sequence mode keeps or masks whole sequences
-    return np.repeat(~_any_per_sequence(~keep, lengths), lengths)
 
 
 def _per_sequence(reduce: np.ufunc, values, lengths) -> np.ndarray:

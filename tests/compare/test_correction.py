@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pipeline.compare.correction import (
+    RS_MODES,
     CorrectionSettings,
     correction_view,
     flat_metrics,
@@ -78,6 +79,66 @@ def test_rejection_masks_tokens_or_whole_sequences():
     assert parse_rs_threshold("seq_mean_k1", "2") == pytest.approx((math.log(0.5), math.log(2)))
     with pytest.raises(ValueError, match="takes an upper bound"):
         parse_rs_threshold("token_k3", "0.5_2")
+
+
+def _rejection_by_hand(d, lengths, mode, threshold):
+    """One mode computed sequence by sequence in plain Python, as verl's helper reads: the
+    statistic per token (a sequence's value on each of its tokens), then the masks."""
+    lower, upper = parse_rs_threshold(mode, threshold)
+    kind = mode.rsplit("_", 1)[1]
+    values, masked, masked_sequences, start = [], [], [], 0
+    for length in lengths:
+        e = np.clip(d[start : start + length], -20, 20)
+        start += length
+        token = {"k1": -e, "k2": 0.5 * e * e, "k3": np.expm1(e) - e}[kind]
+        if mode.startswith("token_"):
+            statistic = list(token)
+        else:
+            # verl's masked_mean divides by the count plus 1e-8
+            mean = lambda t: np.sum(t) / (len(t) + 1e-8)  # noqa: E731
+            reduce = {"sum": np.sum, "mean": mean, "max": np.max}[mode.split("_")[1]]
+            statistic = [float(reduce(token))] * length if length else []
+        out = [not lower <= value <= upper for value in statistic]
+        if mode.startswith("seq_") and any(out):
+            out = [True] * length
+        values += statistic
+        masked += out
+        if length:
+            masked_sequences.append(any(out))
+    return {
+        "mean": float(np.mean(values)),
+        "max": max(0.0, max(values)),
+        "masked_fraction": float(np.mean(masked)),
+        "seq_masked_fraction": float(np.mean(masked_sequences)),
+    }
+
+
+@pytest.mark.parametrize("mode", RS_MODES)
+def test_every_rejection_mode_of_the_one_pass_equals_the_mode_computed_by_hand(mode):
+    """The view computes the statistics every mode reads once (RejectionStatistics); each
+    mode's numbers equal that mode computed alone, sequence by sequence, empty sequences
+    included."""
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(0, 40, size=60)
+    lengths[[0, 17]] = 0
+    d = rng.normal(0, 0.4, size=int(lengths.sum())) * rng.random(int(lengths.sum()))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    # thresholds that cut this batch somewhere between none and all of it
+    threshold = {"token_k1": "0.8_1.25", "seq_sum_k1": "0.5_2.0", "seq_mean_k1": "0.95_1.05"}.get(
+        mode, "0.02"
+    )
+    view = correction_view(d, np.zeros_like(d), offsets, CorrectionSettings(
+        rollout_rs=mode, rollout_rs_threshold=threshold))  # fmt: skip
+    got = view["views"]["rejection"][mode]
+    want = _rejection_by_hand(d, lengths, mode, threshold)
+    assert got["threshold"] == threshold
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-9, abs=1e-12), name
+    assert 0 < want["masked_fraction"] < 1  # the threshold cuts: the masks are tested
+    # the configured mode alone is the summary's mask
+    assert view["rollout_corr"]["rollout_rs_masked_fraction"] == pytest.approx(
+        want["masked_fraction"], rel=1e-9
+    )
 
 
 def test_off_policy_diagnostics_and_probs_diff():
