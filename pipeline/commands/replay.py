@@ -125,7 +125,12 @@ def replay(
     check_output(out_path, [fixture_path])
     from pipeline.engines import scoring_engine
     from pipeline.engines.base import dropped_numerics
-    from pipeline.engines.distributed import DistributedScoringEngine, run_worker, under_launcher
+    from pipeline.engines.distributed import (
+        DistributedScoringEngine,
+        leave_rank,
+        run_worker,
+        under_launcher,
+    )
     from pipeline.engines.model_dir import check_model_dir
     from pipeline.errors import BadInput
     from pipeline.fixture.io import read_table, validate_table, write_table
@@ -165,7 +170,10 @@ def replay(
             run_worker(engine, fixture_path, Path(model_dir), out_path, knobs)
             if os.environ.get("RANK") == "0":
                 click.echo(f"{engine} replay -> {out_path}")
-            return
+            # a finished rank of the user's launch ends as lpx's own ranks do: the
+            # interpreter's teardown aborted one now and then (SIGABRT, "terminate called
+            # without an active exception": the launch failed after the replay was written)
+            leave_rank(0)
         knobs["nproc"] = nproc
         scorer.log_dir = rank_logs or out_path.with_name(out_path.stem + ".logs")
     elif nproc not in (1, "auto"):

@@ -358,6 +358,12 @@ def exit_rank(work, log_dir) -> None:
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then exits
         report_rank_error(log_dir, error)
         code = 2 if isinstance(error, BadInput) else 1
+    leave_rank(code)
+
+
+def leave_rank(code: int) -> None:
+    """End a rank whose work is done (its output written) without the interpreter's
+    teardown, where torch's CPU collectives now and then abort (exit_rank says how)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
